@@ -122,7 +122,8 @@ class MasterParams:
         names:dict=None,          # {param: name}, for messages
     ):
         self.flat, self.names = flat, names or {}
-        self.groups, self.pairs, self.own, self.flats, seen = [], [], [], [], set()
+        self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
+        self._flat_of = {}
         for group in groups:
             half, own, kept = [], [], []
             for p in group:
@@ -130,8 +131,11 @@ class MasterParams:
                 seen.add(p); kept.append(p)
                 (half if p in masters else own).append(p)
             self.own += own
+            self.model_groups.append(kept)
             if not flat:
-                for p in half: self.pairs.append((p, masters[p], torch.zeros_like(masters[p])))
+                for p in half:
+                    masters[p].requires_grad_(p.requires_grad)
+                    self.pairs.append((p, masters[p], torch.zeros_like(masters[p])))
                 self.groups.append([masters.get(p, p) for p in kept])
                 continue
             subsets = {}
@@ -144,6 +148,7 @@ class MasterParams:
                 offset = 0
                 for p in ps:
                     n = p.numel()
+                    self._flat_of[id(p)] = fm
                     view, gview = fm.data[offset:offset+n].view(p.shape), fm.grad[offset:offset+n].view(p.shape)
                     masters[p] = view
                     self.pairs.append((p, view, gview))
@@ -194,6 +199,18 @@ def zero_grads(self:MasterParams):
     for _, _, gbuf in self.pairs: gbuf.zero_()
 
 @patch
+def zero_model_grads(self:MasterParams):
+    "Drop the model's grads (fp32 params that are their own masters keep theirs for the optimizer's `zero_grad`)"
+    for p, _, _ in self.pairs: p.grad = None
+
+@patch
+def sync_requires_grad(self:MasterParams):
+    "Give each half model param its master's `requires_grad`, which the optimizer (freeze, unfreeze) controls"
+    for p, m, _ in self.pairs:
+        rg = (self._flat_of[id(p)] if self.flat else m).requires_grad
+        if p.requires_grad != rg: p.requires_grad_(rg)
+
+@patch
 def clip_(self:MasterParams, max_norm:float) -> torch.Tensor:
     "Clip the master grads by their global L2 norm, as `torch.nn.utils.clip_grad_norm_` does; returns the norm"
     grads = self.master_grads()
@@ -203,6 +220,44 @@ def clip_(self:MasterParams, max_norm:float) -> torch.Tensor:
     return norm
 
 # %% ../nbs/02_master.ipynb #737a0225
+def _concat_state(parts, params):
+    "One state dict for a flat master from the state dicts of its params"
+    res = {}
+    for k, v in parts[0].items():
+        if isinstance(v, torch.Tensor) and all(isinstance(o.get(k), torch.Tensor) and o[k].shape == p.shape for o, p in zip(parts, params)):
+            res[k] = torch.cat([o[k].reshape(-1).float() if o[k].is_floating_point() else o[k].reshape(-1) for o in parts])
+        else: res[k] = v
+    return res
+
+@patch
+def move_state_to_masters(self:MasterParams, state:dict):
+    "Re-key optimizer `state` from the model params to their masters"
+    if not self.flat:
+        for p, m, _ in self.pairs:
+            if p in state: state[m] = state.pop(p)
+        return
+    for fm, ps, _ in self.flats:
+        parts = [state.pop(p, {}) for p in ps]
+        if all(parts): state[fm] = _concat_state(parts, ps)
+        elif any(parts): state[fm] = {k: v for o in parts for k, v in o.items() if not isinstance(v, torch.Tensor)}
+
+@patch
+def move_state_to_model(self:MasterParams, state:dict):
+    "Re-key optimizer `state` from the masters back to the model params"
+    if not self.flat:
+        for p, m, _ in self.pairs:
+            if m in state: state[p] = state.pop(m)
+        return
+    for fm, ps, _ in self.flats:
+        st, offset = state.pop(fm, None), 0
+        for p in ps:
+            n = p.numel()
+            if st is not None:
+                state[p] = {k: (v[offset:offset+n].view(p.shape).clone() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel() else v)
+                            for k, v in st.items()}
+            offset += n
+
+# %% ../nbs/02_master.ipynb #eeaf8d55
 @patch
 def nonfinite_grads(self:MasterParams, limit:int=10) -> list:
     "Names of the model params whose grads hold inf or NaN (with which), for messages"

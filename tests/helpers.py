@@ -1,0 +1,41 @@
+"Small Learners and callbacks shared by the tests"
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.learner import Learner
+from fastai.callback.core import Callback
+from fastai.callback.progress import ProgressCallback
+from mixedprec.callback import MixedPrecision
+
+def mlp(n_in=8, n_out=1):
+    return nn.Sequential(nn.Linear(n_in, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, n_out))
+
+def synth_dls(n=256, bs=32, seed=42, shuffle=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    n_trn = n * 3 // 4
+    return DataLoaders(DataLoader(TensorDataset(x[:n_trn], y[:n_trn]), bs=bs, shuffle=shuffle),
+                       DataLoader(TensorDataset(x[n_trn:], y[n_trn:]), bs=bs))
+
+def synth_learner(model=None, seed=42, shuffle=False, **kwargs):
+    "A regression Learner with a BatchNorm MLP; same seed, same weights and batches"
+    torch.manual_seed(seed)
+    kwargs.setdefault('loss_func', nn.MSELoss())
+    learn = Learner(synth_dls(seed=seed, shuffle=shuffle), model if model is not None else mlp(), **kwargs)
+    learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
+    learn.logger = lambda *a, **k: None
+    return learn
+
+def masters_of(learn):
+    "The fp32 master of each model param (the param itself when it is fp32)"
+    mp = learn.mixed_precision
+    return [mp.conversion.masters.get(p, p) for p in learn.model.parameters()]
+
+class Record(Callback):
+    "Run `fn(learn, event)` at each event, ordered just before (`offset=-1`) or after (`offset=1`) MixedPrecision"
+    def __init__(self, offset, **fns):
+        self.order = MixedPrecision.order + offset
+        for k, f in fns.items(): setattr(self, k, (lambda f: lambda: f(self.learn))(f))

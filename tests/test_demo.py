@@ -1,0 +1,11 @@
+from mixedprec.demo import train, summary
+
+def test_fp16_digits_matches_fp32_within_one_point():
+    acc = {p: train(p, epochs=8, show=False).recorder.values[-1][2] for p in ('fp32', 'fp16')}
+    assert acc['fp16'] >= 0.95
+    assert abs(acc['fp16'] - acc['fp32']) <= 0.01, acc
+
+def test_summary_says_what_ran():
+    s = summary(train('fp16', epochs=1, show=False))
+    for line in ('Linear float16', 'BatchNorm1d float32', 'masters:       float32', 'loss scale:', 'skipped steps:', 'implementation: ref'):
+        assert line in s, s

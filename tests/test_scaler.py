@@ -1,0 +1,89 @@
+import math, pickle
+import pytest, torch
+from mixedprec.scaler import LossScaler, ScalingError
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_doubles_after_exactly_k_clean_steps(k):
+    sc = LossScaler(loss_scale=8., max_noskip=k)
+    for i in range(k - 1):
+        sc.update(False)
+        assert sc.scale == 8.
+    sc.update(False)
+    assert sc.scale == 16. and sc.noskip == 0
+
+def test_overflow_resets_counter_and_halves():
+    sc = LossScaler(loss_scale=8., max_noskip=3)
+    sc.update(False); sc.update(False); sc.update(True)
+    assert (sc.scale, sc.noskip, sc.skipped) == (4., 0, True)
+    sc.update(False); sc.update(False)
+    assert sc.scale == 4.
+    sc.update(False)
+    assert sc.scale == 8.
+
+def test_cap_and_floor():
+    sc = LossScaler(loss_scale=2.**20, max_noskip=1, max_scale=2.**22)
+    for _ in range(10): sc.update(False)
+    assert sc.scale == 2.**22
+    sc = LossScaler(loss_scale=4., min_scale=0.5, max_overflow_at_min=100)
+    for _ in range(20): sc.update(True)
+    assert sc.scale == 0.5 and sc.scale > 0
+
+def test_static_is_constant_but_still_skips():
+    sc = LossScaler(dynamic=False)
+    assert sc.scale == 512.
+    for inf in (True, False) * 1500: assert sc.update(inf) is inf
+    assert sc.scale == 512.
+
+def test_defaults_follow_design():
+    assert LossScaler().scale == 2.**16
+    assert LossScaler(dynamic=False).scale == 512.
+    assert LossScaler(loss_scale=3.).scale == 3.
+
+def test_nonfinite_loss_keeps_scale_and_counts():
+    sc = LossScaler(loss_scale=64., max_bad_loss=3)
+    for _ in range(2): assert sc.update(True, reason='nonfinite_loss')
+    assert sc.scale == 64. and sc.hopeless() is None
+    sc.update(True, reason='nonfinite_loss')
+    assert 'forward pass or the data' in sc.hopeless()
+    sc.update(False)
+    assert sc.hopeless() is None
+
+def test_hopeless_at_floor():
+    sc = LossScaler(loss_scale=1., max_overflow_at_min=2)
+    sc.update(True); assert sc.hopeless() is None
+    sc.update(True); assert 'minimum loss scale' in sc.hopeless()
+
+@pytest.mark.parametrize("kw,msg", [(dict(loss_scale=0.), 'loss_scale'), (dict(loss_scale=float('inf')), 'loss_scale'),
+    (dict(loss_scale=-1.), 'loss_scale'), (dict(max_scale=10., loss_scale=100.), 'max_scale'), (dict(min_scale=0.), 'min_scale'),
+    (dict(min_scale=10., loss_scale=2.), 'min_scale'), (dict(max_noskip=0), 'max_noskip'), (dict(factor=1.), 'factor'),
+    (dict(max_bad_loss=0), 'max_bad_loss')])
+def test_bad_settings_raise(kw, msg):
+    with pytest.raises(ValueError, match=msg): LossScaler(**kw)
+
+def test_state_dict_round_trip_is_plain_and_weights_only(tmp_path):
+    a = LossScaler(loss_scale=3., max_noskip=2, min_scale=0.25)
+    a.update(False); a.update(True); a.update(False)
+    sd = a.state_dict()
+    assert all(isinstance(v, (int, float, bool)) for v in sd.values())
+    torch.save(sd, tmp_path/'s.pt')
+    b = LossScaler().load_state_dict(torch.load(tmp_path/'s.pt', weights_only=True))
+    assert b.state_dict() == sd
+    with pytest.raises(KeyError, match='missing'): LossScaler().load_state_dict({})
+
+def test_deepspeed_style_sequence():
+    # DeepSpeed test_dynamic_loss_scale, window 2 under our window-th growth: 2 overflows /4, 2 clean x2, 1 overflow /2
+    sc = LossScaler(loss_scale=2.**8, max_noskip=2)
+    sc.update(True); sc.update(True)
+    assert sc.scale == 2.**6
+    sc.update(False); sc.update(False)
+    assert sc.scale == 2.**7
+    sc.update(True)
+    assert sc.scale == 2.**6
+
+def test_history_records_scale_used_and_reason():
+    sc = LossScaler(loss_scale=8., max_noskip=1, history_size=3)
+    sc.update(False); sc.update(True, reason='nonfinite_norm', grad_norm=float('inf'))
+    assert [(r.scale, r.skipped, r.reason) for r in sc.history] == [(8., False, None), (16., True, 'nonfinite_norm')]
+    for _ in range(5): sc.update(False)
+    assert len(sc.history) == 3
+    pickle.loads(pickle.dumps(sc))
