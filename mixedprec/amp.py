@@ -12,8 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
-from .master import (convert_model, masters_for, MasterParams, cast_floats, to_fp32, check_half_dtype,
-                              unscale_step, HALF_DTYPES)
+from .master import convert_model, masters_for, MasterParams, to_fp32, check_half_dtype, unscale_step, HALF_DTYPES
 
 # %% ../nbs/05_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -63,19 +62,14 @@ class _OptimizerAmp:
     "Per-optimizer amp state: its masters and whether its next `step` is skipped"
     def __init__(self, masters): self.masters, self.skip_next, self.last_skipped, self.holds_scaled = masters, False, False, False
 
-def _wrap_forward(model, props):
-    "Wrap `model.forward` to cast inputs for the opt level and return fp32 outputs"
+def _autocast_forward(model, dtype):
+    "Wrap `model.forward` in `torch.autocast` for `dtype`, returning fp32 outputs (O1)"
     orig = model.forward
-    if props['autocast']:
-        device = next(model.parameters(), torch.zeros(0)).device.type
-        @functools.wraps(orig)
-        def forward(*args, **kwargs):
-            with torch.autocast(device, dtype=props['dtype']): out = orig(*args, **kwargs)
-            return to_fp32(out)
-    else:
-        dtype = props['cast_model_type']
-        @functools.wraps(orig)
-        def forward(*args, **kwargs): return to_fp32(orig(*cast_floats(args, dtype), **cast_floats(kwargs, dtype)))
+    device = next(model.parameters(), torch.zeros(0)).device.type
+    @functools.wraps(orig)
+    def forward(*args, **kwargs):
+        with torch.autocast(device, dtype=dtype): out = orig(*args, **kwargs)
+        return to_fp32(out)
     model.forward = forward
 
 def _wrap_optimizer(opt, amp_opt, verbosity):
@@ -126,8 +120,9 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     masters = {}
     for m in model_list:
         if props['cast_model_type'] in HALF_DTYPES:
-            masters.update(convert_model(m, props['cast_model_type'], keep_fp32=(_BatchNorm,) if props['keep_batchnorm_fp32'] else ()).masters)
-        if opt_level != 'O0': _wrap_forward(m, props)
+            keep = (_BatchNorm,) if props['keep_batchnorm_fp32'] else ()
+            masters.update(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True).masters)
+        elif props['autocast']: _autocast_forward(m, props['dtype'])
     names = {p: n for m in model_list for n, p in m.named_parameters()}
     for o in opt_list:
         groups = [list(g['params']) for g in o.param_groups]

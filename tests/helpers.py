@@ -21,10 +21,10 @@ def synth_dls(n=256, bs=32, seed=42, shuffle=False):
                        DataLoader(TensorDataset(x[n_trn:], y[n_trn:]), bs=bs))
 
 def synth_learner(model=None, seed=42, shuffle=False, **kwargs):
-    "A regression Learner with a BatchNorm MLP; same seed, same weights and batches"
+    "A regression Learner with a BatchNorm MLP: `seed` sets the model's init; the batches are always the same"
     torch.manual_seed(seed)
     kwargs.setdefault('loss_func', nn.MSELoss())
-    learn = Learner(synth_dls(seed=seed, shuffle=shuffle), model if model is not None else mlp(), **kwargs)
+    learn = Learner(synth_dls(shuffle=shuffle), model if model is not None else mlp(), **kwargs)
     learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
     learn.logger = lambda *a, **k: None
     return learn

@@ -27,7 +27,9 @@ def test_dtypes_at_each_event_and_oracles():
     seen = {}
     def grads_in(learn): seen['grads'] = [p.grad.float().clone() for p in learn.model.parameters()]
     def loss_in(learn): seen['loss'] = learn.loss_grad.detach().clone()
-    def check_batch(learn): assert learn.xb[0].dtype == torch.half and learn.yb[0].dtype == torch.float32
+    def check_batch(learn):
+        assert learn.xb[0].dtype == torch.float32 and learn.yb[0].dtype == torch.float32     # callbacks see fp32 batches
+        if 'hooked' not in seen: seen['hooked'] = learn.model[0].register_forward_pre_hook(lambda m, args: seen.__setitem__('input', args[0].dtype))
     def check_pred(learn): assert learn.pred.dtype == torch.float32
     def check_loss(learn):
         assert learn.loss_grad.dtype == torch.float32
@@ -50,7 +52,7 @@ def test_dtypes_at_each_event_and_oracles():
     learn.fit(1, cbs=[Record(-1, before_step=grads_in, before_backward=loss_in),
                       Record(1, before_batch=check_batch, after_pred=check_pred, before_backward=check_loss,
                              before_step=check_grads, after_step=check_step)])
-    assert seen['steps'] == 6
+    assert seen['steps'] == 6 and seen['input'] == torch.half                               # the model gets half inputs
 
 def _snapshot(learn):
     opt = learn.opt
