@@ -60,7 +60,7 @@ _state = None
 
 class _OptimizerAmp:
     "Per-optimizer amp state: its masters and whether its next `step` is skipped"
-    def __init__(self, masters): self.masters, self.skip_next, self.last_skipped, self.holds_scaled = masters, False, False, False
+    def __init__(self, masters): self.masters, self.skip_next, self.last_skipped, self.holds_scaled, self.loss_finite = masters, False, False, False, True
 
 def _autocast_forward(model, dtype):
     "Wrap `model.forward` in `torch.autocast` for `dtype`, returning fp32 outputs (O1)"
@@ -114,7 +114,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     dynamic = props['loss_scale'] == 'dynamic'
     kw = dict(min_scale=min_loss_scale) if min_loss_scale is not None else {}
     scalers = [LossScaler(min(2.**16, max_loss_scale) if dynamic else props['loss_scale'], dynamic=dynamic, max_noskip=max_noskip,
-                          max_scale=max_loss_scale if dynamic else max(max_loss_scale, props['loss_scale']), **kw) for _ in range(num_losses)]
+                          max_scale=max_loss_scale if dynamic else max(max_loss_scale, props['loss_scale']), verbose=verbosity > 0, **kw) for _ in range(num_losses)]
     _state = AmpState(props, scalers, enabled, verbosity)
     if not enabled: return models if optimizers is None else (models, optimizers)
     masters = {}
@@ -160,21 +160,19 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
     if not _state.enabled:
         yield loss; return
     amps = _amp_of(optimizers)
-    finite = bool(torch.isfinite(loss.detach()).all())
+    finite = torch.isfinite(loss.detach()).all()
     for a in amps:
         if not a.holds_scaled: a.masters.stash_own_grads()
     yield loss.float() * scaler.scale
     if delay_unscale:
-        for a in amps: a.holds_scaled, a.loss_finite = True, getattr(a, 'loss_finite', True) and finite
+        for a in amps: a.holds_scaled, a.loss_finite = True, finite & a.loss_finite
         return
-    for a in amps: finite, a.loss_finite = finite and getattr(a, 'loss_finite', True), True
+    for a in amps: finite, a.loss_finite = finite & a.loss_finite, True
     skipped = unscale_step([a.masters for a in amps], scaler, loss_finite=finite, accumulate=True)
     for a in amps:
         a.holds_scaled = False
         a.masters.zero_model_grads()
         if skipped: a.skip_next = True
-    if skipped and _state.verbosity and scaler.history and (len(scaler.history) < 2 or scaler.history[-2].scale != scaler.scale or not scaler.history[-2].skipped):
-        print(f"mixedprec.amp: {scaler.history[-1].reason.replace('_', ' ')} in loss {loss_id}, skipping step; loss scale {scaler.history[-1].scale:g} -> {scaler.scale:g}")
 
 # %% ../nbs/05_amp.ipynb #939c780f
 def master_params(optimizer):

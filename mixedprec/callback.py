@@ -18,8 +18,10 @@ import fastai.callback.fp16 as fastai_fp16    # fastai patches Learner.to_fp16 o
 from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.training import GradientClip
+from fastai.learner import ValueMetric
 from .scaler import LossScaler
-from .master import check_half_dtype, to_fp32, convert_model, MasterParams, unscale_step, speed_note
+from .master import check_half_dtype, to_fp32, convert_model, MasterParams, unscale_step, speed_note, warn_once
+from .scaler import plot_history
 
 # %% ../nbs/03_callback.ipynb #95846fd0
 fastai_to_fp16, fastai_to_bf16, fastai_to_fp32 = Learner.to_fp16, Learner.to_bf16, Learner.to_fp32
@@ -41,13 +43,16 @@ class MixedPrecision(Callback):
         dtype=torch.float16,          # torch.float16 or torch.bfloat16
         keep_fp32:tuple=(_BatchNorm,),# module types that stay fp32
         check_loss:bool=True,         # skip (without lowering the scale) when the loss is already inf/nan
+        verbose:bool=False,           # print each change of loss scale, with its cause
+        table:bool=False,             # add the loss scale and the epoch's skipped steps to fastai's progress table
         **kwargs):                    # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size
         bad = [k for k in kwargs if k not in _SCALER_KWARGS]
         if bad: raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are {list(_SCALER_KWARGS)}")
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
         self.dtype, self.clip, self.flat_master, self.keep_fp32, self.check_loss = check_half_dtype(dtype), clip, flat_master, tuple(keep_fp32), check_loss
-        self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, **kwargs)
-        self.conversion, self.masters, self.loss_finite = None, None, True
+        self.table = table
+        self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs)
+        self.conversion, self.masters, self.loss_finite, self._checked, self._epoch_skipped = None, None, True, False, 0
 
     @property
     def loss_scale(self) -> float: "The current loss scale"; return self.scaler.scale
@@ -55,10 +60,9 @@ class MixedPrecision(Callback):
     def skipped(self) -> bool: "True if the last optimizer step was skipped"; return self.scaler.skipped
     @property
     def history(self): "A `StepRecord` per optimizer step"; return self.scaler.history
+    def plot(self, ax=None): "Plot the loss scale and the skipped steps against the step"; return plot_history(self.history, ax)
 
 # %% ../nbs/03_callback.ipynb #a54dd41c
-_warned = set()
-
 @patch
 def prepare(self:MixedPrecision):
     "Convert the model to the half dtype (once), keeping fp32 masters of its weights"
@@ -67,7 +71,7 @@ def prepare(self:MixedPrecision):
         if not self.conversion.masters: warnings.warn("mixedprec: the model has no fp32 params to convert, so mixed precision changes nothing")
         p = next(iter(self.conversion.masters), None)
         note = speed_note(self.dtype, p.device) if p is not None else None
-        if note and (note not in _warned): _warned.add(note); warnings.warn(f"mixedprec: {note}")
+        if note: warn_once(note)
     return self
 
 @patch
@@ -151,7 +155,12 @@ def on_train_begin(self:MixedPrecision):
     if any(isinstance(cb, GradientClip) for cb in self.learn.cbs):
         raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never sees under mixedprec. "
                          "Remove it and pass the max norm to mixedprec instead: `learn.to_fp16(clip=max_norm)`.")
-    if getattr(self.learn, 'opt', None) is None: return
+    if self.table: self._add_table_metrics()
+    self._checked = False
+    changed = self.conversion.unconverted()
+    if changed: raise ValueError(f"the model has fp32 params that were added or replaced after `to_fp16()` ({', '.join(changed[:5])}). "
+                                 f"Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they are converted and get masters.")
+    if getattr(self.learn, 'opt', None) is None or not self.conversion.masters: return
     self.attach_opt()
     self.masters.sync_requires_grad()
     for p in self.learn.model.parameters(): p.grad = None
@@ -164,15 +173,17 @@ def on_loss_begin(self:MixedPrecision):
 
 @patch
 def on_backward_begin(self:MixedPrecision):
-    "Note whether the loss is finite, then scale it"
-    if self.check_loss: self.loss_finite &= bool(torch.isfinite(self.learn.loss_grad).all())
+    "Note whether the loss is finite (on the device: no sync), then scale it"
+    if not self._checked: self._check_trainable()
+    if self.check_loss: self.loss_finite = self.loss_finite & torch.isfinite(self.learn.loss_grad.detach()).all()
     self.learn.loss_grad = self.learn.loss_grad * self.scaler.scale
 
 @patch
 def on_backward_end(self:MixedPrecision):
     "Unscale into the master grads, check, clip and update the scale; cancel the step on overflow"
     finite, self.loss_finite = self.loss_finite, True
-    if unscale_step(self.masters, self.scaler, self.clip, loss_finite=finite): raise CancelStepException()
+    xb = self.learn.xb
+    if unscale_step(self.masters, self.scaler, self.clip, loss_finite=finite, input_finite=lambda: _all_finite(xb)): raise CancelStepException()
 
 @patch
 def on_step_end(self:MixedPrecision):
@@ -180,10 +191,46 @@ def on_step_end(self:MixedPrecision):
     if not self.scaler.skipped: self.masters.masters_to_model()
     self.masters.zero_model_grads()
 
+def _all_finite(o) -> bool:
+    "False if any floating tensor in `o` (recursively) holds inf or nan"
+    if isinstance(o, torch.Tensor): return not o.is_floating_point() or bool(torch.isfinite(o).all())
+    if isinstance(o, (list, tuple)): return all(_all_finite(x) for x in o)
+    if isinstance(o, dict): return all(_all_finite(x) for x in o.values())
+    return True
+
+@patch
+def _check_trainable(self:MixedPrecision):
+    "Once per fit, at the first backward: something trains, and the optimizer holds every param the model trains"
+    self._checked = True
+    model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
+    if not model_params: raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some (`learn.unfreeze()`), or use `get_preds` for inference")
+    held = {id(p) for g in self.masters.model_groups for p in g} if self.masters is not None else set()
+    missing = [n for n, p in model_params if id(p) not in held]
+    if missing: raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they were replaced after the "
+                                 f"optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they get masters and an optimizer.")
 MixedPrecision.before_fit, MixedPrecision.after_pred = MixedPrecision.on_train_begin, MixedPrecision.on_loss_begin
 MixedPrecision.before_backward, MixedPrecision.before_step, MixedPrecision.after_step = MixedPrecision.on_backward_begin, MixedPrecision.on_backward_end, MixedPrecision.on_step_end
 
 # %% ../nbs/03_callback.ipynb #dcc254dc
+@patch
+def _add_table_metrics(self:MixedPrecision):
+    "Add the loss scale and the epoch's skipped steps to the Learner's metrics, for this fit"
+    names = [getattr(m, 'name', None) for m in self.learn.metrics]
+    if 'loss_scale' in names: return
+    self.learn.metrics = list(self.learn.metrics) + [ValueMetric(self._table_scale, 'loss_scale'), ValueMetric(self._table_skipped, 'skipped')]
+
+@patch
+def before_train(self:MixedPrecision): self._epoch_skipped = self.scaler.n_skipped
+@patch
+def _table_scale(self:MixedPrecision): return self.scaler.scale
+@patch
+def _table_skipped(self:MixedPrecision): return self.scaler.n_skipped - self._epoch_skipped
+@patch
+def after_fit(self:MixedPrecision):
+    "Take the table columns out of the metrics again (they hold bound methods, which `export` need not pickle)"
+    if self.table: self.learn.metrics = [m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
+
+# %% ../nbs/03_callback.ipynb #2a474cad
 @patch
 def state_dict(self:MixedPrecision) -> dict:
     "The scaler state and the fp32 masters, one per model param"
@@ -205,14 +252,20 @@ def load_state_dict(self:MixedPrecision, sd:dict):
             p.copy_(m.view_as(p))
     return self
 
-# %% ../nbs/03_callback.ipynb #2a474cad
+# %% ../nbs/03_callback.ipynb #898478ea
 def _attach(learn, cb):
     "Replace any mixed-precision callback of `learn` by `cb`: convert the model, and give the optimizer its masters"
     learn.to_fp32()
     learn.add_cb(cb)
     cb.prepare()
     if not cb.conversion.masters: return learn      # nothing to convert: the callback only casts inputs and outputs
-    if learn.opt is None: learn.create_opt()       # so that `learn.load(with_opt=True)` finds our optimizer state layout
+    old = learn.opt
+    held = {id(p) for g in old.param_lists for p in g} if old is not None else set()
+    if old is None or any(id(p) not in held for p in learn.model.parameters()):
+        learn.create_opt()                           # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
+        if old is not None:
+            for p in learn.model.parameters():
+                if p in old.state: learn.opt.state[p] = old.state[p]
     cb.attach_opt()
     return learn
 

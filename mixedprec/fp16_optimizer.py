@@ -37,7 +37,8 @@ class FP16_Optimizer:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
         self.scaler = _dynamic_scaler(dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale, dynamic=False)
-        self.overflow, self.loss_finite, self._reported_scale = False, True, None
+        self.scaler.verbose = verbose
+        self.overflow, self.loss_finite = False, True
         params = [p for g in init_optimizer.param_groups for p in g['params']]
         self.masters_of = masters_for(params)
         self._build([list(g['params']) for g in init_optimizer.param_groups])
@@ -73,7 +74,7 @@ def _describe(self:FP16_Optimizer) -> str:
 def backward(self:FP16_Optimizer, loss:torch.Tensor, update_master_grads:bool=True, retain_graph:bool=False):
     "`(loss.float()*loss_scale).backward()`, then (by default) unscale the grads into the fp32 masters"
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1: raise ValueError("backward takes the scalar loss tensor")
-    self.loss_finite &= bool(torch.isfinite(loss.detach()).all())
+    self.loss_finite = self.loss_finite & torch.isfinite(loss.detach()).all()
     (loss.float() * self.scaler.scale).backward(retain_graph=retain_graph)
     if update_master_grads: self.update_master_grads()
 
@@ -81,12 +82,7 @@ def backward(self:FP16_Optimizer, loss:torch.Tensor, update_master_grads:bool=Tr
 def update_master_grads(self:FP16_Optimizer):
     "Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale"
     finite, self.loss_finite = self.loss_finite, True
-    scale = self.scaler.scale
     self.overflow = unscale_step(self.masters, self.scaler, loss_finite=finite)
-    if self.overflow and self.verbose and self._reported_scale != self.scaler.scale:
-        why = 'non-finite loss' if not finite else 'gradient overflow'
-        print(f"FP16_Optimizer: {why}, skipping step; loss scale {scale:g} -> {self.scaler.scale:g}")
-        self._reported_scale = self.scaler.scale
 
 @patch
 def step(self:FP16_Optimizer, closure=None):

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'CastIO', 'masters_for', 'ModelConversion', 'SaveMasters',
-           'LoadMasters', 'convert_model', 'speed_note', 'MasterParams', 'unscale_step']
+           'LoadMasters', 'warn_once', 'convert_model', 'speed_note', 'MasterParams', 'unscale_step']
 
 # %% ../nbs/02_master.ipynb #1944725e
 import copy, dataclasses, math
@@ -16,6 +16,7 @@ from fastcore.basics import patch
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import scale_check_, scale_add_check_, l2norm
 from .scaler import LossScaler, ScalingError
+import warnings
 
 # %% ../nbs/02_master.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -101,6 +102,25 @@ def _kept_modules(model, keep):
         if keep and isinstance(m, keep): kept.update(id(s) for s in m.modules())
     return kept
 
+_warned = set()
+
+def warn_once(msg:str, key=None):
+    "Warn with `msg` the first time `key` (default: `msg`) is seen in this process"
+    key = msg if key is None else key
+    if key in _warned: return
+    _warned.add(key)
+    warnings.warn(f"mixedprec: {msg}", stacklevel=3)
+
+def _check_range(t, dtype, what):
+    "Warn once when `t` holds values that fp16 cannot represent: a sizable share below 6e-8 (they become 0), or any above 65504 (inf)"
+    if dtype != torch.float16 or not t.is_floating_point() or t.numel() == 0: return
+    a = t.detach().abs()
+    huge = int((a > 65504).sum())
+    if huge: warn_once(f"{huge} {what} exceed fp16's range (65504) and become inf in the half model: keep that module type in fp32 (`keep_fp32=`) or use bf16", ('huge', what))
+    tiny = int(((a < 2.**-24) & (a > 0)).sum())
+    if tiny > 0.01 * t.numel(): warn_once(f"{tiny / t.numel():.1%} of the {what} are below fp16's smallest value (6e-8) and become 0 in the half model; "
+                                          "the fp32 masters keep them, but the forward pass sees zeros. Consider bf16", ('tiny', what))
+
 def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchNorm,), cast_io:bool=False) -> ModelConversion:
     "Cast `model` in place to `dtype`, except modules of a `keep_fp32` type; return the fp32 masters and what to undo"
     dtype = check_half_dtype(dtype)
@@ -117,16 +137,26 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                 if p in seen or p.dtype not in (torch.float32, *HALF_DTYPES): continue
                 seen.add(p)
                 res.masters[p] = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                _check_range(p.detach(), dtype, f"weights of a {type(m).__name__}")
                 p.data = p.data.to(dtype)
             for name, b in m.named_buffers(recurse=False):
                 if b is None or b.dtype != torch.float32: continue
                 res.buffers.append((m, name))
                 setattr(m, name, b.to(dtype))
+                _check_range(b, dtype, f"buffer {name} of a {type(m).__name__}")
     res.hooks += [model.register_state_dict_post_hook(SaveMasters(res)), model.register_load_state_dict_pre_hook(LoadMasters(res))]
     if cast_io: res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(model)
     return res
 
 # %% ../nbs/02_master.ipynb #f7071421
+@patch
+def unconverted(self:ModelConversion) -> list:
+    "Names of fp32 params that should be half but have no master: the model changed after conversion"
+    kept = _kept_modules(self.model, self.keep_fp32)
+    return [f"{mn}.{pn}" if mn else pn for mn, m in self.model.named_modules() if id(m) not in kept
+            for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float32 and p not in self.masters]
+
+# %% ../nbs/02_master.ipynb #d34a8aa1
 @patch
 def undo(self:ModelConversion):
     "Restore fp32 params from the masters, fp32 buffers, and remove the cast hooks"
@@ -139,7 +169,7 @@ def undo(self:ModelConversion):
     self.masters, self.buffers, self.hooks = {}, [], []
     return self.model
 
-# %% ../nbs/02_master.ipynb #730b4709
+# %% ../nbs/02_master.ipynb #c8677a50
 def _cpu_flags() -> set:
     "The CPU feature flags from /proc/cpuinfo (empty where there is none)"
     try:
@@ -168,7 +198,7 @@ def speed_note(dtype, device) -> str:
         return "this CPU has no AMX-FP16: fp16 matmuls run at about fp32 speed and fp16 convolutions train far slower; prefer bf16 on this CPU"
     return None
 
-# %% ../nbs/02_master.ipynb #0482f87a
+# %% ../nbs/02_master.ipynb #2f577845
 class MasterParams:
     "fp32 masters for groups of model params: one per half param, or one flat tensor per group and key"
     def __init__(self,
@@ -221,7 +251,7 @@ class MasterParams:
     def __repr__(self):
         return f"MasterParams({len(self.pairs)} half params, {len(self.own)} fp32 params, flat={self.flat}, {len(self.groups)} groups)"
 
-# %% ../nbs/02_master.ipynb #2f577845
+# %% ../nbs/02_master.ipynb #eeaf8d55
 @patch
 def grads_to_masters(self:MasterParams, inv_scale:float, accumulate:bool=False) -> torch.Tensor:
     "Unscale model grads into the master grads (adding to them with `accumulate`); returns the overflow flag (0-dim bool tensor)"
@@ -295,7 +325,7 @@ def clip_(self:MasterParams, max_norm:float) -> torch.Tensor:
     if grads and math.isfinite(norm.item()): scale_check_(grads, grads, coef.item())
     return norm
 
-# %% ../nbs/02_master.ipynb #05bbfd76
+# %% ../nbs/02_master.ipynb #f52f5e54
 def _concat_state(parts, params):
     "One state dict for a flat master from the state dicts of its params"
     res = {}
@@ -333,7 +363,7 @@ def move_state_to_model(self:MasterParams, state:dict):
                             for k, v in st.items()}
             offset += n
 
-# %% ../nbs/02_master.ipynb #2c72a6bc
+# %% ../nbs/02_master.ipynb #5f49f3c2
 @patch
 def nonfinite_grads(self:MasterParams, limit:int=10) -> list:
     "Names of the model params whose grads hold inf or NaN (with which), for messages"
@@ -346,21 +376,21 @@ def nonfinite_grads(self:MasterParams, limit:int=10) -> list:
         if len(res) >= limit: break
     return res
 
-def unscale_step(masters, scaler:LossScaler, clip:float=None, loss_finite:bool=True, accumulate:bool=False) -> bool:
+def unscale_step(masters, scaler:LossScaler, clip:float=None, loss_finite=True, accumulate:bool=False, input_finite=True) -> bool:
     "Unscale into the masters (a `MasterParams` or a list of them), check, clip, update the scale; True if the step must be skipped"
     group = masters if isinstance(masters, (list, tuple)) else [masters]
     reason, norm = 'overflow', None
-    if not loss_finite:
-        found, reason = True, 'nonfinite_loss'
-        for m in group: m.grads_to_masters(1. / scaler.scale, accumulate=accumulate)   # restores stashed grads; all dropped below
-    else:
-        found = any([bool(m.grads_to_masters(1. / scaler.scale, accumulate=accumulate)) for m in group])
-        if not found and clip is not None:
-            if len(group) != 1: raise ValueError("clip needs a single MasterParams")
-            norm = group[0].clip_(clip).item()
-            if not math.isfinite(norm): found, reason = True, 'nonfinite_norm'
-    bad = [n for m in group for n in m.nonfinite_grads()] if found and reason != 'nonfinite_loss' else []
-    skipped = scaler.update(found, reason, norm)
+    flags = [m.grads_to_masters(1. / scaler.scale, accumulate=accumulate) for m in group]
+    bad_loss = not loss_finite if isinstance(loss_finite, bool) else ~loss_finite
+    found = bool(torch.stack([f.cpu() for f in flags] + [torch.as_tensor(bad_loss).cpu()]).any())    # the step's one host sync
+    if found and not bool(loss_finite):
+        reason = 'nonfinite_input' if not (input_finite() if callable(input_finite) else input_finite) else 'nonfinite_loss'
+    elif not found and clip is not None:
+        if len(group) != 1: raise ValueError("clip needs a single MasterParams")
+        norm = group[0].clip_(clip).item()
+        if not math.isfinite(norm): found, reason = True, 'nonfinite_norm'
+    bad = [n for m in group for n in m.nonfinite_grads()] if found and reason in ('overflow', 'nonfinite_norm') else []
+    skipped = scaler.update(found, reason, norm, params=bad)
     if skipped:
         for m in group: m.zero_grads()
     msg = scaler.hopeless()

@@ -195,8 +195,7 @@ def test_keyboard_interrupt_like_exception_then_to_fp32_and_fit():
 
 def test_speed_note_warns_once(monkeypatch):
     monkeypatch.setattr(master, '_cpu_flags', lambda: {'avx2'})
-    import mixedprec.callback as cbmod
-    monkeypatch.setattr(cbmod, '_warned', set())
+    monkeypatch.setattr(master, '_warned', set())
     with pytest.warns(UserWarning, match='no bf16 units'): synth_learner().to_bf16()
     with warnings.catch_warnings():
         warnings.simplefilter('error')

@@ -1,0 +1,157 @@
+"Diagnostics and failure handling on all three front ends"
+import matplotlib; matplotlib.use('Agg')
+import pytest, torch
+from torch import nn
+from fastai.learner import Learner
+from fastai.optimizer import SGD, Adam
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from torch.utils.data import TensorDataset
+from mixedprec import amp, master
+from mixedprec.fp16_optimizer import FP16_Optimizer
+from mixedprec.scaler import LossScaler, ScalingError, plot_history
+from mixedprec.callback import MixedPrecision
+from helpers import synth_learner, Record, mlp
+
+def inject(at, where='inf', param=lambda m: m[3].weight):
+    def f(learn):
+        if learn.train_iter == at: param(learn.model).grad.view(-1)[0] = float(where)
+    return Record(-1, before_step=f)
+
+def test_history_attributes_overflow_to_params_and_tells_inf_from_nan():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8)
+    learn.fit(1, cbs=[inject(1, 'inf'), inject(3, 'nan', lambda m: m[0].bias)])
+    h = learn.mixed_precision.history
+    assert (h[1].skipped, h[1].reason, h[1].params) == (True, 'overflow', ('3.weight (inf)',))
+    assert h[3].params == ('0.bias (nan)',) and h[0].params is None and h[2].reason is None
+
+def test_grad_norm_recorded_when_clipping_and_nonfinite_norm_is_a_skip():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, clip=1.)
+    learn.fit(1)
+    assert all(r.grad_norm is not None and r.grad_norm > 0 for r in learn.mixed_precision.history)
+
+def test_plot_draws_scale_and_skips():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, max_noskip=2)
+    learn.fit(1, cbs=inject(2))
+    ax = learn.mixed_precision.plot()
+    assert len(ax.lines) == 1 and len(ax.collections) == 1 and ax.get_yscale() == 'log'
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ['loss scale', 'skipped: overflow']
+    ax = plot_history(FP16_Optimizer(torch.optim.SGD(mlp().half().parameters(), lr=1.), verbose=False).history)   # empty is fine
+
+def test_nan_in_the_input_batch_is_reported_as_data():
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    x[::16, 0] = float('nan')                                 # every batch of 16 has a NaN row
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
+    learn = Learner(dls, mlp(), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, max_bad_loss=3)
+    with pytest.raises(ScalingError, match='input batch held inf or NaN'): learn.fit(1)
+    assert [r.reason for r in learn.mixed_precision.history] == ['nonfinite_input'] * 3 and learn.mixed_precision.loss_scale == 2.**8
+
+def test_inf_loss_on_fp16_optimizer_and_amp_keeps_the_scale():
+    model = mlp(bn=False) if False else nn.Linear(4, 1).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_scale=True, verbose=False)
+    opt.backward(model(torch.randn(2, 4).half()).float().sum() * float('inf'))
+    assert opt.overflow and opt.history[-1].reason == 'nonfinite_loss' and opt.loss_scale == 2.**16
+    m = nn.Linear(4, 1); o = torch.optim.SGD(m.parameters(), lr=1.)
+    m, o = amp.initialize(m, o, opt_level="O2", verbosity=0)
+    with amp.scale_loss(m(torch.randn(2, 4)).sum() * float('nan'), o) as s: s.backward()
+    o.step()
+    assert amp.skipped(o) and amp.history()[-1].reason == 'nonfinite_loss' and amp._state.scalers[0].scale == 2.**16
+
+def test_persistent_overflow_at_the_floor_raises_naming_params():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=4., min_scale=1., max_overflow_at_min=3)
+    cb = Record(-1, before_step=lambda l: l.model[3].weight.grad.fill_(float('inf')))
+    with pytest.raises(ScalingError, match=r"minimum loss scale 1.*bf16.*keep_fp32.*3\.weight \(inf\)"): learn.fit(1, cbs=cb)
+    scales = [r.scale for r in learn.mixed_precision.history]
+    assert min(scales) == 1. and learn.mixed_precision.loss_scale == 1.
+
+@pytest.mark.parametrize("kw,exc,msg", [(dict(min_scale=0.), ValueError, 'min_scale'), (dict(loss_scale=-2.), ValueError, 'loss_scale'),
+    (dict(max_scale=8., loss_scale=16.), ValueError, 'max_scale'), (dict(max_noskip=0), ValueError, 'max_noskip'),
+    (dict(clip=0.), ValueError, 'clip'), (dict(bogus=1), TypeError, 'unknown keyword')])
+def test_bad_settings_raise_at_construction(kw, exc, msg):
+    with pytest.raises(exc, match=msg): synth_learner().to_fp16(**kw)
+
+def test_messages_are_off_by_default_and_once_per_change_when_verbose(capsys):
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8)
+    learn.fit(1, cbs=inject(1))
+    assert capsys.readouterr().out == ''
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, max_noskip=2, verbose=True)
+    learn.fit(1, cbs=inject(1))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == 'mixedprec: step 2: loss scale 256 -> 128 (overflow in 3.weight (inf))'
+    assert out[1:] == ['mixedprec: step 4: loss scale 128 -> 256 (2 clean steps)', 'mixedprec: step 6: loss scale 256 -> 512 (2 clean steps)']
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(dynamic=False, verbose=True)        # a static scale: skips don't flood
+    learn.fit(1, cbs=Record(-1, before_step=lambda l: l.model[3].weight.grad.fill_(float('inf'))))
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1
+
+def test_conversion_warns_about_underflow_and_range(monkeypatch):
+    monkeypatch.setattr(master, '_warned', set())
+    model = nn.Sequential(nn.Linear(100, 10), nn.Linear(10, 1))
+    with torch.no_grad(): model[0].weight[:5] = 1e-9; model[1].weight[0, 0] = 1e5
+    with pytest.warns(UserWarning) as rec: master.convert_model(model)
+    msgs = [str(w.message) for w in rec]
+    assert any("exceed fp16's range" in m for m in msgs) and any("below fp16's smallest value" in m for m in msgs)
+    with pytest.warns(UserWarning, match='running_var'):
+        bn = nn.BatchNorm1d(3); bn.running_var.fill_(1e6)
+        master.convert_model(nn.Sequential(nn.Linear(3, 3), bn), keep_fp32=())
+    master.convert_model(nn.Sequential(nn.Linear(100, 10)), dtype=torch.bfloat16)              # bf16 has fp32's range: no warning
+
+def test_table_shows_scale_and_skipped_per_epoch():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, table=True)
+    learn.fit(2, cbs=inject(1))
+    names = list(learn.recorder.metric_names)
+    assert names[-3:] == ['loss_scale', 'skipped', 'time']
+    assert [v[-1] for v in learn.recorder.values] == [1, 0] and learn.recorder.values[0][-2] == 128.
+    assert not any(getattr(m, 'name', '') == 'loss_scale' for m in learn.metrics)
+
+def test_every_param_frozen_is_a_clear_error():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16()
+    for p in learn.model.parameters(): p.requires_grad_(False)
+    for m in learn.opt.param_lists[0]: m.requires_grad_(False)
+    assert learn.get_preds()[0].dtype == torch.float32
+    with pytest.raises(ValueError, match='every param of the model is frozen'): learn.fit(1)
+
+def test_params_replaced_after_the_optimizer_was_built():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16()
+    learn.model[3] = nn.Linear(16, 1)
+    with pytest.raises(ValueError, match=r"added or replaced after `to_fp16\(\)` \(3.weight, 3.bias\)"): learn.fit(1)
+    learn.to_fp16(); learn.fit(1)
+    assert learn.model[3].weight.dtype == torch.half
+
+def test_optimizer_without_grads_in_a_step_is_a_noop():
+    gen, disc = nn.Linear(2, 2).half(), nn.Linear(2, 1).half()
+    opt_d = FP16_Optimizer(torch.optim.Adam(disc.parameters(), lr=0.1), static_loss_scale=8., verbose=False)
+    w = disc.weight.detach().clone()
+    opt_d.update_master_grads(); opt_d.step()                            # a generator turn: disc got no grads
+    assert not opt_d.overflow and torch.equal(disc.weight.detach(), w)
+
+class Pair(nn.Module):
+    "Takes a dict batch with a mask, returns a tuple holding a dict"
+    def __init__(self): super().__init__(); self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 1)
+    def forward(self, batch):
+        assert batch['x'].dtype == torch.half and batch['mask'].dtype == torch.bool
+        return (self.a(batch['x']), {'b': self.b(batch['x'])})
+
+def test_dict_batch_and_tuple_dict_prediction():
+    class ToDict(DataLoader):
+        def after_batch(self, b): x, y = b; return ({'x': x, 'mask': x > 0}, y)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    dls = DataLoaders(ToDict(TensorDataset(x, y), bs=16), ToDict(TensorDataset(x, y), bs=16))
+    def loss(pred, y): return nn.functional.mse_loss(pred[0], y) + nn.functional.mse_loss(pred[1]['b'], y)
+    seen = []
+    learn = Learner(dls, Pair(), loss_func=loss, opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8)
+    learn.fit(1, cbs=Record(1, after_pred=lambda l: seen.append((l.pred[0].dtype, l.pred[1]['b'].dtype))))
+    assert set(seen) == {(torch.float32, torch.float32)} and learn.mixed_precision.scaler.n_steps == 4
+
+def test_tied_weights_and_params_already_half():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__(); self.emb = nn.Embedding(10, 8); self.out = nn.Linear(8, 10, bias=False); self.out.weight = self.emb.weight
+        def forward(self, ids): return self.out(self.emb(ids))
+    ids = torch.randint(0, 10, (64,))
+    dls = DataLoaders(DataLoader(TensorDataset(ids, ids), bs=16), DataLoader(TensorDataset(ids, ids), bs=16))
+    learn = Learner(dls, Tied().half(), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
+    assert len(learn.mixed_precision.conversion.masters) == 1
+    learn.fit(1)
+    assert learn.model.out.weight is learn.model.emb.weight and len(learn.opt.param_lists[0]) == 1
+    assert torch.equal(learn.model.emb.weight.detach(), learn.opt.param_lists[0][0].detach().half())
