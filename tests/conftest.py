@@ -17,3 +17,17 @@ def pytest_collection_modifyitems(config, items):
 def seeded():
     random.seed(0); np.random.seed(0); torch.manual_seed(0)
     yield
+
+@pytest.fixture(params=['ref', 'fused'])
+def impl(request):
+    "Run a test with the reference ops, then with the fused kernels; yields the impl name"
+    from mixedprec import ops
+    old = ops.DEFAULT_IMPL
+    ops.set_impl(request.param)
+    yield request.param
+    ops.set_impl(old)
+
+def same_or_close(a, b, impl, rtol=1e-6, atol=1e-9):
+    "Bit for bit with the reference ops; to fp32 rounding with the fused kernels, whose sums run in another order"
+    if impl == 'ref': assert torch.equal(a, b), (a, b)
+    else: torch.testing.assert_close(a, b, rtol=rtol, atol=atol)

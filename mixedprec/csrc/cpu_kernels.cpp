@@ -1,0 +1,218 @@
+// C++ CPU kernels of mixedprec's multi-tensor ops. Each op takes lists of tensors and runs one
+// at::parallel_for over fixed-size chunks of all of them, so the whole model is one parallel loop.
+// Half and bf16 are converted to float for the arithmetic, which follows the pure-PyTorch references
+// in mixedprec/ops.py operation by operation (product rounded to fp32 before any add: no FMA).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+namespace mixedprec {
+
+constexpr int64_t kChunk = 1 << 16;   // elements per work unit
+
+struct Span { int64_t tensor, begin, end; };
+
+// Work units of at most kChunk elements over every tensor of `ts`, in order.
+static std::vector<Span> spans_of(const std::vector<at::Tensor>& ts) {
+  std::vector<Span> res;
+  for (int64_t i = 0; i < (int64_t)ts.size(); ++i)
+    for (int64_t b = 0, n = ts[i].numel(); b < n; b += kChunk) res.push_back({i, b, std::min(n, b + kChunk)});
+  return res;
+}
+
+static void check_lists(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* op) {
+  TORCH_CHECK(a.size() == b.size(), op, ": tensor lists must have the same length, got ", a.size(), " and ", b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK(a[i].device().is_cpu() && b[i].device().is_cpu(), op, ": the CPU kernels take CPU tensors (tensor ", i, ")");
+    TORCH_CHECK(a[i].is_non_overlapping_and_dense() && b[i].is_non_overlapping_and_dense() &&
+                (a[i].strides() == b[i].strides() || (a[i].is_contiguous() && b[i].is_contiguous())),
+                op, ": tensor pair ", i, " is not dense or its two memory layouts differ; call .contiguous() on both");
+    TORCH_CHECK(a[i].numel() == b[i].numel(), op, ": paired tensors must have the same number of elements, tensor ", i, " has ",
+                a[i].numel(), " and ", b[i].numel());
+    TORCH_CHECK(at::isFloatingType(a[i].scalar_type()) && at::isFloatingType(b[i].scalar_type()), op, ": tensor ", i, " is not floating point");
+  }
+}
+
+template <typename S, typename D, bool Add>
+static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    float x = static_cast<float>(src[i]);
+    bad |= !std::isfinite(x);
+    volatile float prod = x * scale;                       // rounded to fp32 before the add, as the reference does
+    if (Add) dst[i] = static_cast<D>(static_cast<float>(dst[i]) + prod);
+    else dst[i] = static_cast<D>(prod);
+  }
+  return bad;
+}
+
+// Specialisation without the volatile for the plain scale (no add follows the product).
+template <typename S, typename D>
+static bool scale_only_span(const S* src, D* dst, int64_t n, float scale) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    float x = static_cast<float>(src[i]);
+    bad |= !std::isfinite(x);
+    dst[i] = static_cast<D>(x * scale);
+  }
+  return bad;
+}
+
+template <bool Add>
+static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const char* op) {
+  check_lists(src, dst, op);
+  auto spans = spans_of(src);
+  std::atomic<bool> found{false};
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
+    bool bad = false;
+    for (int64_t k = b; k < e; ++k) {
+      const Span& s = spans[k];
+      const at::Tensor &in = src[s.tensor], &out = dst[s.tensor];
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.scalar_type(), "mixedprec_scale_src", [&] {
+        using S = scalar_t;
+        const S* ip = in.data_ptr<S>() + s.begin;
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mixedprec_scale_dst", [&] {
+          scalar_t* dp = out.data_ptr<scalar_t>() + s.begin;
+          if (Add) bad |= scale_span<S, scalar_t, true>(ip, dp, s.end - s.begin, sc);
+          else bad |= scale_only_span<S, scalar_t>(ip, dp, s.end - s.begin, sc);
+        });
+      });
+    }
+    if (bad) found.store(true, std::memory_order_relaxed);
+  });
+  return at::scalar_tensor(found.load(), at::TensorOptions().dtype(at::kBool));
+}
+
+at::Tensor scale_check_cpu(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
+  return scale_impl<false>(src, dst, scale, "scale_check_");
+}
+
+at::Tensor scale_add_check_cpu(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
+  return scale_impl<true>(src, dst, scale, "scale_add_check_");
+}
+
+// Global and per-tensor L2 norms. Sums of squares are accumulated in double per chunk, and the chunk sums
+// are added in a fixed order, so the result does not depend on the number of threads.
+std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>& ts) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    TORCH_CHECK(ts[i].device().is_cpu(), "l2norm: the CPU kernels take CPU tensors (tensor ", i, ")");
+    TORCH_CHECK(ts[i].is_non_overlapping_and_dense(), "l2norm: tensor ", i, " is not dense; call .contiguous() first");
+  }
+  auto spans = spans_of(ts);
+  std::vector<double> partial(spans.size(), 0.0);
+  at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Span& s = spans[k];
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ts[s.tensor].scalar_type(), "mixedprec_l2norm", [&] {
+        const scalar_t* p = ts[s.tensor].data_ptr<scalar_t>() + s.begin;
+        double acc = 0.0;
+        for (int64_t i = 0, n = s.end - s.begin; i < n; ++i) { double x = static_cast<double>(static_cast<float>(p[i])); acc += x * x; }
+        partial[k] = acc;
+      });
+    }
+  });
+  auto per = at::zeros({(int64_t)ts.size()}, at::TensorOptions().dtype(at::kFloat));
+  float* pp = per.data_ptr<float>();
+  std::vector<double> sq(ts.size(), 0.0);
+  for (size_t k = 0; k < spans.size(); ++k) sq[spans[k].tensor] += partial[k];
+  double total = 0.0;
+  for (size_t i = 0; i < ts.size(); ++i) { pp[i] = static_cast<float>(std::sqrt(sq[i])); total += sq[i]; }
+  return {at::scalar_tensor(static_cast<float>(std::sqrt(total)), at::TensorOptions().dtype(at::kFloat)), per};
+}
+
+static void check_step_lists(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                             const std::vector<std::vector<at::Tensor>>& states, const std::vector<at::Tensor>& out, const char* op) {
+  check_lists(grads, params, op);
+  for (auto& st : states) check_lists(params, st, op);
+  if (!out.empty()) check_lists(params, out, op);
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK(params[i].scalar_type() == at::kFloat, op, ": master params must be fp32, tensor ", i, " is ", params[i].scalar_type());
+  for (auto& st : states)
+    for (size_t i = 0; i < st.size(); ++i) TORCH_CHECK(st[i].scalar_type() == at::kFloat, op, ": optimizer state must be fp32 (tensor ", i, ")");
+}
+
+// SGD on fp32 masters from (half) grads times `inv_scale`, as torch.optim.SGD computes it; writes the half
+// model copy in the same pass. Does nothing when `found_inf` is set.
+void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
+                  const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
+                  double dampening, double weight_decay, bool nesterov, bool first_run) {
+  std::vector<std::vector<at::Tensor>> states;
+  if (momentum != 0) states.push_back(bufs);
+  check_step_lists(grads, params, states, out, "sgd_step");
+  if (found_inf.item<bool>()) return;
+  auto spans = spans_of(params);
+  const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening, wd = weight_decay;
+  at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Span& s = spans[k];
+      float* p = params[s.tensor].data_ptr<float>() + s.begin;
+      float* m = momentum != 0 ? bufs[s.tensor].data_ptr<float>() + s.begin : nullptr;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_sgd", [&] {
+        const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + s.begin;
+        for (int64_t i = 0, n = s.end - s.begin; i < n; ++i) {
+          float gi = static_cast<float>(g[i]) * isc;
+          if (wd != 0) gi = gi + wd * p[i];
+          if (m) {
+            m[i] = first_run ? gi : m[i] * mom + damp * gi;
+            gi = nesterov ? gi + mom * m[i] : m[i];
+          }
+          p[i] = p[i] - flr * gi;
+        }
+      });
+      if (!out.empty()) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out[s.tensor].scalar_type(), "mixedprec_sgd_out", [&] {
+          scalar_t* o = out[s.tensor].data_ptr<scalar_t>() + s.begin;
+          for (int64_t i = 0, n = s.end - s.begin; i < n; ++i) o[i] = static_cast<scalar_t>(p[i]);
+        });
+      }
+    }
+  });
+}
+
+// Adam (L2 weight decay) or AdamW (decoupled) on fp32 masters, as torch.optim.Adam/AdamW compute them. `step` is the
+// fp32 step count (torch keeps it as a 0-dim tensor in the state); it advances only when the step is taken.
+void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
+                   const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
+                   const at::Tensor& step, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
+                   bool decoupled) {
+  TORCH_CHECK(step.device().is_cpu() && step.scalar_type() == at::kFloat && step.numel() == 1, "adam_step: step must be a 1-element fp32 CPU tensor");
+  check_step_lists(grads, params, {exp_avgs, exp_avg_sqs}, out, "adam_step");
+  if (found_inf.item<bool>()) return;
+  float* stp = step.data_ptr<float>();
+  *stp += 1.f;
+  const double step_size = lr / (1.0 - std::pow(beta1, (double)*stp)), bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, (double)*stp));
+  auto spans = spans_of(params);
+  const float isc = inv_scale, b1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps, ss = step_size, bc = bc2_sqrt;
+  const float decay = decoupled ? 1.0 - lr * weight_decay : 1.0f, l2 = decoupled ? 0.0f : (float)weight_decay;
+  at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Span& s = spans[k];
+      float* p = params[s.tensor].data_ptr<float>() + s.begin;
+      float* m = exp_avgs[s.tensor].data_ptr<float>() + s.begin;
+      float* v = exp_avg_sqs[s.tensor].data_ptr<float>() + s.begin;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_adam", [&] {
+        const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + s.begin;
+        for (int64_t i = 0, n = s.end - s.begin; i < n; ++i) {
+          float gi = static_cast<float>(g[i]) * isc;
+          if (decoupled) p[i] = p[i] * decay;
+          else if (l2 != 0) gi = gi + l2 * p[i];
+          m[i] = m[i] + b1 * (gi - m[i]);
+          v[i] = v[i] * b2 + omb2 * gi * gi;
+          float denom = std::sqrt(v[i]) / bc + fe;
+          p[i] = p[i] - ss * (m[i] / denom);
+        }
+      });
+      if (!out.empty()) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out[s.tensor].scalar_type(), "mixedprec_adam_out", [&] {
+          scalar_t* o = out[s.tensor].data_ptr<scalar_t>() + s.begin;
+          for (int64_t i = 0, n = s.end - s.begin; i < n; ++i) o[i] = static_cast<scalar_t>(p[i]);
+        });
+      }
+    }
+  });
+}
+
+}  // namespace mixedprec

@@ -1,0 +1,109 @@
+// Python bindings of mixedprec's fused multi-tensor ops: one entry point per op, dispatching on the device
+// of the tensors to the C++ CPU kernels (cpu_kernels.cpp) or, in a CUDA build, the CUDA kernels (*.cu).
+#include <torch/extension.h>
+#include <vector>
+
+namespace mixedprec {
+at::Tensor scale_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
+at::Tensor scale_add_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
+std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>&);
+void sgd_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                  const at::Tensor&, double, double, double, double, double, bool, bool);
+void adam_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                   const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&, double, double, double, double, double, double, bool);
+#ifdef WITH_CUDA
+at::Tensor scale_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
+at::Tensor scale_add_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
+std::vector<at::Tensor> l2norm_cuda(const std::vector<at::Tensor>&);
+void sgd_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                   const at::Tensor&, double, double, double, double, double, bool, bool);
+void adam_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                    const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&, double, double, double, double, double, double, bool);
+#endif
+
+// True when the list's tensors are CUDA tensors; every tensor of every list must be on that one device.
+static bool on_cuda(std::initializer_list<const std::vector<at::Tensor>*> lists, const char* op) {
+  const at::Tensor* first = nullptr;
+  for (auto l : lists) for (auto& t : *l) {
+    if (!first) { first = &t; continue; }
+    TORCH_CHECK(t.device() == first->device(), op, ": all tensors must be on one device, got ", first->device(), " and ", t.device());
+  }
+  if (!first || !first->is_cuda()) return false;
+#ifdef WITH_CUDA
+  for (auto l : lists) for (auto& t : *l)
+    TORCH_CHECK(t.is_contiguous() || t.is_contiguous(at::MemoryFormat::ChannelsLast), op, ": CUDA tensors must be contiguous");
+  return true;
+#else
+  TORCH_CHECK(false, op, ": this mixedprec build has no CUDA kernels (it was compiled without nvcc)");
+#endif
+}
+
+at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
+#ifdef WITH_CUDA
+  if (on_cuda({&src, &dst}, "scale_check_")) return scale_check_cuda(src, dst, scale);
+#else
+  on_cuda({&src, &dst}, "scale_check_");
+#endif
+  return scale_check_cpu(src, dst, scale);
+}
+
+at::Tensor scale_add_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
+#ifdef WITH_CUDA
+  if (on_cuda({&src, &dst}, "scale_add_check_")) return scale_add_check_cuda(src, dst, scale);
+#else
+  on_cuda({&src, &dst}, "scale_add_check_");
+#endif
+  return scale_add_check_cpu(src, dst, scale);
+}
+
+std::vector<at::Tensor> l2norm(const std::vector<at::Tensor>& ts) {
+#ifdef WITH_CUDA
+  if (on_cuda({&ts}, "l2norm")) return l2norm_cuda(ts);
+#else
+  on_cuda({&ts}, "l2norm");
+#endif
+  return l2norm_cpu(ts);
+}
+
+void sgd_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
+              const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
+              double dampening, double weight_decay, bool nesterov, bool first_run) {
+#ifdef WITH_CUDA
+  if (on_cuda({&grads, &params, &bufs, &out}, "sgd_step"))
+    return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run);
+#else
+  on_cuda({&grads, &params, &bufs, &out}, "sgd_step");
+#endif
+  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run);
+}
+
+void adam_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
+               const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
+               const at::Tensor& step, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled) {
+#ifdef WITH_CUDA
+  if (on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step"))
+    return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
+#else
+  on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step");
+#endif
+  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
+}
+
+}  // namespace mixedprec
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("scale_check", &mixedprec::scale_check, "dst[i] = src[i]*scale in dst's dtype; returns a bool flag: any inf/nan in src", nogil);
+  m.def("scale_add_check", &mixedprec::scale_add_check, "dst[i] += src[i]*scale (fp32 math, no FMA); returns a bool flag: any inf/nan in src", nogil);
+  m.def("l2norm", &mixedprec::l2norm, "Global L2 norm (fp32, 0-dim) and per-tensor norms (fp32, 1-d) of a list of tensors", nogil);
+  m.def("has_cuda", []() {
+#ifdef WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "True when this build holds the CUDA kernels");
+  m.def("sgd_step", &mixedprec::sgd_step, "torch.optim.SGD's step on fp32 masters from grads*inv_scale, writing the half copy; a no-op when found_inf is set", nogil);
+  m.def("adam_step", &mixedprec::adam_step, "torch.optim.Adam/AdamW's step on fp32 masters from grads*inv_scale, writing the half copy; a no-op when found_inf is set", nogil);
+}

@@ -1,0 +1,186 @@
+"The fused kernels against the pure-PyTorch references (CPU always; CUDA where there is a GPU), and the loader's rules"
+import importlib.resources, os, random, warnings
+import pytest, torch
+from mixedprec import ops
+
+CHUNK = 1 << 16                                      # the CPU kernels' work unit (CUDA's is 2048*32, the same size)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
+
+def lists(sizes, dtype, device, bad=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ts = [(torch.randn(n, generator=g) * 4).to(dtype).to(device) for n in sizes]
+    if bad is not None:
+        value, where = bad
+        t = ts[random.Random(seed).randrange(len(ts))]
+        t.view(-1)[{'first': 0, 'last': -1, 'random': random.Random(seed + 1).randrange(t.numel())}[where]] = value
+    return ts
+
+SIZES = {'one': [1], 'three': [3], 'chunk-1': [CHUNK - 1], 'chunk': [CHUNK], 'chunk+1': [CHUNK + 1], 'chunks': [3 * CHUNK + 5],
+         'seven mixed': [1, 3, CHUNK - 1, 17, CHUNK + 1, 5, 1000], 'two hundred': [random.Random(1).randrange(1, 300) for _ in range(200)]}
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("src_dtype", DTYPES)
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+@pytest.mark.parametrize("add", [False, True])
+def test_scale_ops_bit_exact(device, sizes, src_dtype, dst_dtype, add):
+    scale = 2.**-10 if len(SIZES[sizes]) % 2 else 1/3          # powers of two and not
+    src = lists(SIZES[sizes], src_dtype, device)
+    outs = []
+    for impl in ('ref', 'fused'):
+        dst = lists(SIZES[sizes], dst_dtype, device, seed=7)
+        op = ops.scale_add_check_ if add else ops.scale_check_
+        flag = op(src, dst, scale, impl=impl)
+        outs.append((flag.item(), dst))
+    assert outs[0][0] == outs[1][0] == False
+    for a, b in zip(outs[0][1], outs[1][1]): torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value", [float('inf'), -float('inf'), float('nan')])
+@pytest.mark.parametrize("where", ['first', 'last', 'random'])
+@pytest.mark.parametrize("sizes", ['one', 'chunk+1', 'two hundred'])
+def test_nonfinite_anywhere_is_flagged(device, value, where, sizes):
+    for dtype in (torch.float16, torch.float32):
+        src = lists(SIZES[sizes], dtype, device, bad=(value, where))
+        for op in (ops.scale_check_, ops.scale_add_check_):
+            assert op(src, [torch.zeros_like(t, dtype=torch.float32) for t in src], 0.5, impl='fused').item()
+
+def test_in_place_and_empty_and_layouts():
+    t = torch.tensor([2., 4., float('nan')])
+    assert ops.scale_check_([t], [t], 0.5, impl='fused').item() and t[:2].tolist() == [1., 2.]
+    assert not ops.scale_check_([], [], 1., impl='fused').item()
+    assert ops.l2norm([], impl='fused').item() == 0.
+    a = torch.randn(4, 6).t(); b = torch.empty(4, 6).t()           # same (transposed) layout: handled
+    ops.scale_check_([a], [b], 2., impl='fused')
+    assert torch.equal(b, a * 2)
+    with pytest.raises((ValueError, RuntimeError), match='layout|contiguous|dense'):
+        ops.scale_check_([torch.randn(4, 6).t()], [torch.empty(6, 4)], 1., impl='fused')
+    with pytest.raises((ValueError, RuntimeError), match='dense|contiguous'):
+        ops.l2norm([torch.randn(8, 8)[::2]], impl='fused')
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sizes", ['one', 'chunks', 'seven mixed', 'two hundred'])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2norm_close_to_reference(device, sizes, dtype):
+    ts = lists(SIZES[sizes], dtype, device)
+    (rt, rp), (ft, fp) = ops.l2norm(ts, per_tensor=True, impl='ref'), ops.l2norm(ts, per_tensor=True, impl='fused')
+    # fp32 sums in another order (the fused sums run in double): agreement to a few fp32 ulps
+    torch.testing.assert_close(ft, rt, rtol=1e-5, atol=0)
+    torch.testing.assert_close(fp, rp, rtol=1e-5, atol=0)
+    assert ft.dtype == torch.float32 and ft.dim() == 0 and fp.shape == (len(ts),)
+
+def _sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device='cpu', steps=12, skip_at=5):
+    g = torch.Generator().manual_seed(3)
+    sizes = [7, CHUNK + 3, 300]
+    params = [torch.randn(n, generator=g).to(device) for n in sizes]
+    bufs = [torch.zeros(n, device=device) for n in sizes]
+    out = [torch.empty(n, dtype=torch.half, device=device) for n in sizes]
+    for i in range(steps):
+        grads = [(torch.randn(n, generator=g) * 256).to(grad_dtype).to(device) for n in sizes]
+        ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == skip_at, device=device), 1/256, 0.1, momentum, dampening, wd, nesterov,
+                      first_run=i == 0, impl=impl)
+    return params, bufs, out
+
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+@pytest.mark.parametrize("momentum,nesterov,wd,dampening", [(0., False, 0., 0.), (0.9, False, 1e-2, 0.), (0.9, True, 1e-2, 0.), (0.5, False, 0., 0.1)])
+def test_sgd_step_bit_exact_with_reference(grad_dtype, momentum, nesterov, wd, dampening):
+    ref, fused = _sgd_run('ref', grad_dtype, momentum, nesterov, wd, dampening), _sgd_run('fused', grad_dtype, momentum, nesterov, wd, dampening)
+    for a, b in zip(ref, fused):
+        for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+@pytest.mark.parametrize("momentum,nesterov,wd,dampening", [(0., False, 0., 0.), (0.9, False, 1e-2, 0.), (0.9, True, 1e-2, 0.), (0.5, False, 1e-3, 0.1)])
+def test_sgd_step_matches_torch_sgd_with_skip_as_noop(momentum, nesterov, wd, dampening):
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(500, generator=g)
+    ref = torch.nn.Parameter(master.clone())
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd, dampening=dampening)
+    buf, out, first = torch.zeros(500), torch.empty(500, dtype=torch.half), True
+    for i in range(30):
+        g16 = (torch.randn(500, generator=g) * 64).half()
+        skip = i == 7
+        ops.sgd_step_([g16], [master], [buf], [out], torch.tensor(skip), 1/64, 0.1, momentum, dampening, wd, nesterov, first_run=first, impl='fused')
+        if not skip: ref.grad = g16.float() / 64; opt.step(); first = False
+    torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(out, master.half())
+
+def _adam_run(impl, grad_dtype, decoupled, wd, device='cpu', steps=12, skip_at=4):
+    g = torch.Generator().manual_seed(5)
+    sizes = [5, CHUNK + 1, 333]
+    params = [torch.randn(n, generator=g).to(device) for n in sizes]
+    m, v = [torch.zeros(n, device=device) for n in sizes], [torch.zeros(n, device=device) for n in sizes]
+    out, step = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes], torch.zeros((), device=device)
+    for i in range(steps):
+        grads = [(torch.randn(n, generator=g) * 1024).to(grad_dtype).to(device) for n in sizes]
+        ops.adam_step_(grads, params, m, v, out, torch.tensor(i == skip_at, device=device), step, 1/1024, 1e-2, 0.9, 0.999, 1e-8, wd, decoupled, impl=impl)
+    return params, m, v, out, [step]
+
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+@pytest.mark.parametrize("decoupled,wd", [(True, 0.), (True, 0.1), (False, 0.), (False, 1e-2)])
+def test_adam_step_bit_exact_with_reference(grad_dtype, decoupled, wd):
+    ref, fused = _adam_run('ref', grad_dtype, decoupled, wd), _adam_run('fused', grad_dtype, decoupled, wd)
+    for a, b in zip(ref, fused):
+        for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert ref[-1][0].item() == 11.
+
+@pytest.mark.parametrize("cls,decoupled,wd", [(torch.optim.AdamW, True, 0.1), (torch.optim.Adam, False, 1e-2), (torch.optim.Adam, False, 0.)])
+def test_adam_step_matches_torch_over_many_steps(cls, decoupled, wd):
+    g = torch.Generator().manual_seed(2)
+    for n in (22, 1024, 278011):
+        master = torch.randn(n, generator=g)
+        ref = torch.nn.Parameter(master.clone())
+        opt = cls([ref], lr=1e-2, betas=(0.6, 0.9), eps=3e-6, weight_decay=wd)
+        m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(())
+        for i in range(50):
+            g16 = torch.randn(n, generator=g).half()
+            ops.adam_step_([g16], [master], [m], [v], [], torch.tensor(i == 9), step, 1., 1e-2, 0.6, 0.9, 3e-6, wd, decoupled, impl='fused')
+            if i != 9: ref.grad = g16.float(); opt.step()
+        torch.testing.assert_close(master, ref.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(m, opt.state[ref]['exp_avg'], rtol=1e-4, atol=1e-6)
+        assert step.item() == opt.state[ref]['step'].item() == 49
+
+def test_flagged_step_changes_nothing():
+    p, m, v, step = torch.randn(100), torch.randn(100).abs(), torch.randn(100).abs(), torch.tensor(3.)
+    before = [t.clone() for t in (p, m, v, step)]
+    ops.adam_step_([torch.randn(100).half()], [p], [m], [v], [], torch.tensor(True), step, 1., 0.1, impl='fused')
+    ops.sgd_step_([torch.randn(100)], [p], [m], [], torch.tensor(True), 1., 0.1, momentum=0.9, impl='fused')
+    for a, b in zip(before, (p, m, v, step)): assert torch.equal(a, b)
+
+def test_impl_rules(monkeypatch):
+    t = torch.ones(3)
+    with pytest.raises(ValueError, match="impl must be"): ops.scale_check_([t], [t], 1., impl='turbo')
+    monkeypatch.setattr(ops, '_fused', lambda: (None, 'RuntimeError: no compiler found (test)'))
+    monkeypatch.setattr(ops, '_warned_fallback', set())
+    with pytest.raises(RuntimeError, match="fused kernels cannot be used: RuntimeError: no compiler found"):
+        ops.scale_check_([t], [t], 1., impl='fused')
+    with pytest.warns(UserWarning, match='reference ops.*no compiler found'): assert not ops.scale_check_([t], [t], 1.).item()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error'); ops.l2norm([t])                        # warned once only
+    assert ops.backend(t) == 'ref'
+    monkeypatch.setenv('MIXEDPREC_REQUIRE_FUSED', '1')
+    with pytest.raises(RuntimeError, match='MIXEDPREC_REQUIRE_FUSED'): ops.scale_check_([t], [t], 1.)
+
+def test_sources_ship_with_the_package():
+    src = importlib.resources.files('mixedprec') / 'csrc'
+    names = {p.name for p in src.iterdir()}
+    assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'multi_tensor_apply.cuh', 'scale_kernels.cu', 'l2norm_kernel.cu', 'optim_kernels.cu'} <= names
+    import tomllib, pathlib
+    cfg = tomllib.loads((pathlib.Path(__file__).parent.parent / 'pyproject.toml').read_text())
+    assert 'csrc/*' in cfg['tool']['setuptools']['package-data']['mixedprec']
+
+@pytest.mark.skipif(ops.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")
+def test_cuda_sources_compile_without_a_gpu():
+    # a syntax or type error in a .cu file fails here, GPU or not; the build is cached after the first run
+    ext = ops.build_extension(cuda=True, cuda_arch='9.0')
+    assert ext.has_cuda()
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError): ext.scale_check([torch.ones(1, device='cuda')], [torch.ones(1, device='cuda')], 1.)
+
+@pytest.mark.cuda
+def test_cuda_path_is_taken_and_adam_skips_on_device():
+    t = torch.ones(3, device='cuda')
+    assert ops.backend(t) == 'cuda'
+    p, m, v, step = torch.randn(10, device='cuda'), torch.zeros(10, device='cuda'), torch.zeros(10, device='cuda'), torch.zeros((), device='cuda')
+    found = ops.scale_check_([torch.tensor([float('inf')], device='cuda')], [torch.zeros(1, device='cuda')], 1.)
+    ops.adam_step_([torch.randn(10, device='cuda').half()], [p], [m], [v], [], found, step, 1., 0.1, impl='fused')
+    assert step.item() == 0. and not m.any()
