@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
-from .master import convert_model, masters_for, MasterParams, to_fp32, check_half_dtype, unscale_step, HALF_DTYPES
+from .master import convert_model, masters_for, MasterParams, to_fp32, check_half_dtype, unscale_step, fused_step, HALF_DTYPES
 
 # %% ../nbs/05_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -82,6 +82,7 @@ def _wrap_optimizer(opt, amp_opt, verbosity):
         if amp_opt.skip_next:
             amp_opt.skip_next = False
             return None
+        if amp_opt.masters.pairs and fused_step(opt, amp_opt.masters): return None
         res = orig_step()
         amp_opt.masters.masters_to_model()
         return res

@@ -9,7 +9,7 @@ __all__ = ['FP16_Optimizer']
 import torch
 from fastcore.basics import patch
 from .scaler import LossScaler, ScalingError
-from .master import MasterParams, masters_for, unscale_step, HALF_DTYPES
+from .master import MasterParams, masters_for, unscale_step, fused_step, HALF_DTYPES
 
 # %% ../nbs/04_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor'}
@@ -89,6 +89,7 @@ def step(self:FP16_Optimizer, closure=None):
     "Step the fp32 masters and copy them into the model; skip when the grads overflowed"
     if closure is not None: return self._step_with_closure(closure)
     if self.overflow: return None
+    if fused_step(self.optimizer, self.masters): return None
     res = self.optimizer.step()
     self.masters.masters_to_model()
     return res

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'CastIO', 'masters_for', 'ModelConversion', 'SaveMasters',
-           'LoadMasters', 'warn_once', 'convert_model', 'speed_note', 'MasterParams', 'unscale_step']
+           'LoadMasters', 'warn_once', 'convert_model', 'speed_note', 'MasterParams', 'unscale_step', 'fused_step']
 
 # %% ../nbs/02_master.ipynb #1944725e
 import copy, dataclasses, math
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from torch.nn.modules.batchnorm import _BatchNorm
-from .ops import scale_check_, scale_add_check_, l2norm
+from .ops import scale_check_, scale_add_check_, l2norm, sgd_step_, adam_step_, backend
 from .scaler import LossScaler, ScalingError
 import warnings
 
@@ -396,3 +396,52 @@ def unscale_step(masters, scaler:LossScaler, clip:float=None, loss_finite=True, 
     msg = scaler.hopeless()
     if msg: raise ScalingError(msg + (f" Params with non-finite grads: {', '.join(bad)}." if bad else ''))
     return skipped
+
+# %% ../nbs/02_master.ipynb #4b5a99d7
+def _fusable(opt) -> str:
+    "'sgd' or 'adam' when `opt`'s step can run as a fused kernel, else None"
+    kind = {torch.optim.SGD: 'sgd', torch.optim.Adam: 'adam', torch.optim.AdamW: 'adam'}.get(type(opt))
+    if kind is None: return None
+    for g in opt.param_groups:
+        if g.get('maximize') or g.get('amsgrad') or g.get('differentiable') or isinstance(g['lr'], torch.Tensor): return None
+    return kind
+
+def fused_step(optimizer, masters:MasterParams, impl:str=None) -> bool:
+    "Step `optimizer` over `masters` with the fused kernels, writing the half model params; False (and nothing done) when it cannot"
+    kind = _fusable(optimizer)
+    params = [p for g in optimizer.param_groups for p in g['params'] if p.grad is not None]
+    if kind is None or not params or backend(params[0], impl) == 'ref' or masters.flat: return False
+    half_of = {id(m): p for p, m, _ in masters.pairs}
+    no_inf = torch.zeros((), dtype=torch.bool, device=params[0].device)
+    for g in optimizer.param_groups:
+        ps = [p for p in g['params'] if p.grad is not None]
+        if not ps: continue
+        if kind == 'sgd':
+            firsts = {}
+            for p in ps:
+                st = optimizer.state[p]
+                first = g['momentum'] != 0 and st.get('momentum_buffer') is None
+                if first: st['momentum_buffer'] = torch.zeros_like(p)
+                firsts.setdefault(first, []).append(p)
+            for first, group in firsts.items():
+                for with_out in (True, False):
+                    sel = [p for p in group if (id(p) in half_of) == with_out]
+                    if sel: sgd_step_([p.grad for p in sel], sel, [optimizer.state[p].get('momentum_buffer') for p in sel] if g['momentum'] else [],
+                                      [half_of[id(p)] for p in sel] if with_out else [], no_inf, 1., g['lr'], g['momentum'], g['dampening'],
+                                      g['weight_decay'], g['nesterov'], first_run=first, impl=impl)
+        else:
+            decoupled = type(optimizer) is torch.optim.AdamW or g.get('decoupled_weight_decay', False)
+            by_step = {}
+            for p in ps:
+                st = optimizer.state[p]
+                if not st:
+                    st['step'] = torch.zeros((), dtype=torch.float32, device=p.device if g.get('capturable') else 'cpu')
+                    st['exp_avg'], st['exp_avg_sq'] = torch.zeros_like(p), torch.zeros_like(p)
+                by_step.setdefault((float(st['step']), id(p) in half_of, half_of[id(p)].dtype if id(p) in half_of else None), []).append(p)
+            for (t, with_out, _), sel in by_step.items():
+                step = torch.tensor(t, dtype=torch.float32, device=sel[0].device if sel[0].is_cuda else 'cpu')
+                adam_step_([p.grad for p in sel], sel, [optimizer.state[p]['exp_avg'] for p in sel], [optimizer.state[p]['exp_avg_sq'] for p in sel],
+                           [half_of[id(p)] for p in sel] if with_out else [], no_inf, step, 1., g['lr'], g['betas'][0], g['betas'][1], g['eps'],
+                           g['weight_decay'], decoupled, impl=impl)
+                for p in sel: optimizer.state[p]['step'].copy_(step)
+    return True

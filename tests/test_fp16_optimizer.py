@@ -3,6 +3,8 @@ import pytest, torch
 from torch import nn
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import ScalingError
+from mixedprec import ops, master
+from conftest import same_or_close
 
 def half_mlp(seed=0):
     torch.manual_seed(seed)
@@ -39,7 +41,7 @@ def test_masters_are_fp32_and_model_follows():
     for p, m in zip(model.parameters(), (p for g in opt.param_groups for p in g['params'])):
         assert m.dtype == torch.float32 and torch.equal(p.detach(), m.detach().half())
 
-def test_fp32_model_matches_plain_torch_with_skip_as_noop():
+def test_fp32_model_matches_plain_torch_with_skip_as_noop(impl):
     # params that are fp32 are their own masters: a power-of-two scale is exact, so the run equals plain SGD,
     # with the injected-overflow iteration a no-op
     torch.manual_seed(0)
@@ -52,7 +54,7 @@ def test_fp32_model_matches_plain_torch_with_skip_as_noop():
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3), dynamic_loss_scale=True,
                          dynamic_loss_args=dict(init_scale=2.**10), verbose=False)
     run(model, opt, data, inject_at=3)
-    for a, b in zip(ref.parameters(), model.parameters()): assert torch.equal(a, b)
+    for a, b in zip(ref.parameters(), model.parameters()): same_or_close(a.detach(), b.detach(), impl, rtol=1e-5, atol=1e-7)
     assert [r.skipped for r in opt.history] == [False, False, False, True, False, False] and opt.loss_scale == 2.**9
 
 def test_half_model_scaled_equals_unscaled_control_with_skip():
@@ -150,3 +152,25 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match='torch.optim.Optimizer'): FP16_Optimizer(model)
     with pytest.raises(TypeError, match='unknown dynamic_loss_args'): FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_scale=True, dynamic_loss_args={'delayed_shift': 2})
     with pytest.raises(ValueError, match='dynamic_loss_scale=True'): FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_args={'init_scale': 4.})
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), lambda ps: torch.optim.Adam(ps, lr=1e-2)])
+def test_fused_step_matches_the_wrapped_optimizer(make, monkeypatch):
+    data = batches(6)
+    runs = []
+    for use_fused in (False, True):
+        model = half_mlp()
+        opt = FP16_Optimizer(make(list(model.parameters())), dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**8), verbose=False)
+        calls = []
+        real = master.fused_step
+        monkeypatch.setattr('mixedprec.fp16_optimizer.fused_step', lambda o, m: use_fused and (calls.append(1) or real(o, m)))
+        run(model, opt, data, inject_at=2)
+        assert len(calls) == (5 if use_fused else 0)
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    for a, b in zip(m1.parameters(), m2.parameters()): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    for a, b in zip(o1.param_groups[0]['params'], o2.param_groups[0]['params']): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    s1, s2 = o1.optimizer.state_dict(), o2.optimizer.state_dict()
+    assert s1['state'].keys() == s2['state'].keys() and all(s1['state'][k].keys() == s2['state'][k].keys() for k in s1['state'])
+    for p, m, _ in o2.masters.pairs: assert torch.equal(p.detach(), m.detach().half())
