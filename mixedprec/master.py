@@ -16,6 +16,7 @@ from fastcore.basics import patch
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import scale_check_, scale_add_check_, l2norm, sgd_step_, adam_step_, backend
 from .scaler import LossScaler, ScalingError
+from .distributed import agree
 import warnings
 
 # %% ../nbs/02_master.ipynb #9636570c
@@ -381,9 +382,13 @@ def unscale_step(masters, scaler:LossScaler, clip:float=None, loss_finite=True, 
     group = masters if isinstance(masters, (list, tuple)) else [masters]
     reason, norm = 'overflow', None
     flags = [m.grads_to_masters(1. / scaler.scale, accumulate=accumulate) for m in group]
-    bad_loss = not loss_finite if isinstance(loss_finite, bool) else ~loss_finite
-    found = bool(torch.stack([f.cpu() for f in flags] + [torch.as_tensor(bad_loss).cpu()]).any())    # the step's one host sync
-    if found and not bool(loss_finite):
+    device = flags[0].device if flags else torch.device('cpu')
+    grads_bad = torch.stack([f.to(device) for f in flags]).any() if flags else torch.zeros((), dtype=torch.bool)
+    loss_bad = torch.as_tensor(not loss_finite if isinstance(loss_finite, bool) else ~loss_finite, device=device)
+    both = agree(torch.stack([grads_bad.to(device), loss_bad]).int())        # the same decision on every rank
+    grads_bad, loss_bad = both.tolist()                                     # the step's one host sync
+    found = bool(grads_bad or loss_bad)
+    if loss_bad:
         reason = 'nonfinite_input' if not (input_finite() if callable(input_finite) else input_finite) else 'nonfinite_loss'
     elif not found and clip is not None:
         if len(group) != 1: raise ValueError("clip needs a single MasterParams")
