@@ -10,7 +10,8 @@ __all__ = ['IMPLS', 'DEFAULT_IMPL', 'scale_check_ref_', 'set_impl', 'find_cuda_h
 # %% ../nbs/00_ops.ipynb #8848a001
 import functools, glob, math, os, sys, warnings
 from contextlib import contextmanager
-from importlib.resources import files
+import importlib.util
+from pathlib import Path
 import torch
 
 # %% ../nbs/00_ops.ipynb #6e83206d
@@ -68,12 +69,18 @@ def _build_env(cuda_home):
     finally:
         os.environ['PATH'], cpp.CUDA_HOME = old_path, old_home
 
+def _simd_flags() -> list:
+    "Compiler flags for ATen's AVX2 vectors when this (x86) CPU has AVX2, FMA and F16C; none otherwise (portable code)"
+    try: flags = set(open('/proc/cpuinfo').read().split())
+    except OSError: return []
+    return ['-mavx2', '-mfma', '-mf16c', '-DCPU_CAPABILITY=AVX2', '-DCPU_CAPABILITY_AVX2'] if {'avx2', 'fma', 'f16c'} <= flags else []
+
 def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, build_dir:str=None):
     "Compile (or load from the cache) the fused kernels: CPU only, or CPU and CUDA for `cuda_arch` (like '9.0'; default: this GPU's)"
     import torch.utils.cpp_extension as cpp
-    src = files('mixedprec') / 'csrc'
+    src = Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'   # real files: the compiler needs paths
     sources = [str(src / 'mixedprec.cpp'), str(src / 'cpu_kernels.cpp')]
-    cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'], [], [], None
+    cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'] + _simd_flags(), [], [], None
     if cuda:
         cuda_home = find_cuda_home()
         if cuda_home is None: raise RuntimeError("no CUDA toolkit found (a folder with include/cuda_runtime.h and lib64/libcudart.so): set CUDA_HOME")
@@ -85,7 +92,7 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, bui
         cflags.append('-DWITH_CUDA')
         cuda_flags = ['-O3', '--fmad=false', '-DWITH_CUDA', f'-gencode=arch=compute_{arch},code=sm_{arch}']
         ldflags = [f'-L{os.path.join(cuda_home, "lib64")}']
-    name = f"mixedprec_{'cuda' + cuda_arch.replace('.', '') if cuda else 'cpu'}"
+    name = f"mixedprec_{'cuda' + cuda_arch.replace('.', '') if cuda else 'cpu'}{'_avx2' if _simd_flags() else ''}"
     build_dir = build_dir or os.path.join(os.environ.get('MIXEDPREC_CACHE', os.path.expanduser('~/.cache/mixedprec')), f"torch{torch.__version__.split('+')[0]}", name)
     os.makedirs(build_dir, exist_ok=True)
     with _build_env(cuda_home):

@@ -1,0 +1,106 @@
+"""Benchmark of the per-step bookkeeping over a whole model's params: a per-tensor Python loop (as fastai v1 did),
+torch's foreach ops (with torch._amp_foreach_non_finite_check_and_unscale_), and mixedprec's fused kernels.
+Prints one table; every figure is also given as a ratio to a plain copy's bandwidth measured in the same run.
+
+    python bench/kernels.py [--sizes resnet50,100m] [--repeat 5] [--device cpu]
+"""
+import argparse, time
+import torch
+from mixedprec import ops
+
+def resnet50_like():
+    "About 25.5M params in 161 tensors, shaped like ResNet-50's"
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            inp = width * 4 if b else width * (2 if width > 64 else 1)
+            shapes += [(width, inp, 1, 1), (width,), (width,), (width, width, 3, 3), (width,), (width,), (width * 4, width, 1, 1), (width * 4,), (width * 4,)]
+            if b == 0: shapes += [(width * 4, inp, 1, 1), (width * 4,), (width * 4,)]
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+def hundred_m(): return [(4096, 4096)] * 5 + [(4096,)] * 5 + [(1024, 1024)] * 15          # ~100M params
+
+def timeit(fn, repeat, device):
+    fn()
+    if device == 'cuda': torch.cuda.synchronize()
+    best = float('inf')
+    for _ in range(repeat):
+        t = time.perf_counter(); fn()
+        if device == 'cuda': torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+def run(shapes, repeat, device):
+    g16 = [torch.randn(s, device=device).half() for s in shapes]
+    g32 = [torch.empty(s, device=device) for s in shapes]
+    m32 = [torch.randn(s, device=device) for s in shapes]
+    p16 = [torch.empty(s, device=device, dtype=torch.half) for s in shapes]
+    exp_avg, exp_avg_sq = [torch.zeros(s, device=device) for s in shapes], [torch.zeros(s, device=device) for s in shapes]
+    n = sum(t.numel() for t in g16)
+    flat_a, flat_b = torch.randn(n, device=device), torch.empty(n, device=device)
+    inv = torch.full((), 1 / 1024, device=device)
+    found = torch.zeros((), device=device)
+
+    def loop_unscale():                                           # fastai v1: one check and one copy per tensor, a sync each
+        bad = False
+        for s, d in zip(g16, g32):
+            x = float(s.float().sum()); bad |= x != x or x in (float('inf'), -float('inf'))
+            d.copy_(s).mul_(1 / 1024)
+        return bad
+    def foreach_unscale():
+        torch._foreach_copy_(g32, g16)
+        torch._amp_foreach_non_finite_check_and_unscale_(g32, found, inv)
+    def loop_norm(): return torch.stack([t.norm() for t in g32]).norm()
+    def foreach_norm(): return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g32)))
+    def loop_copy():
+        for m, p in zip(m32, p16): p.copy_(m)
+    def foreach_copy(): torch._foreach_copy_(p16, m32)
+    def loop_step():
+        loop_unscale(); n = loop_norm(); c = min(1., 1e3 / (float(n) + 1e-6))
+        for d in g32: d.mul_(c)
+        opt_loop.step(); loop_copy()
+    def foreach_step():
+        foreach_unscale(); c = torch.clamp(1e3 / (foreach_norm() + 1e-6), max=1.)
+        torch._foreach_mul_(g32, c); opt_foreach.step(); foreach_copy()
+    def fused_step():
+        f = ops.scale_check_(g16, g32, 1 / 1024)
+        c = min(1., 1e3 / (float(ops.l2norm(g32)) + 1e-6))
+        ops.adam_step_(g32, m32, exp_avg, exp_avg_sq, p16, f, step, c, 1e-3, impl='fused')
+    params = [torch.nn.Parameter(m) for m in m32]
+    for p, g in zip(params, g32): p.grad = g
+    opt_loop = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    opt_foreach = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    step = torch.zeros((), device=device if device == 'cuda' else 'cpu')
+
+    copy_t = timeit(lambda: flat_b.copy_(flat_a), repeat, device)
+    copy_bw = 8 * n / copy_t                                      # fp32 read + write
+    rows = []
+    def add(op, impl, fn, nbytes):
+        t = timeit(fn, repeat, device); bw = nbytes / t
+        rows.append((op, impl, t * 1e3, bw / 1e9, bw / copy_bw))
+    add('unscale+check', 'loop', loop_unscale, 6 * n); add('unscale+check', 'foreach', foreach_unscale, 6 * n)
+    add('unscale+check', 'fused', lambda: ops.scale_check_(g16, g32, 1 / 1024, impl='fused'), 6 * n)
+    add('l2norm', 'loop', loop_norm, 4 * n); add('l2norm', 'foreach', foreach_norm, 4 * n); add('l2norm', 'fused', lambda: ops.l2norm(g32, impl='fused'), 4 * n)
+    add('master->model copy', 'loop', loop_copy, 6 * n); add('master->model copy', 'foreach', foreach_copy, 6 * n)
+    add('master->model copy', 'fused', lambda: ops.scale_check_(m32, p16, 1., impl='fused'), 6 * n)
+    step_bytes = 6 * n + 4 * n + 4 * 4 * n + 2 * n              # unscale, norm, Adam (g, p, m, v read; p, m, v written ~), copy
+    add('full step (Adam)', 'loop', loop_step, step_bytes); add('full step (Adam)', 'foreach', foreach_step, step_bytes)
+    add('full step (Adam)', 'fused', fused_step, step_bytes)
+    return n, len(shapes), copy_bw, rows
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--sizes', default='resnet50,100m'); ap.add_argument('--repeat', type=int, default=5); ap.add_argument('--device', default='cpu')
+    a = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {a.device}, fused backend: {ops.backend(torch.zeros(1, device=a.device))}")
+    for name in a.sizes.split(','):
+        shapes = {'resnet50': resnet50_like, '100m': hundred_m}[name]()
+        n, k, copy_bw, rows = run(shapes, a.repeat, a.device)
+        print(f"\n{name}: {n / 1e6:.1f}M params in {k} tensors; plain fp32 copy: {copy_bw / 1e9:.1f} GB/s")
+        print(f"{'op':<20}{'impl':<9}{'ms':>9}{'GB/s':>8}{'x copy bw':>11}{'x loop':>9}")
+        for op, impl, ms, gbs, rel in rows:
+            loop_ms = next(r[2] for r in rows if r[0] == op and r[1] == 'loop')
+            print(f"{op:<20}{impl:<9}{ms:>9.1f}{gbs:>8.1f}{rel:>11.2f}{loop_ms / ms:>9.2f}")
+
+if __name__ == '__main__': main()
