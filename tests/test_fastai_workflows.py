@@ -209,3 +209,19 @@ def test_model_without_float_params_warns():
         def __init__(self): super().__init__(); self.register_buffer('table', torch.arange(3))
         def forward(self, x): return x
     with pytest.warns(UserWarning, match='no fp32 params'): synth_learner(model=nn.Sequential(Ids(), nn.Flatten())).to_fp16()
+
+def test_tta_on_a_tiny_image_learner():
+    from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, PILImage, RandomSplitter, Flip
+    g = np.random.default_rng(0)
+    imgs = (g.random((48, 16, 16, 3)) * 255).astype(np.uint8)
+    labels = [str(i % 2) for i in range(48)]
+    dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=lambda i: PILImage.create(imgs[i]), get_y=lambda i: labels[i],
+                       splitter=RandomSplitter(seed=0), batch_tfms=[Flip()])
+    dls = dblock.dataloaders(list(range(48)), bs=8)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy).to_fp16(loss_scale=2.**8)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1)
+        preds, targs = learn.tta(n=2)
+    assert preds.dtype == torch.float32 and preds.shape == (len(dls.valid_ds), 2)
+    assert learn.model[0].weight.dtype == torch.half
