@@ -186,6 +186,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.ops._ext_for': ('ops.html#_ext_for', 'mixedprec/ops.py'),
                                'mixedprec.ops._fused': ('ops.html#_fused', 'mixedprec/ops.py'),
                                'mixedprec.ops._groups': ('ops.html#_groups', 'mixedprec/ops.py'),
+                               'mixedprec.ops._scale_op': ('ops.html#_scale_op', 'mixedprec/ops.py'),
+                               'mixedprec.ops._scale_ref': ('ops.html#_scale_ref', 'mixedprec/ops.py'),
                                'mixedprec.ops._simd_flags': ('ops.html#_simd_flags', 'mixedprec/ops.py'),
                                'mixedprec.ops._step_lists': ('ops.html#_step_lists', 'mixedprec/ops.py'),
                                'mixedprec.ops.adam_step_': ('ops.html#adam_step_', 'mixedprec/ops.py'),

@@ -25,17 +25,22 @@ def _check_lists(*lists):
         if any(t.stride() != ts[0].stride() for t in ts if t.dim() == ts[0].dim() and t.numel() > 1) and not all(t.is_contiguous() for t in ts):
             raise ValueError(f"paired tensors must have the same memory layout (strides {[t.stride() for t in ts]}); call .contiguous() on them")
 
-def scale_check_ref_(src:list, dst:list, scale:float) -> torch.Tensor:
-    "Reference: `dst[i] = src[i].float()*scale` in `dst[i]`'s dtype; flag if any `src` element is inf or nan"
+def _scale_ref(src, dst, scale, add):
+    "`dst[i] = src[i].float()*scale` (or `+=` with `add`) in `dst[i]`'s dtype; flag if any `src` element is inf or nan"
     _check_lists(src, dst)
     if not src: return torch.zeros((), dtype=torch.bool)
     found = torch.zeros((), dtype=torch.bool, device=src[0].device)
     with torch.no_grad():
         for s, d in zip(src, dst):
             found |= ~torch.isfinite(s).all()
-            if scale == 1. and s.dtype == torch.float32: d.copy_(s.view_as(d))
+            if add: d.add_(s.float().mul(scale).view_as(d))
+            elif scale == 1. and s.dtype == torch.float32: d.copy_(s.view_as(d))
             else: d.copy_(s.float().mul(scale).view_as(d))
     return found
+
+def scale_check_ref_(src:list, dst:list, scale:float) -> torch.Tensor:
+    "Reference: `dst[i] = src[i].float()*scale` in `dst[i]`'s dtype; flag if any `src` element is inf or nan"
+    return _scale_ref(src, dst, scale, add=False)
 
 # %% ../nbs/00_ops.ipynb #4fdec047
 IMPLS = ('auto', 'fused', 'ref')
@@ -139,35 +144,27 @@ def _groups(*lists):
     for i, ts in enumerate(zip(*lists)): res.setdefault(tuple((t.device, t.dtype) for t in ts), []).append(i)
     return res.values()
 
-def scale_check_(src:list, dst:list, scale:float, impl:str=None) -> torch.Tensor:
-    "`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype; returns a 0-dim bool tensor, True if any `src` element is inf or nan"
+def _scale_op(kernel:str, ref, src, dst, scale, impl):
+    "Run the fused `kernel` (one launch per device and dtype pair) or the reference `ref`; returns the combined flag"
     src, dst = list(src), list(dst)
     _check_lists(src, dst)
     ext = _ext_for(src[0], impl) if src else None
-    if ext is None: return scale_check_ref_(src, dst, float(scale))
-    flags = [ext.scale_check([src[i] for i in g], [dst[i] for i in g], float(scale)) for g in _groups(src, dst)]
+    if ext is None: return ref(src, dst, float(scale))
+    flags = [getattr(ext, kernel)([src[i] for i in g], [dst[i] for i in g], float(scale)) for g in _groups(src, dst)]
     return flags[0] if len(flags) == 1 else torch.stack([f.to(src[0].device) for f in flags]).any()
+
+def scale_check_(src:list, dst:list, scale:float, impl:str=None) -> torch.Tensor:
+    "`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype; returns a 0-dim bool tensor, True if any `src` element is inf or nan"
+    return _scale_op('scale_check', scale_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/00_ops.ipynb #a9896ed1
 def scale_add_check_ref_(src:list, dst:list, scale:float) -> torch.Tensor:
     "Reference: `dst[i] += src[i].float()*scale`; flag if any `src` element is inf or nan"
-    _check_lists(src, dst)
-    if not src: return torch.zeros((), dtype=torch.bool)
-    found = torch.zeros((), dtype=torch.bool, device=src[0].device)
-    with torch.no_grad():
-        for s, d in zip(src, dst):
-            found |= ~torch.isfinite(s).all()
-            d.add_(s.float().mul(scale).view_as(d))
-    return found
+    return _scale_ref(src, dst, scale, add=True)
 
 def scale_add_check_(src:list, dst:list, scale:float, impl:str=None) -> torch.Tensor:
     "`dst[i] += src[i].float()*scale` (fp32 math); returns a 0-dim bool tensor, True if any `src` element is inf or nan"
-    src, dst = list(src), list(dst)
-    _check_lists(src, dst)
-    ext = _ext_for(src[0], impl) if src else None
-    if ext is None: return scale_add_check_ref_(src, dst, float(scale))
-    flags = [ext.scale_add_check([src[i] for i in g], [dst[i] for i in g], float(scale)) for g in _groups(src, dst)]
-    return flags[0] if len(flags) == 1 else torch.stack([f.to(src[0].device) for f in flags]).any()
+    return _scale_op('scale_add_check', scale_add_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/00_ops.ipynb #93b06a87
 def l2norm_ref(tensors:list, per_tensor:bool=False):

@@ -7,9 +7,8 @@ template <typename T> struct SquareSumFunctor {
   template <typename Table>
   __device__ void operator()(int64_t chunk, const int* noop, Table& t, double* per_tensor) {
     __shared__ float partial[kBlockSize];
-    const int slot = t.block_tensor[blockIdx.x];
-    const int64_t begin = (int64_t)t.block_chunk[blockIdx.x] * chunk;
-    const int64_t end = min(t.numel[slot], begin + chunk);
+    int64_t begin, end;
+    const int slot = block_range(t, chunk, begin, end);
     const T* x = static_cast<const T*>(t.addr[0][slot]);
     float acc = 0.f;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) { const float v = to_float(x[i]); acc += v * v; }

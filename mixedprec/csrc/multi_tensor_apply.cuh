@@ -80,4 +80,13 @@ void multi_tensor_apply(const at::Tensor& noop, const std::vector<std::vector<at
 
 template <typename T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
 
+// The table slot this block works on, and the element range [begin, end) of its chunk.
+template <typename Table>
+__device__ __forceinline__ int block_range(const Table& t, int64_t chunk, int64_t& begin, int64_t& end) {
+  const int slot = t.block_tensor[blockIdx.x];
+  begin = (int64_t)t.block_chunk[blockIdx.x] * chunk;
+  end = min(t.numel[slot], begin + chunk);
+  return slot;
+}
+
 }  // namespace mixedprec

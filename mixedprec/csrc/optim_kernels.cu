@@ -10,9 +10,8 @@ template <typename G, typename O> struct SgdFunctor {
   __device__ void operator()(int64_t chunk, const int* noop, Table& t, float inv_scale, float lr, float momentum, float damp,
                              float wd, bool nesterov, bool first_run, bool has_out) {
     if (*noop) return;
-    const int slot = t.block_tensor[blockIdx.x];
-    const int64_t begin = (int64_t)t.block_chunk[blockIdx.x] * chunk;
-    const int64_t end = min(t.numel[slot], begin + chunk);
+    int64_t begin, end;
+    const int slot = block_range(t, chunk, begin, end);
     const G* g = static_cast<const G*>(t.addr[0][slot]);
     float* p = static_cast<float*>(t.addr[1][slot]);
     float* m = momentum != 0.f ? static_cast<float*>(t.addr[2][slot]) : nullptr;
@@ -35,9 +34,8 @@ template <typename G, typename O> struct AdamFunctor {
   __device__ void operator()(int64_t chunk, const int* noop, Table& t, const float* step, float inv_scale, float lr, float beta1,
                              float beta2, float eps, float wd, bool decoupled, bool has_out) {
     if (*noop) return;
-    const int slot = t.block_tensor[blockIdx.x];
-    const int64_t begin = (int64_t)t.block_chunk[blockIdx.x] * chunk;
-    const int64_t end = min(t.numel[slot], begin + chunk);
+    int64_t begin, end;
+    const int slot = block_range(t, chunk, begin, end);
     const G* g = static_cast<const G*>(t.addr[0][slot]);
     float* p = static_cast<float*>(t.addr[1][slot]);
     float* m = static_cast<float*>(t.addr[2][slot]);

@@ -6,9 +6,8 @@ namespace mixedprec {
 template <typename S, typename D, bool Add> struct ScaleFunctor {
   template <typename Table>
   __device__ void operator()(int64_t chunk, const int* noop, Table& t, float scale, int* flag) {
-    const int slot = t.block_tensor[blockIdx.x];
-    const int64_t begin = (int64_t)t.block_chunk[blockIdx.x] * chunk;
-    const int64_t end = min(t.numel[slot], begin + chunk);
+    int64_t begin, end;
+    const int slot = block_range(t, chunk, begin, end);
     const S* src = static_cast<const S*>(t.addr[0][slot]);
     D* dst = static_cast<D*>(t.addr[1][slot]);
     bool bad = false;
