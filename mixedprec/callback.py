@@ -19,6 +19,7 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.training import GradientClip
 from fastai.learner import ValueMetric
+from fastai.optimizer import Optimizer
 from .scaler import LossScaler
 from .master import check_half_dtype, to_fp32, convert_model, MasterParams, unscale_step, speed_note, warn_once
 from .scaler import plot_history
@@ -97,8 +98,9 @@ def attach_opt(self:MixedPrecision):
     self.masters = MasterParams(opt.param_lists, self.conversion.masters, flat=self.flat_master, key=_opt_state_key(opt), names=names)
     for state in _state_dicts(opt): self.masters.move_state_to_masters(state)
     opt.param_lists = [list(g) for g in self.masters.groups]
-    io = OptStateIO(self)
-    opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict
+    if isinstance(opt, Optimizer):                   # fastai's own; an OptimWrapper keeps torch's positional state_dict
+        io = OptStateIO(self)
+        opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict
 
 @patch
 def release_opt(self:MixedPrecision):

@@ -225,3 +225,15 @@ def test_tta_on_a_tiny_image_learner():
         preds, targs = learn.tta(n=2)
     assert preds.dtype == torch.float32 and preds.shape == (len(dls.valid_ds), 2)
     assert learn.model[0].weight.dtype == torch.half
+
+def test_optim_wrapper_checkpoint_keeps_torch_state(tmp_path):
+    from functools import partial
+    from fastai.optimizer import OptimWrapper
+    opt_func = partial(OptimWrapper, opt=torch.optim.AdamW)
+    learn = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8)
+    learn.fit(1)
+    learn.save('ow', with_opt=True)
+    fresh = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path, seed=3).to_fp16(loss_scale=2.**8)
+    fresh.load('ow', with_opt=True)
+    fresh.fit(1); learn.fit(1)
+    assert same(params(fresh), params(learn))
