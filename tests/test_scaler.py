@@ -87,3 +87,22 @@ def test_history_records_scale_used_and_reason():
     for _ in range(5): sc.update(False)
     assert len(sc.history) == 3
     pickle.loads(pickle.dumps(sc))
+
+from hypothesis import given, settings, strategies as st
+
+@settings(max_examples=200, deadline=None)
+@given(flags=st.lists(st.sampled_from(['clean', 'overflow', 'bad_loss']), max_size=60), noskip=st.integers(1, 5),
+       start=st.sampled_from([1., 4., 2.**16]), cap_exp=st.integers(0, 4))
+def test_scaler_follows_the_design_rules_for_any_sequence(flags, noskip, start, cap_exp):
+    "A direct model of DESIGN.md's rules agrees with LossScaler on every prefix of any step sequence"
+    max_scale, min_scale = start * 2.**cap_exp, 1.
+    sc = LossScaler(loss_scale=start, max_noskip=noskip, max_scale=max_scale, min_scale=min_scale, max_overflow_at_min=10**6, max_bad_loss=10**6)
+    scale, clean = start, 0
+    for f in flags:
+        skipped = sc.update(f != 'clean', reason='nonfinite_loss' if f == 'bad_loss' else 'overflow')
+        if f == 'overflow': scale, clean = max(scale / 2, min_scale), 0
+        elif f == 'clean':
+            clean += 1
+            if clean == noskip: scale, clean = min(scale * 2, max_scale), 0
+        assert skipped == (f != 'clean') and sc.scale == scale and min_scale <= sc.scale <= max_scale and sc.scale > 0
+    assert sc.n_skipped == sum(f != 'clean' for f in flags) and sc.n_steps == len(flags)
