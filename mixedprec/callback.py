@@ -21,7 +21,8 @@ from fastai.callback.training import GradientClip
 from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler
-from .master import check_half_dtype, to_fp32, convert_model, MasterParams, unscale_step, speed_note, warn_once
+from .master import check_half_dtype, to_fp32, convert_model, MasterParams, unscale_step, speed_note
+from .ops import warn_once
 from .scaler import plot_history
 
 # %% ../nbs/03_callback.ipynb #95846fd0

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'CastIO', 'masters_for', 'ModelConversion', 'SaveMasters',
-           'LoadMasters', 'warn_once', 'convert_model', 'speed_note', 'MasterParams', 'unscale_step', 'fused_step']
+           'LoadMasters', 'convert_model', 'speed_note', 'MasterParams', 'unscale_step', 'fused_step']
 
 # %% ../nbs/02_master.ipynb #1944725e
 import copy, dataclasses, math
@@ -14,10 +14,9 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from torch.nn.modules.batchnorm import _BatchNorm
-from .ops import scale_check_, scale_add_check_, l2norm, sgd_step_, adam_step_, backend
+from .ops import scale_check_, scale_add_check_, l2norm, sgd_step_, adam_step_, backend, warn_once
 from .scaler import LossScaler, ScalingError
 from .distributed import agree
-import warnings
 
 # %% ../nbs/02_master.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -102,15 +101,6 @@ def _kept_modules(model, keep):
     for m in model.modules():
         if keep and isinstance(m, keep): kept.update(id(s) for s in m.modules())
     return kept
-
-_warned = set()
-
-def warn_once(msg:str, key=None):
-    "Warn with `msg` the first time `key` (default: `msg`) is seen in this process"
-    key = msg if key is None else key
-    if key in _warned: return
-    _warned.add(key)
-    warnings.warn(f"mixedprec: {msg}", stacklevel=3)
 
 def _check_range(t, dtype, what):
     "Warn once when `t` holds values that fp16 cannot represent: a sizable share below 6e-8 (they become 0), or any above 65504 (inf)"
@@ -301,7 +291,7 @@ def master_grads(self:MasterParams) -> list:
 @patch
 def zero_grads(self:MasterParams):
     "Drop the model's grads and zero the master grads"
-    for p, _, _ in self.pairs: p.grad = None
+    self.zero_model_grads()
     for p in self.own: p.grad = None
     for _, _, gbuf in self.pairs: gbuf.zero_()
 
@@ -323,7 +313,9 @@ def clip_(self:MasterParams, max_norm:float) -> torch.Tensor:
     grads = self.master_grads()
     norm = l2norm(grads)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if grads and math.isfinite(norm.item()): scale_check_(grads, grads, coef.item())
+    if not grads: return norm
+    n, c = torch.stack([norm, coef]).tolist()                # one host read for both
+    if math.isfinite(n): scale_check_(grads, grads, c)
     return norm
 
 # %% ../nbs/02_master.ipynb #f52f5e54

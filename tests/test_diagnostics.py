@@ -7,7 +7,7 @@ from fastai.optimizer import SGD, Adam
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from torch.utils.data import TensorDataset
-from mixedprec import amp, master
+from mixedprec import amp, master, ops
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import LossScaler, ScalingError, plot_history
 from mixedprec.callback import MixedPrecision
@@ -85,7 +85,7 @@ def test_messages_are_off_by_default_and_once_per_change_when_verbose(capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 1
 
 def test_conversion_warns_about_underflow_and_range(monkeypatch):
-    monkeypatch.setattr(master, '_warned', set())
+    monkeypatch.setattr(ops, '_warned', set())
     model = nn.Sequential(nn.Linear(100, 10), nn.Linear(10, 1))
     with torch.no_grad(): model[0].weight[:5] = 1e-9; model[1].weight[0, 0] = 1e5
     with pytest.warns(UserWarning) as rec: master.convert_model(model)

@@ -17,7 +17,7 @@ from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from torch.utils.data import TensorDataset
 from mixedprec.callback import MixedPrecision
-from mixedprec import master
+from mixedprec import master, ops
 from helpers import synth_learner, masters_of, Record, mlp
 
 def params(learn): return [p.detach().clone() for p in learn.model.parameters()]
@@ -195,7 +195,7 @@ def test_keyboard_interrupt_like_exception_then_to_fp32_and_fit():
 
 def test_speed_note_warns_once(monkeypatch):
     monkeypatch.setattr(master, '_cpu_flags', lambda: {'avx2'})
-    monkeypatch.setattr(master, '_warned', set())
+    monkeypatch.setattr(ops, '_warned', set())
     with pytest.warns(UserWarning, match='no bf16 units'): synth_learner().to_bf16()
     with warnings.catch_warnings():
         warnings.simplefilter('error')

@@ -150,7 +150,7 @@ def test_impl_rules(monkeypatch):
     t = torch.ones(3)
     with pytest.raises(ValueError, match="impl must be"): ops.scale_check_([t], [t], 1., impl='turbo')
     monkeypatch.setattr(ops, '_fused', lambda: (None, 'RuntimeError: no compiler found (test)'))
-    monkeypatch.setattr(ops, '_warned_fallback', set())
+    monkeypatch.setattr(ops, '_warned', set())
     with pytest.raises(RuntimeError, match="fused kernels cannot be used: RuntimeError: no compiler found"):
         ops.scale_check_([t], [t], 1., impl='fused')
     with pytest.warns(UserWarning, match='reference ops.*no compiler found'): assert not ops.scale_check_([t], [t], 1.).item()
