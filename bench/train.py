@@ -1,12 +1,13 @@
-"""End-to-end training benchmark on the CPU: the same model, data and batch size in fp32, mixedprec's to_fp16() and
-to_bf16(), fastai 2.8's own to_fp16() and to_bf16(), and plain torch.autocast('cpu', bfloat16) on the fp32 model.
-Each configuration runs in its own process (for its peak RSS). Prints one table.
+"""End-to-end training benchmark, on the CPU or a GPU: the same model, data and batch size in fp32, mixedprec's to_fp16()
+and to_bf16(), fastai 2.8's own to_fp16() and to_bf16(), and plain torch.autocast(bfloat16) on the fp32 model; and plain
+PyTorch loops (PLAIN): fp32, mixedprec.amp at O2, torch.autocast with GradScaler. Each configuration runs in its own
+process (for its peak memory). On CUDA it counts host syncs per step. Prints one table.
 
     python bench/train.py [--models cnn,transformer,resnet50] [--steps 40] [--max-seconds 60] [--bs 64] [--device cpu|cuda]
 """
 import argparse, json, os, resource, subprocess, sys, time
 
-CONFIGS = ['fp32', 'mixedprec fp16', 'mixedprec bf16', 'fastai fp16', 'fastai bf16', 'autocast bf16']
+CONFIGS = ['fp32', 'mixedprec fp16', 'mixedprec bf16', 'fastai fp16', 'fastai bf16', 'autocast bf16']   # fastai Learners; plain loops: PLAIN
 
 def make_model(kind):
     from torch import nn
@@ -40,7 +41,108 @@ def make_data(kind, n, seed=0):
     w = torch.randn(1000, 10, generator=g)
     return ids, w[ids].sum(1).argmax(1)
 
+class Clock:
+    "Time mixedprec's own bookkeeping: host time on the CPU; on CUDA, the device time between events around each call"
+    def __init__(self, device): self.device, self.host, self.events, self.on = device, 0., [], False
+    def wrap(self, f):
+        import torch
+        def g(*a, **k):
+            if not self.on: return f(*a, **k)
+            if self.device == 'cuda':
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(); r = f(*a, **k); e1.record(); self.events.append((e0, e1)); return r
+            t = time.perf_counter(); r = f(*a, **k); self.host += time.perf_counter() - t; return r
+        return g
+    def seconds(self): return self.host + sum(a.elapsed_time(b) for a, b in self.events) / 1000
+
+class SyncCounter:
+    "Count synchronizing CUDA calls (torch's sync debug mode warns on each) while on"
+    def __init__(self): self.n, self.on, self.sites = 0, False, {}
+    def start(self):
+        import torch, warnings
+        self.n, self.on, self.sites = 0, True, {}
+        self._show, warnings.showwarning = warnings.showwarning, self._count
+        warnings.simplefilter('always'); torch.cuda.set_sync_debug_mode('warn')
+    def _count(self, message, category=None, filename='?', lineno=0, *a, **k):
+        if 'synchroniz' not in str(message).lower(): return
+        self.n += 1
+        site = f"{os.path.relpath(filename)}:{lineno}"
+        self.sites[site] = self.sites.get(site, 0) + 1
+    def top(self, n=4): return ', '.join(f"{k} x{v}" for k, v in sorted(self.sites.items(), key=lambda kv: -kv[1])[:n])
+    def stop(self):
+        import torch, warnings
+        torch.cuda.set_sync_debug_mode(0); warnings.showwarning = self._show; self.on = False
+
+def book_clock(device):
+    "A `Clock` wrapped around mixedprec's per-step entry points"
+    import mixedprec.master as master, mixedprec.callback as mpcb, mixedprec.amp as mpamp
+    clock = Clock(device)
+    mpcb.unscale_step, mpamp.unscale_step = clock.wrap(mpcb.unscale_step), clock.wrap(mpamp.unscale_step)
+    for name in ('masters_to_model', 'zero_model_grads'): setattr(master.MasterParams, name, clock.wrap(getattr(master.MasterParams, name)))
+    mpamp.fused_step = clock.wrap(mpamp.fused_step)
+    return clock
+
+def measure(step, steps, max_seconds, device, clock=None):
+    "Run `step()` until `steps` or `max_seconds`; time all but the first two; returns (timed steps, seconds, syncs per step or None)"
+    import torch
+    for _ in range(2): step()
+    if device == 'cuda': torch.cuda.synchronize()
+    measure.syncs = None
+    syncs = SyncCounter() if device == 'cuda' else None
+    if clock: clock.on = True
+    if syncs: syncs.start()
+    t0, n = time.perf_counter(), 0
+    while n < steps - 2 and time.perf_counter() - t0 < max_seconds:
+        step(); n += 1
+    if syncs: syncs.stop(); measure.syncs = syncs
+    if device == 'cuda': torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    if clock: clock.on = False
+    return n, elapsed, (syncs.n / max(n, 1) if syncs else None)
+
+def peak_memory(device):
+    import torch
+    if device == 'cuda': return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+PLAIN = ('torch fp32', 'mixedprec amp O2 fp16', 'torch amp fp16')
+
+def plain_worker(model_kind, config, steps, max_seconds, bs, device):
+    "A plain PyTorch loop with torch's AdamW: fp32; mixedprec.amp at O2 (the fused AdamW step); torch.autocast with GradScaler"
+    import torch
+    from torch import nn
+    from mixedprec import amp
+    torch.manual_seed(0)
+    x, y = make_data(model_kind, bs * steps + 512)
+    x, y = x.to(device), y.to(device)
+    model = make_model(model_kind).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, **({'fused': True} if config == 'torch amp fp16' and device == 'cuda' else {}))
+    clock = book_clock(device) if config.startswith('mixedprec') else None
+    if config == 'mixedprec amp O2 fp16': model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
+    gscaler = torch.amp.GradScaler(device) if config == 'torch amp fp16' else None
+    i = [0]
+    def step():
+        k = i[0] % steps; i[0] += 1
+        xb, yb = x[k * bs:(k + 1) * bs], y[k * bs:(k + 1) * bs]
+        if gscaler:
+            with torch.autocast(device, dtype=torch.float16): loss = nn.functional.cross_entropy(model(xb), yb)
+            gscaler.scale(loss).backward(); gscaler.step(opt); gscaler.update()
+        elif clock:
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            with amp.scale_loss(loss, opt) as scaled: scaled.backward()
+            opt.step()
+        else:
+            nn.functional.cross_entropy(model(xb), yb).backward(); opt.step()
+        opt.zero_grad()
+    n, elapsed, syncs = measure(step, steps, max_seconds, device, clock)
+    model.eval()
+    with torch.no_grad(), torch.autocast(device, dtype=torch.float16, enabled=gscaler is not None):
+        acc = (model(x[-512:]).argmax(1) == y[-512:]).float().mean().item()
+    return dict(steps=n + 2, sps=n / elapsed, acc=acc, mem=peak_memory(device), book=clock.seconds() / elapsed if clock else None, syncs=syncs,
+                sites=measure.syncs.top() if measure.syncs else '')
+
 def worker(model_kind, config, steps, max_seconds, bs, device='cpu'):
+    if config in PLAIN: return plain_worker(model_kind, config, steps, max_seconds, bs, device)
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -49,63 +151,51 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu'):
     from fastai.data.load import DataLoader
     from fastai.optimizer import Adam
     from fastai.callback.core import Callback, CancelFitException
-    import mixedprec.callback as mpcb, mixedprec.master as master
+    import mixedprec.callback as mpcb
     torch.manual_seed(0)
     x, y = make_data(model_kind, bs * steps + 512)
     dls = DataLoaders(DataLoader(TensorDataset(x[:-512], y[:-512]), bs=bs, shuffle=False, drop_last=True), DataLoader(TensorDataset(x[-512:], y[-512:]), bs=256), device=device)
     learn = Learner(dls, make_model(model_kind).to(device), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=2e-3)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
+    clock = book_clock(device) if config.startswith('mixedprec') else None
     if config == 'mixedprec fp16': learn.to_fp16()
     elif config == 'mixedprec bf16': learn.to_bf16()
     elif config == 'fastai fp16': mpcb.fastai_to_fp16(learn)
     elif config == 'fastai bf16': mpcb.fastai_to_bf16(learn)
-    book = [0.]
-    if config.startswith('mixedprec'):                            # time mixedprec's own per-step bookkeeping
-        def timed(f):
-            def g(*a, **k):
-                t = time.perf_counter(); r = f(*a, **k); book[0] += time.perf_counter() - t; return r
-            return g
-        mpcb.unscale_step = timed(mpcb.unscale_step)
-        master.MasterParams.masters_to_model = timed(master.MasterParams.masters_to_model)
-        master.MasterParams.zero_model_grads = timed(master.MasterParams.zero_model_grads)
     class Autocast(Callback):
         def before_batch(self): self.ctx = torch.autocast(device, dtype=torch.bfloat16); self.ctx.__enter__()
         def after_loss(self): self.ctx.__exit__(None, None, None)
-    syncs = [0]
+    res = {}
     class Budget(Callback):
+        "Hand the batches to `measure` one at a time: fastai's loop runs inside it"
         order = 100
-        def before_fit(self): self.n, self.t0 = 0, None
+        def before_fit(self): self.n, self.t0, self.syncs = 0, None, None
         def after_batch(self):
             if not self.training: return
             self.n += 1
-            if device == 'cuda': torch.cuda.synchronize()
             if self.n == 2:
-                self.t0 = time.perf_counter(); book[0] = 0.
-                if device == 'cuda': torch.cuda.set_sync_debug_mode('warn'); syncs[0] = 0
+                if device == 'cuda': torch.cuda.synchronize()
+                if clock: clock.on = True
+                if device == 'cuda': self.syncs = SyncCounter(); self.syncs.start()
+                self.t0 = time.perf_counter()
             if self.n >= steps or (self.t0 and time.perf_counter() - self.t0 > max_seconds):
-                self.t1 = time.perf_counter()
-                if device == 'cuda': torch.cuda.set_sync_debug_mode(0)
+                if self.syncs: self.syncs.stop()
+                if device == 'cuda': torch.cuda.synchronize()
+                res.update(elapsed=time.perf_counter() - self.t0, n=self.n - 2, syncs=self.syncs.n / max(self.n - 2, 1) if self.syncs else None,
+                           sites=self.syncs.top() if self.syncs else '')
+                if clock: clock.on = False
                 raise CancelFitException()
-    if device == 'cuda':                                          # count host syncs: the sync debug mode warns on each
-        import warnings
-        def count(message, *a, **k):
-            if 'synchroniz' in str(message).lower(): syncs[0] += 1
-        warnings.showwarning = count; warnings.simplefilter('always')
-    budget = Budget()
-    cbs = [budget] + ([Autocast()] if config == 'autocast bf16' else [])
-    learn.fit(1, cbs=cbs)
-    timed_steps = budget.n - 2
-    elapsed = budget.t1 - budget.t0
-    acc = (learn.get_preds()[0].argmax(1) == y[-512:]).float().mean().item()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return dict(steps=budget.n, sps=timed_steps / elapsed, acc=acc, rss=rss, book=book[0] / elapsed if config.startswith('mixedprec') else None,
-                syncs=syncs[0] / max(timed_steps, 1) if device == 'cuda' else None)
+    learn.fit(1, cbs=[Budget()] + ([Autocast()] if config == 'autocast bf16' else []))
+    acc = (learn.get_preds()[0].argmax(1) == y[-512:].to(device)).float().mean().item()
+    return dict(steps=res['n'] + 2, sps=res['n'] / res['elapsed'], acc=acc, mem=peak_memory(device),
+                book=clock.seconds() / res['elapsed'] if clock else None, syncs=res['syncs'], sites=res['sites'])
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--models', default='cnn,transformer'); ap.add_argument('--steps', type=int, default=40)
     ap.add_argument('--max-seconds', type=float, default=60); ap.add_argument('--bs', type=int, default=64)
     ap.add_argument('--device', default='cpu'); ap.add_argument('--configs', default=','.join(CONFIGS))
+    ap.add_argument('--sync-sites', action='store_true', help="print where the host syncs happen (CUDA)")
     ap.add_argument('--worker', nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -118,16 +208,18 @@ def main():
     print(f"torch {torch.__version__}, {where}; bf16: {speed_note(torch.bfloat16, a.device) or 'fast'}; fp16: {speed_note(torch.float16, a.device) or 'fast'}")
     for model in a.models.split(','):
         print(f"\n{model}, batch {a.bs}, Adam, up to {a.steps} steps or {a.max_seconds:g}s per configuration")
-        print(f"{'configuration':<16}{'steps':>6}{'steps/s':>9}{'x fp32':>8}{'peak RSS MB':>13}{'accuracy':>10}{'bookkeeping':>13}" + (f"{'syncs/step':>12}" if a.device == 'cuda' else ''))
+        mem = 'peak GPU MB' if a.device == 'cuda' else 'peak RSS MB'
+        print(f"{'configuration':<22}{'steps':>6}{'steps/s':>9}{'x fp32':>8}{mem:>13}{'accuracy':>10}{'bookkeeping':>13}" + (f"{'syncs/step':>12}" if a.device == 'cuda' else ''))
         base = None
         for cfg in a.configs.split(','):
             out = subprocess.run([sys.executable, __file__, '--worker', model, cfg, '--steps', str(a.steps), '--max-seconds', str(a.max_seconds), '--bs', str(a.bs), '--device', a.device],
                                  capture_output=True, text=True)
-            if out.returncode: print(f"{cfg:<16} failed: {out.stderr.strip().splitlines()[-1]}"); continue
+            if out.returncode: print(f"{cfg:<22} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}"); continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            base = base or r['sps']
+            if cfg in ('fp32', 'torch fp32') or base is None: base = r['sps']
             book = f"{100 * r['book']:.1f}%" if r['book'] is not None else '-'
             syncs = f"{r['syncs']:>12.1f}" if r.get('syncs') is not None else ''
-            print(f"{cfg:<16}{r['steps']:>6}{r['sps']:>9.2f}{r['sps'] / base:>8.2f}{r['rss']:>13.0f}{r['acc']:>10.3f}{book:>13}{syncs}")
+            print(f"{cfg:<22}{r['steps']:>6}{r['sps']:>9.2f}{r['sps'] / base:>8.2f}{r['mem']:>13.0f}{r['acc']:>10.3f}{book:>13}{syncs}")
+            if r.get('sites') and a.sync_sites: print(f"{'':<22}syncs at: {r['sites']}")
 
 if __name__ == '__main__': main()

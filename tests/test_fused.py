@@ -82,10 +82,11 @@ def _sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device='cpu', 
                       first_run=i == 0, impl=impl)
     return params, bufs, out
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 @pytest.mark.parametrize("momentum,nesterov,wd,dampening", [(0., False, 0., 0.), (0.9, False, 1e-2, 0.), (0.9, True, 1e-2, 0.), (0.5, False, 0., 0.1)])
-def test_sgd_step_bit_exact_with_reference(grad_dtype, momentum, nesterov, wd, dampening):
-    ref, fused = _sgd_run('ref', grad_dtype, momentum, nesterov, wd, dampening), _sgd_run('fused', grad_dtype, momentum, nesterov, wd, dampening)
+def test_sgd_step_bit_exact_with_reference(device, grad_dtype, momentum, nesterov, wd, dampening):
+    ref, fused = (_sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device) for impl in ('ref', 'fused'))
     for a, b in zip(ref, fused):
         for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=0, atol=0)
 
@@ -115,10 +116,11 @@ def _adam_run(impl, grad_dtype, decoupled, wd, device='cpu', steps=12, skip_at=4
         ops.adam_step_(grads, params, m, v, out, torch.tensor(i == skip_at, device=device), step, 1/1024, 1e-2, 0.9, 0.999, 1e-8, wd, decoupled, impl=impl)
     return params, m, v, out, [step]
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 @pytest.mark.parametrize("decoupled,wd", [(True, 0.), (True, 0.1), (False, 0.), (False, 1e-2)])
-def test_adam_step_bit_exact_with_reference(grad_dtype, decoupled, wd):
-    ref, fused = _adam_run('ref', grad_dtype, decoupled, wd), _adam_run('fused', grad_dtype, decoupled, wd)
+def test_adam_step_bit_exact_with_reference(device, grad_dtype, decoupled, wd):
+    ref, fused = (_adam_run(impl, grad_dtype, decoupled, wd, device) for impl in ('ref', 'fused'))
     for a, b in zip(ref, fused):
         for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert ref[-1][0].item() == 11.

@@ -1,0 +1,131 @@
+"End to end on a GPU: each front end trains with the CUDA kernels, skips on overflow, matches the reference ops, and syncs as documented"
+import warnings
+import pytest, torch
+from torch import nn
+import torch.nn.functional as F
+from mixedprec import amp, ops
+from mixedprec.fp16_optimizer import FP16_Optimizer
+from helpers import synth_learner, masters_of
+
+pytestmark = pytest.mark.cuda
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+def cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4)).cuda()
+
+def batches(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 3, 8, 8, generator=g).cuda(), torch.randint(0, 4, (8,), generator=g).cuda()) for _ in range(n)]
+
+def make_opt(kind, params):
+    return {'sgd': lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3),
+            'adamw': lambda: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+            'adam': lambda: torch.optim.Adam(params, lr=1e-2)}[kind]()
+
+def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None):
+    "Train `cnn` with amp; returns the masters after each step and the scaler history"
+    old = ops.DEFAULT_IMPL
+    ops.set_impl(impl)
+    try:
+        model = cnn()
+        model, opt = amp.initialize(model, make_opt(kind, model.parameters()), opt_level=level, verbosity=0, half_dtype=half_dtype)
+        snaps = []
+        for i, (x, y) in enumerate(batches(n)):
+            loss = F.cross_entropy(model(x), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+                if i == inject_at: model[0].weight.grad.view(-1)[0] = float('inf')
+            opt.step(); opt.zero_grad()
+            snaps.append([p.detach().clone() for p in amp.master_params(opt)])
+        return snaps, list(amp.history()), model
+    finally: ops.set_impl(old)
+
+@pytest.mark.parametrize("kind", ['sgd', 'adamw', 'adam'])
+def test_amp_o2_fused_matches_reference(kind):
+    (ref, _, _), (fused, hist, model) = amp_run('ref', kind), amp_run('fused', kind)
+    assert ops.backend(next(model.parameters())) == 'cuda'
+    assert next(model.parameters()).dtype == torch.float16 and model[1].weight.dtype == torch.float32
+    for a, b in zip(ref[-1], fused[-1]): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not any(r.skipped for r in hist)
+
+def test_amp_overflow_skips_the_step_on_cuda():
+    snaps, hist, _ = amp_run('fused', 'adamw', inject_at=2)
+    assert [r.skipped for r in hist] == [False, False, True, False, False, False]
+    assert hist[2].reason == 'overflow' and hist[3].scale == hist[2].scale / 2
+    assert hist[2].params and '0.weight' in hist[2].params[0]
+    for a, b in zip(snaps[1], snaps[2]): assert torch.equal(a, b)          # the skipped step changed no master
+    assert all(torch.isfinite(p).all() for p in snaps[-1])
+
+def test_amp_bf16_trains_on_cuda():
+    snaps, hist, model = amp_run('fused', 'adamw', n=4, half_dtype='bf16')
+    assert next(model.parameters()).dtype == torch.bfloat16 and not any(r.skipped for r in hist)
+    assert not torch.equal(snaps[0][0], snaps[-1][0])
+
+def test_fp16_optimizer_on_cuda():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).cuda().half()
+    opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), dynamic_loss_scale=True, verbose=False)
+    x, y = torch.randn(64, 32, device='cuda').half(), torch.randint(0, 4, (64,), device='cuda')
+    losses = []
+    for i in range(30):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        opt.backward(loss, update_master_grads=False)
+        if i == 5: model[0].weight.grad.view(-1)[3] = float('nan')
+        opt.update_master_grads()
+        opt.clip_master_grads(1.0)
+        opt.step()
+        losses.append(loss.item())
+    assert opt.history[5].skipped and sum(r.skipped for r in opt.history) == 1
+    assert losses[-1] < 0.5 * losses[0]
+    for g in opt.param_groups:
+        for p in g['params']: assert p.dtype == torch.float32 and p.is_cuda
+
+@pytest.mark.parametrize("how", ['to_fp16', 'to_bf16'])
+def test_fastai_callback_trains_and_checkpoints_on_cuda(how, tmp_path):
+    learn = synth_learner(path=tmp_path)
+    learn.dls.cuda()
+    getattr(learn, how)()
+    learn.fit(2, 1e-2)
+    assert next(learn.model.parameters()).is_cuda and all(m.is_cuda and m.dtype == torch.float32 for m in masters_of(learn))
+    assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] * 1.5
+    learn.save('ckpt')
+    before = [m.clone() for m in masters_of(learn)]
+    learn.fit(1, 1e-2)
+    learn.load('ckpt')
+    for a, b in zip(before, masters_of(learn)): assert torch.equal(a, b)
+
+def count_syncs(fn):
+    "How many synchronizing CUDA calls `fn` makes (torch's sync debug mode warns on each)"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')
+        try: fn()
+        finally: torch.cuda.set_sync_debug_mode(0)
+    return sum('synchroniz' in str(w.message).lower() for w in caught)
+
+@pytest.mark.parametrize("front", ['amp', 'fp16_optimizer'])
+def test_steady_state_step_makes_no_host_sync(front):
+    model = cnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if front == 'amp': model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
+    else: model = model.half(); opt = FP16_Optimizer(opt, dynamic_loss_scale=True, verbose=False)
+    data = batches(8)
+    def step(x, y):
+        x = x.half() if front == 'fp16_optimizer' else x
+        loss = F.cross_entropy(model(x).float(), y)
+        if front == 'amp':
+            with amp.scale_loss(loss, opt) as scaled: scaled.backward()
+        else: opt.backward(loss)
+        opt.step(); opt.zero_grad()
+    for x, y in data[:3]: step(x, y)                      # warm-up: allocations, optimizer state
+    torch.cuda.synchronize()
+    n = count_syncs(lambda: [step(x, y) for x, y in data[3:]])
+    assert n == 0, f"{n} host syncs in {len(data) - 3} steps"
