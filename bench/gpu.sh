@@ -19,6 +19,6 @@ t = time.time(); ext = ops.build_extension(cuda=True)
 print(f'torch {torch.__version__}, {torch.cuda.get_device_name()}: CUDA kernels built or loaded in {time.time() - t:.0f}s, has_cuda={ext.has_cuda()}')"
 step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py -k cuda -q -p no:cacheprovider -rfE --tb=short
 step "kernel benchmark" $PYTHON bench/kernels.py --device cuda --repeat 10
-step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 64 --steps 80 --max-seconds 15 \
-    --sync-sites --configs "fp32,mixedprec fp16,fastai fp16,mixedprec bf16,torch fp32,mixedprec amp O2 fp16,torch amp fp16"
+step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 60 --max-seconds 10 --sync-sites \
+    --configs "fp32,mixedprec fp16,fastai fp16,mixedprec bf16,fastai bf16,torch fp32,mixedprec amp O2 fp16,torch amp fp16"
 exit $status

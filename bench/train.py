@@ -107,13 +107,13 @@ def peak_memory(device):
 
 PLAIN = ('torch fp32', 'mixedprec amp O2 fp16', 'torch amp fp16')
 
-def plain_worker(model_kind, config, steps, max_seconds, bs, device):
+def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
     "A plain PyTorch loop with torch's AdamW: fp32; mixedprec.amp at O2 (the fused AdamW step); torch.autocast with GradScaler"
     import torch
     from torch import nn
     from mixedprec import amp
     torch.manual_seed(0)
-    x, y = make_data(model_kind, bs * steps + 512)
+    x, y = make_data(model_kind, bs * pool + 512)
     x, y = x.to(device), y.to(device)
     model = make_model(model_kind).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, **({'fused': True} if config == 'torch amp fp16' and device == 'cuda' else {}))
@@ -122,7 +122,7 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device):
     gscaler = torch.amp.GradScaler(device) if config == 'torch amp fp16' else None
     i = [0]
     def step():
-        k = i[0] % steps; i[0] += 1
+        k = i[0] % pool; i[0] += 1
         xb, yb = x[k * bs:(k + 1) * bs], y[k * bs:(k + 1) * bs]
         if gscaler:
             with torch.autocast(device, dtype=torch.float16): loss = nn.functional.cross_entropy(model(xb), yb)
@@ -141,8 +141,10 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device):
     return dict(steps=n + 2, sps=n / elapsed, acc=acc, mem=peak_memory(device), book=clock.seconds() / elapsed if clock else None, syncs=syncs,
                 sites=measure.syncs.top() if measure.syncs else '')
 
-def worker(model_kind, config, steps, max_seconds, bs, device='cpu'):
-    if config in PLAIN: return plain_worker(model_kind, config, steps, max_seconds, bs, device)
+def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0):
+    "Train `config` for up to `steps` batches from a pool of `pool` distinct batches (0: all distinct), resident on `device`"
+    pool = pool or steps
+    if config in PLAIN: return plain_worker(model_kind, config, steps, max_seconds, bs, device, pool)
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -150,11 +152,12 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu'):
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
     from fastai.optimizer import Adam
-    from fastai.callback.core import Callback, CancelFitException
+    from fastai.callback.core import Callback, CancelFitException, CancelValidException
     import mixedprec.callback as mpcb
     torch.manual_seed(0)
-    x, y = make_data(model_kind, bs * steps + 512)
-    dls = DataLoaders(DataLoader(TensorDataset(x[:-512], y[:-512]), bs=bs, shuffle=False, drop_last=True), DataLoader(TensorDataset(x[-512:], y[-512:]), bs=256), device=device)
+    x, y = make_data(model_kind, bs * pool + 512)
+    batches = lambda x, y, bs: [(x[i:i + bs].to(device), y[i:i + bs].to(device)) for i in range(0, len(x), bs)]
+    dls = DataLoaders(DataLoader(batches(x[:-512], y[:-512], bs), bs=None), DataLoader(batches(x[-512:], y[-512:], 256), bs=None), device=device)
     learn = Learner(dls, make_model(model_kind).to(device), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=2e-3)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
     clock = book_clock(device) if config.startswith('mixedprec') else None
@@ -170,6 +173,7 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu'):
         "Hand the batches to `measure` one at a time: fastai's loop runs inside it"
         order = 100
         def before_fit(self): self.n, self.t0, self.syncs = 0, None, None
+        def before_validate(self): raise CancelValidException()          # only training steps are timed
         def after_batch(self):
             if not self.training: return
             self.n += 1
@@ -185,8 +189,9 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu'):
                            sites=self.syncs.top() if self.syncs else '')
                 if clock: clock.on = False
                 raise CancelFitException()
-    learn.fit(1, cbs=[Budget()] + ([Autocast()] if config == 'autocast bf16' else []))
-    acc = (learn.get_preds()[0].argmax(1) == y[-512:].to(device)).float().mean().item()
+    learn.fit(steps // pool + 1, cbs=[Budget()] + ([Autocast()] if config == 'autocast bf16' else []))
+    learn.model.eval()
+    with torch.no_grad(): acc = torch.cat([learn.model(xb).argmax(1) == yb for xb, yb in dls.valid.dataset]).float().mean().item()
     return dict(steps=res['n'] + 2, sps=res['n'] / res['elapsed'], acc=acc, mem=peak_memory(device),
                 book=clock.seconds() / res['elapsed'] if clock else None, syncs=res['syncs'], sites=res['sites'])
 
@@ -195,13 +200,14 @@ def main():
     ap.add_argument('--models', default='cnn,transformer'); ap.add_argument('--steps', type=int, default=40)
     ap.add_argument('--max-seconds', type=float, default=60); ap.add_argument('--bs', type=int, default=64)
     ap.add_argument('--device', default='cpu'); ap.add_argument('--configs', default=','.join(CONFIGS))
+    ap.add_argument('--pool', type=int, default=0, help="distinct batches, cycled (0: every step a new batch)")
     ap.add_argument('--sync-sites', action='store_true', help="print where the host syncs happen (CUDA)")
     ap.add_argument('--worker', nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         if a.device == 'cpu':
             import warnings; warnings.simplefilter('ignore')
-        print(json.dumps(worker(a.worker[0], a.worker[1], a.steps, a.max_seconds, a.bs, a.device))); return
+        print(json.dumps(worker(a.worker[0], a.worker[1], a.steps, a.max_seconds, a.bs, a.device, a.pool))); return
     import torch
     from mixedprec.master import speed_note
     where = torch.cuda.get_device_name() if a.device == 'cuda' else f"{torch.get_num_threads()} CPU threads"
@@ -212,7 +218,8 @@ def main():
         print(f"{'configuration':<22}{'steps':>6}{'steps/s':>9}{'x fp32':>8}{mem:>13}{'accuracy':>10}{'bookkeeping':>13}" + (f"{'syncs/step':>12}" if a.device == 'cuda' else ''))
         base = None
         for cfg in a.configs.split(','):
-            out = subprocess.run([sys.executable, __file__, '--worker', model, cfg, '--steps', str(a.steps), '--max-seconds', str(a.max_seconds), '--bs', str(a.bs), '--device', a.device],
+            out = subprocess.run([sys.executable, __file__, '--worker', model, cfg, '--steps', str(a.steps), '--max-seconds', str(a.max_seconds), '--bs', str(a.bs),
+                                  '--device', a.device, '--pool', str(a.pool)],
                                  capture_output=True, text=True)
             if out.returncode: print(f"{cfg:<22} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}"); continue
             r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -116,6 +116,16 @@ def release_opt(self:MixedPrecision):
     self.masters = None
 
 @patch
+def follow_model_device(self:MixedPrecision):
+    "The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and the optimizer state after it"
+    self.release_opt()
+    self.conversion.follow_devices()
+    for state in _state_dicts(self.learn.opt):
+        for p in self.learn.model.parameters():
+            st = state.get(p)
+            if st: state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
+
+@patch
 def __getstate__(self:MixedPrecision):
     "Pickle without the master layout (it is rebuilt on the next optimizer), keeping the masters' values"
     return {**self.__dict__, 'masters': None}
@@ -164,6 +174,7 @@ def on_train_begin(self:MixedPrecision):
     if changed: raise ValueError(f"the model has fp32 params that were added or replaced after `to_fp16()` ({', '.join(changed[:5])}). "
                                  f"Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they are converted and get masters.")
     if getattr(self.learn, 'opt', None) is None or not self.conversion.masters: return
+    if any(m.device != p.device for p, m in self.conversion.masters.items()): self.follow_model_device()
     self.attach_opt()
     self.masters.sync_requires_grad()
     for p in self.learn.model.parameters(): p.grad = None

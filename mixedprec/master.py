@@ -153,12 +153,23 @@ def undo(self:ModelConversion):
     "Restore fp32 params from the masters, fp32 buffers, and remove the cast hooks"
     with torch.no_grad():
         for p, m in self.masters.items():
-            p.data = m.detach().reshape(p.shape).clone()
+            p.data = m.detach().reshape(p.shape).to(p.device, copy=True)
             if p.grad is not None: p.grad = None
         for mod, name in self.buffers: setattr(mod, name, getattr(mod, name).float())
     for h in self.hooks: h.remove()
     self.masters, self.buffers, self.hooks = {}, [], []
     return self.model
+
+@patch
+def follow_devices(self:ModelConversion) -> bool:
+    "Move each master to its model param's device, when the model moved after conversion (fastai moves it at `fit`); True if any moved"
+    moved = False
+    with torch.no_grad():
+        for p, m in list(self.masters.items()):
+            if m.device == p.device: continue
+            self.masters[p] = nn.Parameter(m.detach().reshape(p.shape).to(p.device, copy=True), requires_grad=p.requires_grad)
+            moved = True
+    return moved
 
 # %% ../nbs/02_master.ipynb #c8677a50
 def _cpu_flags() -> set:
@@ -410,6 +421,7 @@ def fused_step(optimizer, masters:MasterParams, impl:str=None) -> bool:
     if kind is None or not params or backend(params[0], impl) == 'ref' or masters.flat: return False
     half_of = {id(m): p for p, m, _ in masters.pairs}
     no_inf = torch.zeros((), dtype=torch.bool, device=params[0].device)
+    host_no_inf = torch.zeros((), dtype=torch.bool)                         # with a step count on the CPU, decided on the host
     for g in optimizer.param_groups:
         ps = [p for p in g['params'] if p.grad is not None]
         if not ps: continue
@@ -434,11 +446,14 @@ def fused_step(optimizer, masters:MasterParams, impl:str=None) -> bool:
                 if not st:
                     st['step'] = torch.zeros((), dtype=torch.float32, device=p.device if g.get('capturable') else 'cpu')
                     st['exp_avg'], st['exp_avg_sq'] = torch.zeros_like(p), torch.zeros_like(p)
-                by_step.setdefault((float(st['step']), id(p) in half_of, half_of[id(p)].dtype if id(p) in half_of else None), []).append(p)
-            for (t, with_out, _), sel in by_step.items():
-                step = torch.tensor(t, dtype=torch.float32, device=sel[0].device if sel[0].is_cuda else 'cpu')
+                on_host = st['step'].device.type == 'cpu'          # torch's layout; a capturable optimizer keeps it on the GPU
+                t = float(st['step']) if on_host else id(st['step'])    # no host read of a GPU step: such a param steps alone
+                by_step.setdefault((t, on_host, id(p) in half_of, half_of[id(p)].dtype if id(p) in half_of else None), []).append(p)
+            for (t, on_host, with_out, _), sel in by_step.items():
+                step = torch.tensor(t, dtype=torch.float32) if on_host else optimizer.state[sel[0]]['step']
                 adam_step_([p.grad for p in sel], sel, [optimizer.state[p]['exp_avg'] for p in sel], [optimizer.state[p]['exp_avg_sq'] for p in sel],
-                           [half_of[id(p)] for p in sel] if with_out else [], no_inf, step, 1., g['lr'], g['betas'][0], g['betas'][1], g['eps'],
-                           g['weight_decay'], decoupled, impl=impl)
-                for p in sel: optimizer.state[p]['step'].copy_(step)
+                           [half_of[id(p)] for p in sel] if with_out else [], host_no_inf if on_host else no_inf, step, 1., g['lr'],
+                           g['betas'][0], g['betas'][1], g['eps'], g['weight_decay'], decoupled, impl=impl)
+                if on_host:
+                    for p in sel: optimizer.state[p]['step'].copy_(step)
     return True

@@ -220,7 +220,8 @@ def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, i
             m.add_(gi.sub(m).mul(1 - beta1))
             v.mul_(beta2).add_(gi.mul(1 - beta2).mul(gi))
             root = v.double().sqrt().float()        # correctly rounded (torch's vectorised fp32 sqrt on the CPU is not always)
-            p.sub_(m.div(root.div(bc2_sqrt).add(eps)).mul(step_size))
+            # divide by a tensor on the device: torch's CUDA division by a Python scalar multiplies by its reciprocal instead
+            p.sub_(m.div(root.div(torch.tensor(bc2_sqrt, device=root.device)).add(eps)).mul(step_size))
             if out: out[i].copy_(p)
 
 # %% ../nbs/00_ops.ipynb #78ac0090

