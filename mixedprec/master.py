@@ -292,7 +292,9 @@ def stash_own_grads(self:MasterParams):
 @patch
 def masters_to_model(self:MasterParams):
     "Copy the fp32 masters into the half model params"
-    if self.pairs: scale_check_([m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs], 1.)
+    if not self.pairs: return
+    if getattr(self, '_copy_lists', None) is None: self._copy_lists = [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
+    scale_check_(*self._copy_lists, 1.)
 
 @patch
 def master_grads(self:MasterParams) -> list:

@@ -144,18 +144,27 @@ def backend(t:torch.Tensor, impl:str=None) -> str:
 
 # %% ../nbs/00_ops.ipynb #5f657f9a
 def _groups(*lists):
-    "Indices of the tensors of `lists`, grouped by device and dtypes (one fused launch each)"
-    res = {}
-    for i, ts in enumerate(zip(*lists)): res.setdefault(tuple((t.device, t.dtype) for t in ts), []).append(i)
+    "Indices of the tensors of `lists` grouped by their dtypes (one fused launch each); the kernels check the rest"
+    dtypes = [[t.dtype for t in l] for l in lists]
+    if all(len(set(d)) <= 1 for d in dtypes): return [range(len(lists[0]))]
+    keys, res = list(zip(*dtypes)), {}
+    for i, k in enumerate(keys): res.setdefault(k, []).append(i)
     return res.values()
 
+def _same_length(*lists):
+    if any(len(l) != len(lists[0]) for l in lists): raise ValueError(f"tensor lists must have the same length, got {[len(o) for o in lists]}")
+
+def _pick(l, idx):
+    "The tensors of `l` at `idx` (`l` itself when `idx` covers it)"
+    return l if len(idx) == len(l) else [l[i] for i in idx]
+
 def _scale_op(kernel:str, ref, src, dst, scale, impl):
-    "Run the fused `kernel` (one launch per device and dtype pair) or the reference `ref`; returns the combined flag"
+    "Run the fused `kernel` (one launch per dtype pair; it checks the tensors) or the reference `ref`; returns the combined flag"
     src, dst = list(src), list(dst)
-    _check_lists(src, dst)
+    _same_length(src, dst)
     ext = _ext_for(src[0], impl) if src else None
     if ext is None: return ref(src, dst, float(scale))
-    flags = [getattr(ext, kernel)([src[i] for i in g], [dst[i] for i in g], float(scale)) for g in _groups(src, dst)]
+    flags = [getattr(ext, kernel)(_pick(src, g), _pick(dst, g), float(scale)) for g in _groups(src, dst)]
     return flags[0] if len(flags) == 1 else torch.stack([f.to(src[0].device) for f in flags]).any()
 
 def scale_check_(src:list, dst:list, scale:float, impl:str=None) -> torch.Tensor:
@@ -227,9 +236,13 @@ def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, i
 # %% ../nbs/00_ops.ipynb #78ac0090
 def _step_lists(grads, params, states, out):
     grads, params, states, out = list(grads), list(params), [list(s) for s in states], list(out or [])
+    _same_length(grads, params, *[s for s in states if s], *([out] if out else []))
+    return grads, params, states, out
+
+def _check_ref_step(grads, params, states, out):
+    "The checks the kernels make, for the reference steps"
     if any(p.dtype != torch.float32 for p in params): raise ValueError("the fused optimizer steps update fp32 master params")
     _check_lists(grads, params, *[s for s in states if s], *([out] if out else []))
-    return grads, params, states, out
 
 def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, momentum:float=0., dampening:float=0., weight_decay:float=0.,
               nesterov:bool=False, first_run:bool=False, impl:str=None):
@@ -237,11 +250,12 @@ def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, mo
     grads, params, (bufs,), out = _step_lists(grads, params, [bufs if momentum else []], out)
     if not params: return
     ext = _ext_for(params[0], impl)
-    if ext is None: return sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run)
+    if ext is None:
+        _check_ref_step(grads, params, [bufs], out)
+        return sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run)
     for g in _groups(grads, out) if out else [range(len(params))]:
-        pick = lambda l: [l[i] for i in g] if l else []
-        ext.sgd_step(pick(grads), pick(params), pick(bufs), pick(out), found_inf, float(inv_scale), float(lr), float(momentum), float(dampening),
-                     float(weight_decay), bool(nesterov), bool(first_run))
+        ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [], found_inf, float(inv_scale),
+                     float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run))
 
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
                eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, impl:str=None):
@@ -249,7 +263,9 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
     grads, params, (exp_avgs, exp_avg_sqs), out = _step_lists(grads, params, [exp_avgs, exp_avg_sqs], out)
     if not params: return
     ext = _ext_for(params[0], impl)
-    if ext is None: return adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled)
+    if ext is None:
+        _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out)
+        return adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled)
     groups = list(_groups(grads, out) if out else [range(len(params))])
     if len(groups) > 1: raise ValueError("adam_step_ advances one step count: pass grads (and outs) of one dtype per call")
     ext.adam_step(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, float(inv_scale), float(lr), float(beta1), float(beta2),

@@ -21,6 +21,31 @@ void adam_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor
                     const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&, double, double, double, double, double, double, bool);
 #endif
 
+// Paired tensors of two lists: as many on each side, dense, one memory layout per pair, the same numel, floating point.
+// Checked here, for both devices, so that the Python side need not loop over the tensors on every step.
+static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* op) {
+  TORCH_CHECK_VALUE(a.size() == b.size(), op, ": tensor lists must have the same length, got ", a.size(), " and ", b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), op, ": paired tensors must have the same number of elements, tensor ", i, " has ",
+                      a[i].numel(), " and ", b[i].numel());
+    TORCH_CHECK_VALUE(a[i].is_non_overlapping_and_dense() && b[i].is_non_overlapping_and_dense() &&
+                      (a[i].strides() == b[i].strides() || (a[i].is_contiguous() && b[i].is_contiguous()) || a[i].numel() <= 1),
+                      op, ": tensor pair ", i, " is not dense or its two memory layouts differ; call .contiguous() on both");
+    TORCH_CHECK_VALUE(at::isFloatingType(a[i].scalar_type()) && at::isFloatingType(b[i].scalar_type()), op, ": tensor ", i, " is not floating point");
+  }
+}
+
+static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                             std::initializer_list<const std::vector<at::Tensor>*> states, const std::vector<at::Tensor>& out, const char* op) {
+  check_pairs(grads, params, op);
+  for (auto st : states) if (!st->empty()) check_pairs(params, *st, op);
+  if (!out.empty()) check_pairs(params, out, op);
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK_VALUE(params[i].scalar_type() == at::kFloat, op, ": the fused optimizer steps update fp32 master params, tensor ", i, " is ", params[i].scalar_type());
+  for (auto st : states)
+    for (size_t i = 0; i < st->size(); ++i) TORCH_CHECK_VALUE((*st)[i].scalar_type() == at::kFloat, op, ": optimizer state must be fp32 (tensor ", i, ")");
+}
+
 // True when the list's tensors are CUDA tensors; every tensor of every list must be on that one device.
 static bool on_cuda(std::initializer_list<const std::vector<at::Tensor>*> lists, const char* op) {
   const at::Tensor* first = nullptr;
@@ -39,6 +64,7 @@ static bool on_cuda(std::initializer_list<const std::vector<at::Tensor>*> lists,
 }
 
 at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
+  check_pairs(src, dst, "scale_check_");
 #ifdef WITH_CUDA
   if (on_cuda({&src, &dst}, "scale_check_")) return scale_check_cuda(src, dst, scale);
 #else
@@ -48,6 +74,7 @@ at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at:
 }
 
 at::Tensor scale_add_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
+  check_pairs(src, dst, "scale_add_check_");
 #ifdef WITH_CUDA
   if (on_cuda({&src, &dst}, "scale_add_check_")) return scale_add_check_cuda(src, dst, scale);
 #else
@@ -68,6 +95,7 @@ std::vector<at::Tensor> l2norm(const std::vector<at::Tensor>& ts) {
 void sgd_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
               const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, bool first_run) {
+  check_step_pairs(grads, params, {&bufs}, out, "sgd_step");
 #ifdef WITH_CUDA
   if (on_cuda({&grads, &params, &bufs, &out}, "sgd_step"))
     return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run);
@@ -80,6 +108,7 @@ void sgd_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor
 void adam_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
                const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
                const at::Tensor& step, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled) {
+  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, "adam_step");
 #ifdef WITH_CUDA
   if (on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step"))
     return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
