@@ -373,12 +373,14 @@ def move_state_to_model(self:MasterParams, state:dict):
 @patch
 def nonfinite_grads(self:MasterParams, limit:int=10) -> list:
     "Names of the model params whose grads hold inf or NaN (with which), for messages"
+    params = [p for p, _, _ in self.pairs if p.grad is not None] + [p for p in self.own if p.grad is not None]
+    if not params: return []
+    try: norms = l2norm([p.grad for p in params], per_tensor=True)[1].tolist()   # one host read: a non-finite grad has a non-finite norm
+    except (RuntimeError, ValueError): norms = [float('nan')] * len(params)       # a layout the kernel refuses: look at each
     res = []
-    for p in [p for p, _, _ in self.pairs] + self.own:
-        g = p.grad
-        if g is None or torch.isfinite(g).all(): continue
-        kind = 'nan' if torch.isnan(g).any() else 'inf'
-        res.append(f"{self.names.get(p, tuple(p.shape))} ({kind})")
+    for p, n in zip(params, norms):
+        if math.isfinite(n) or torch.isfinite(p.grad).all(): continue           # (a huge finite fp32 grad can have an inf norm)
+        res.append(f"{self.names.get(p, tuple(p.shape))} ({'nan' if torch.isnan(p.grad).any() else 'inf'})")
         if len(res) >= limit: break
     return res
 
