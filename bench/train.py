@@ -82,23 +82,34 @@ def book_clock(device):
     mpamp.fused_step = clock.wrap(mpamp.fused_step)
     return clock
 
-def measure(step, steps, max_seconds, device, clock=None):
-    "Run `step()` until `steps` or `max_seconds`; time all but the first two; returns (timed steps, seconds, syncs per step or None)"
-    import torch
+class Window:
+    "The timed part of a run: synchronizes at both ends, and runs the bookkeeping clock and (on CUDA) the sync counter in between"
+    def __init__(self, device, clock=None): self.device, self.clock, self.syncs = device, clock, SyncCounter() if device == 'cuda' else None
+    def start(self):
+        import torch
+        if self.device == 'cuda': torch.cuda.synchronize()
+        if self.clock: self.clock.on = True
+        if self.syncs: self.syncs.start()
+        self.t0 = time.perf_counter()
+    def elapsed(self): return time.perf_counter() - self.t0
+    def stop(self, n) -> dict:
+        "Steps per second, bookkeeping share and syncs per step over the `n` steps since `start`"
+        import torch
+        if self.syncs: self.syncs.stop()
+        if self.device == 'cuda': torch.cuda.synchronize()
+        elapsed = self.elapsed()
+        if self.clock: self.clock.on = False
+        return dict(timed=n, sps=n / elapsed, book=self.clock.seconds() / elapsed if self.clock else None,
+                    syncs=self.syncs.n / max(n, 1) if self.syncs else None, sites=self.syncs.top() if self.syncs else '')
+
+def measure(step, steps, max_seconds, window):
+    "Run `step()` until `steps` or `max_seconds`; time all but the first two in `window`"
     for _ in range(2): step()
-    if device == 'cuda': torch.cuda.synchronize()
-    measure.syncs = None
-    syncs = SyncCounter() if device == 'cuda' else None
-    if clock: clock.on = True
-    if syncs: syncs.start()
-    t0, n = time.perf_counter(), 0
-    while n < steps - 2 and time.perf_counter() - t0 < max_seconds:
+    window.start()
+    n = 0
+    while n < steps - 2 and window.elapsed() < max_seconds:
         step(); n += 1
-    if syncs: syncs.stop(); measure.syncs = syncs
-    if device == 'cuda': torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    if clock: clock.on = False
-    return n, elapsed, (syncs.n / max(n, 1) if syncs else None)
+    return window.stop(n)
 
 def peak_memory(device):
     import torch
@@ -134,12 +145,11 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
         else:
             nn.functional.cross_entropy(model(xb), yb).backward(); opt.step()
         opt.zero_grad()
-    n, elapsed, syncs = measure(step, steps, max_seconds, device, clock)
+    res = measure(step, steps, max_seconds, Window(device, clock))
     model.eval()
     with torch.no_grad(), torch.autocast(device, dtype=torch.float16, enabled=gscaler is not None):
         acc = (model(x[-512:]).argmax(1) == y[-512:]).float().mean().item()
-    return dict(steps=n + 2, sps=n / elapsed, acc=acc, mem=peak_memory(device), book=clock.seconds() / elapsed if clock else None, syncs=syncs,
-                sites=measure.syncs.top() if measure.syncs else '')
+    return dict(res, steps=res['timed'] + 2, acc=acc, mem=peak_memory(device))
 
 def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0):
     "Train `config` for up to `steps` batches from a pool of `pool` distinct batches (0: all distinct), resident on `device`"
@@ -168,32 +178,23 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0):
     class Autocast(Callback):
         def before_batch(self): self.ctx = torch.autocast(device, dtype=torch.bfloat16); self.ctx.__enter__()
         def after_loss(self): self.ctx.__exit__(None, None, None)
-    res = {}
+    res, window = {}, Window(device, clock)
     class Budget(Callback):
-        "Hand the batches to `measure` one at a time: fastai's loop runs inside it"
+        "Time fastai's own loop: the window opens after the second batch and closes after `steps` or `max_seconds`"
         order = 100
-        def before_fit(self): self.n, self.t0, self.syncs = 0, None, None
+        def before_fit(self): self.n = 0
         def before_validate(self): raise CancelValidException()          # only training steps are timed
         def after_batch(self):
             if not self.training: return
             self.n += 1
-            if self.n == 2:
-                if device == 'cuda': torch.cuda.synchronize()
-                if clock: clock.on = True
-                if device == 'cuda': self.syncs = SyncCounter(); self.syncs.start()
-                self.t0 = time.perf_counter()
-            if self.n >= steps or (self.t0 and time.perf_counter() - self.t0 > max_seconds):
-                if self.syncs: self.syncs.stop()
-                if device == 'cuda': torch.cuda.synchronize()
-                res.update(elapsed=time.perf_counter() - self.t0, n=self.n - 2, syncs=self.syncs.n / max(self.n - 2, 1) if self.syncs else None,
-                           sites=self.syncs.top() if self.syncs else '')
-                if clock: clock.on = False
+            if self.n == 2: window.start()
+            if self.n >= steps or (self.n > 2 and window.elapsed() > max_seconds):
+                res.update(window.stop(self.n - 2))
                 raise CancelFitException()
     learn.fit(steps // pool + 1, cbs=[Budget()] + ([Autocast()] if config == 'autocast bf16' else []))
     learn.model.eval()
     with torch.no_grad(): acc = torch.cat([learn.model(xb).argmax(1) == yb for xb, yb in dls.valid.dataset]).float().mean().item()
-    return dict(steps=res['n'] + 2, sps=res['n'] / res['elapsed'], acc=acc, mem=peak_memory(device),
-                book=clock.seconds() / res['elapsed'] if clock else None, syncs=res['syncs'], sites=res['sites'])
+    return dict(res, steps=res['timed'] + 2, acc=acc, mem=peak_memory(device))
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])

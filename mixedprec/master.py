@@ -244,6 +244,7 @@ class MasterParams:
                     offset += n
                 mg.append(fm)
             self.groups.append(mg + own)
+        self._copy_lists = [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]   # masters -> model, every step
 
     @property
     def master_params(self):
@@ -292,9 +293,7 @@ def stash_own_grads(self:MasterParams):
 @patch
 def masters_to_model(self:MasterParams):
     "Copy the fp32 masters into the half model params"
-    if not self.pairs: return
-    if getattr(self, '_copy_lists', None) is None: self._copy_lists = [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
-    scale_check_(*self._copy_lists, 1.)
+    if self.pairs: scale_check_(*self._copy_lists, 1.)
 
 @patch
 def master_grads(self:MasterParams) -> list:

@@ -26,17 +26,10 @@ static std::vector<Span> spans_of(const std::vector<at::Tensor>& ts) {
   return res;
 }
 
-static void check_lists(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* op) {
-  TORCH_CHECK(a.size() == b.size(), op, ": tensor lists must have the same length, got ", a.size(), " and ", b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    TORCH_CHECK(a[i].device().is_cpu() && b[i].device().is_cpu(), op, ": the CPU kernels take CPU tensors (tensor ", i, ")");
-    TORCH_CHECK(a[i].is_non_overlapping_and_dense() && b[i].is_non_overlapping_and_dense() &&
-                (a[i].strides() == b[i].strides() || (a[i].is_contiguous() && b[i].is_contiguous())),
-                op, ": tensor pair ", i, " is not dense or its two memory layouts differ; call .contiguous() on both");
-    TORCH_CHECK(a[i].numel() == b[i].numel(), op, ": paired tensors must have the same number of elements, tensor ", i, " has ",
-                a[i].numel(), " and ", b[i].numel());
-    TORCH_CHECK(at::isFloatingType(a[i].scalar_type()) && at::isFloatingType(b[i].scalar_type()), op, ": tensor ", i, " is not floating point");
-  }
+// The bindings (mixedprec.cpp) check the tensor pairs for every device before they dispatch here, and that every tensor
+// of a call is on the first tensor's device; the CPU kernels only need that device to be the CPU.
+static void require_cpu(const std::vector<at::Tensor>& ts, const char* op) {
+  TORCH_CHECK(ts.empty() || ts[0].device().is_cpu(), op, ": the CPU kernels take CPU tensors, got ", ts[0].device());
 }
 
 using Vec = at::vec::Vectorized<float>;
@@ -90,7 +83,7 @@ static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
 
 template <bool Add>
 static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const char* op) {
-  check_lists(src, dst, op);
+  require_cpu(src, op);
   auto spans = spans_of(src);
   std::atomic<bool> found{false};
   const float sc = static_cast<float>(scale);
@@ -170,25 +163,12 @@ template <typename O> static void copy_out(const float* p, O* o, int64_t n) {
   for (; i < n; ++i) o[i] = static_cast<O>(p[i]);
 }
 
-static void check_step_lists(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
-                             const std::vector<std::vector<at::Tensor>>& states, const std::vector<at::Tensor>& out, const char* op) {
-  check_lists(grads, params, op);
-  for (auto& st : states) check_lists(params, st, op);
-  if (!out.empty()) check_lists(params, out, op);
-  for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(params[i].scalar_type() == at::kFloat, op, ": master params must be fp32, tensor ", i, " is ", params[i].scalar_type());
-  for (auto& st : states)
-    for (size_t i = 0; i < st.size(); ++i) TORCH_CHECK(st[i].scalar_type() == at::kFloat, op, ": optimizer state must be fp32 (tensor ", i, ")");
-}
-
 // SGD on fp32 masters from (half) grads times `inv_scale`, as torch.optim.SGD computes it; writes the half
 // model copy in the same pass. Does nothing when `found_inf` is set.
 void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                   const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov, bool first_run) {
-  std::vector<std::vector<at::Tensor>> states;
-  if (momentum != 0) states.push_back(bufs);
-  check_step_lists(grads, params, states, out, "sgd_step");
+  require_cpu(params, "sgd_step");
   if (found_inf.item<bool>()) return;
   auto spans = spans_of(params);
   const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening, wd = weight_decay;
@@ -246,7 +226,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
                    const at::Tensor& step, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
                    bool decoupled) {
   TORCH_CHECK(step.device().is_cpu() && step.scalar_type() == at::kFloat && step.numel() == 1, "adam_step: step must be a 1-element fp32 CPU tensor");
-  check_step_lists(grads, params, {exp_avgs, exp_avg_sqs}, out, "adam_step");
+  require_cpu(params, "adam_step");
   if (found_inf.item<bool>()) return;
   float* stp = step.data_ptr<float>();
   *stp += 1.f;

@@ -36,9 +36,9 @@ static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::
 }
 
 static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
-                             std::initializer_list<const std::vector<at::Tensor>*> states, const std::vector<at::Tensor>& out, const char* op) {
+                             const std::vector<const std::vector<at::Tensor>*>& states, const std::vector<at::Tensor>& out, const char* op) {
   check_pairs(grads, params, op);
-  for (auto st : states) if (!st->empty()) check_pairs(params, *st, op);
+  for (auto st : states) check_pairs(params, *st, op);          // state lists the step uses: as long as params
   if (!out.empty()) check_pairs(params, out, op);
   for (size_t i = 0; i < params.size(); ++i)
     TORCH_CHECK_VALUE(params[i].scalar_type() == at::kFloat, op, ": the fused optimizer steps update fp32 master params, tensor ", i, " is ", params[i].scalar_type());
@@ -63,24 +63,23 @@ static bool on_cuda(std::initializer_list<const std::vector<at::Tensor>*> lists,
 #endif
 }
 
-at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
-  check_pairs(src, dst, "scale_check_");
+// dst = src*scale (Add: dst += src*scale) on either device; the flag says whether src held inf or nan.
+template <bool Add>
+at::Tensor scale_op(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const char* op) {
+  check_pairs(src, dst, op);
 #ifdef WITH_CUDA
-  if (on_cuda({&src, &dst}, "scale_check_")) return scale_check_cuda(src, dst, scale);
+  if (on_cuda({&src, &dst}, op)) return Add ? scale_add_check_cuda(src, dst, scale) : scale_check_cuda(src, dst, scale);
 #else
-  on_cuda({&src, &dst}, "scale_check_");
+  on_cuda({&src, &dst}, op);
 #endif
-  return scale_check_cpu(src, dst, scale);
+  return Add ? scale_add_check_cpu(src, dst, scale) : scale_check_cpu(src, dst, scale);
 }
 
+at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
+  return scale_op<false>(src, dst, scale, "scale_check_");
+}
 at::Tensor scale_add_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
-  check_pairs(src, dst, "scale_add_check_");
-#ifdef WITH_CUDA
-  if (on_cuda({&src, &dst}, "scale_add_check_")) return scale_add_check_cuda(src, dst, scale);
-#else
-  on_cuda({&src, &dst}, "scale_add_check_");
-#endif
-  return scale_add_check_cpu(src, dst, scale);
+  return scale_op<true>(src, dst, scale, "scale_add_check_");
 }
 
 std::vector<at::Tensor> l2norm(const std::vector<at::Tensor>& ts) {
@@ -95,7 +94,8 @@ std::vector<at::Tensor> l2norm(const std::vector<at::Tensor>& ts) {
 void sgd_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
               const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, bool first_run) {
-  check_step_pairs(grads, params, {&bufs}, out, "sgd_step");
+  check_step_pairs(grads, params, momentum != 0 ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
+                   out, "sgd_step");
 #ifdef WITH_CUDA
   if (on_cuda({&grads, &params, &bufs, &out}, "sgd_step"))
     return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run);
