@@ -146,6 +146,9 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
             nn.functional.cross_entropy(model(xb), yb).backward(); opt.step()
         opt.zero_grad()
     res = measure(step, steps, max_seconds, Window(device, clock))
+    if clock and device == 'cuda':                         # the host's books lag one step: how often it had to wait for them
+        waits = amp._state.scalers[0].waits
+        res['sites'] = (res['sites'] + '; ' if res['sites'] else '') + f"the scaler's drain waited for the device {waits} times in {res['timed'] + 2} steps"
     model.eval()
     with torch.no_grad(), torch.autocast(device, dtype=torch.float16, enabled=gscaler is not None):
         acc = (model(x[-512:]).argmax(1) == y[-512:]).float().mean().item()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
-from .master import convert_model, masters_for, MasterParams, to_fp32, check_half_dtype, unscale_step, fused_step, HALF_DTYPES
+from .master import convert_model, masters_for, MasterParams, to_fp32, check_half_dtype, unscale_step, fused_step, decides_on_device, HALF_DTYPES
 
 # %% ../nbs/05_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -59,8 +59,10 @@ class AmpState:
 _state = None
 
 class _OptimizerAmp:
-    "Per-optimizer amp state: its masters and whether its next `step` is skipped"
-    def __init__(self, masters): self.masters, self.skip_next, self.last_skipped, self.holds_scaled, self.loss_finite = masters, False, False, False, True
+    "Per-optimizer amp state: its masters, and whether its next `step` is skipped (a host bool, or `found`: a flag on the device)"
+    def __init__(self, optimizer, masters):
+        self.optimizer, self.masters, self.skip_next, self.last_skipped, self.holds_scaled, self.loss_finite = optimizer, masters, False, False, False, True
+        self.found = self.last_found = None
 
 def _autocast_forward(model, dtype):
     "Wrap `model.forward` in `torch.autocast` for `dtype`, returning fp32 outputs (O1)"
@@ -78,6 +80,10 @@ def _wrap_optimizer(opt, amp_opt, verbosity):
     @functools.wraps(orig_step)
     def step(closure=None):
         if closure is not None: raise NotImplementedError("amp does not support optimizer closures: call optimizer.step() after the scale_loss block")
+        found, amp_opt.found, amp_opt.last_found = amp_opt.found, None, amp_opt.found
+        if found is not None:                                 # decided on the device: the kernels skip there
+            if fused_step(opt, amp_opt.masters, found_inf=found): return None
+            if found.item(): return None                      # (the optimizer changed since: decide on the host)
         amp_opt.last_skipped = amp_opt.skip_next
         if amp_opt.skip_next:
             amp_opt.skip_next = False
@@ -133,7 +139,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
             mp.move_state_to_masters(o.state)
             for g, mg in zip(o.param_groups, mp.groups): g['params'] = mg
         else: mp = MasterParams(groups, {}, names=names)
-        amp_opt = _OptimizerAmp(mp)
+        amp_opt = _OptimizerAmp(o, mp)
         _wrap_optimizer(o, amp_opt, verbosity)
         _state.optimizers.append(o)
     if verbosity: print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale {props['loss_scale']}, {num_losses} scaler(s)")
@@ -161,19 +167,23 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
     if not _state.enabled:
         yield loss; return
     amps = _amp_of(optimizers)
+    on_device = all(decides_on_device(a.optimizer, a.masters) for a in amps)     # no host sync in the step
     finite = torch.isfinite(loss.detach()).all()
     for a in amps:
         if not a.holds_scaled: a.masters.stash_own_grads()
-    yield loss.float() * scaler.scale
+    yield loss.float() * (scaler.device_scale(loss.device)[0] if on_device else scaler.scale)
     if delay_unscale:
         for a in amps: a.holds_scaled, a.loss_finite = True, finite & a.loss_finite
         return
     for a in amps: finite, a.loss_finite = finite & a.loss_finite, True
-    skipped = unscale_step([a.masters for a in amps], scaler, loss_finite=finite, accumulate=True)
+    if on_device:
+        for s in _state.scalers: s.drain()           # every loss's last step, before these grads overwrite the ones that name its overflows
+    skipped = unscale_step([a.masters for a in amps], scaler, loss_finite=finite, accumulate=True, on_device=on_device)
     for a in amps:
         a.holds_scaled = False
         a.masters.zero_model_grads()
-        if skipped: a.skip_next = True
+        if on_device: a.found = skipped if a.found is None else a.found | skipped
+        elif skipped: a.skip_next = True
 
 # %% ../nbs/05_amp.ipynb #939c780f
 def master_params(optimizer):
@@ -181,8 +191,9 @@ def master_params(optimizer):
     for g in optimizer.param_groups: yield from g['params']
 
 def skipped(optimizer) -> bool:
-    "True if the last `step()` of `optimizer` was skipped because its grads overflowed"
-    return _amp_of(optimizer)[0].last_skipped
+    "True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was decided on the device)"
+    a = _amp_of(optimizer)[0]
+    return bool(a.last_found) if a.last_found is not None else a.last_skipped
 
 def history(loss_id:int=0):
     "The `StepRecord`s of the scaler of `loss_id`"

@@ -9,7 +9,7 @@ __all__ = ['FP16_Optimizer']
 import torch
 from fastcore.basics import patch
 from .scaler import LossScaler, ScalingError
-from .master import MasterParams, masters_for, unscale_step, fused_step, HALF_DTYPES
+from .master import MasterParams, masters_for, unscale_step, fused_step, decides_on_device, HALF_DTYPES
 
 # %% ../nbs/04_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor'}
@@ -46,6 +46,8 @@ class FP16_Optimizer:
 
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale")
     skipped = property(lambda self: self.scaler.skipped, doc="True if the last step was skipped")
+    overflow = property(lambda self: bool(self._overflow), lambda self, v: setattr(self, '_overflow', v),
+                        doc="True if the grads overflowed: the step will be skipped (a host read when that was decided on the device)")
     history = property(lambda self: self.scaler.history, doc="A `StepRecord` per step")
     param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's param groups (holding the masters)")
     state = property(lambda self: self.optimizer.state, doc="The wrapped optimizer's state (keyed by the masters)")
@@ -75,19 +77,21 @@ def backward(self:FP16_Optimizer, loss:torch.Tensor, update_master_grads:bool=Tr
     "`(loss.float()*loss_scale).backward()`, then (by default) unscale the grads into the fp32 masters"
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1: raise ValueError("backward takes the scalar loss tensor")
     self.loss_finite = self.loss_finite & torch.isfinite(loss.detach()).all()
-    (loss.float() * self.scaler.scale).backward(retain_graph=retain_graph)
+    scale = self.scaler.device_scale(loss.device)[0] if decides_on_device(self.optimizer, self.masters) else self.scaler.scale
+    (loss.float() * scale).backward(retain_graph=retain_graph)
     if update_master_grads: self.update_master_grads()
 
 @patch
 def update_master_grads(self:FP16_Optimizer):
     "Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale"
     finite, self.loss_finite = self.loss_finite, True
-    self.overflow = unscale_step(self.masters, self.scaler, loss_finite=finite)
+    self.overflow = unscale_step(self.masters, self.scaler, loss_finite=finite, on_device=decides_on_device(self.optimizer, self.masters))
 
 @patch
 def step(self:FP16_Optimizer, closure=None):
     "Step the fp32 masters and copy them into the model; skip when the grads overflowed"
     if closure is not None: return self._step_with_closure(closure)
+    if isinstance(self._overflow, torch.Tensor) and fused_step(self.optimizer, self.masters, found_inf=self._overflow): return None
     if self.overflow: return None
     if fused_step(self.optimizer, self.masters): return None
     res = self.optimizer.step()

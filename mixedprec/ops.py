@@ -28,18 +28,19 @@ def _check_lists(*lists):
 def _scale_ref(src, dst, scale, add):
     "`dst[i] = src[i].float()*scale` (or `+=` with `add`) in `dst[i]`'s dtype; flag if any `src` element is inf or nan"
     _check_lists(src, dst)
+    one = not isinstance(scale, torch.Tensor) and scale == 1.
     if not src: return torch.zeros((), dtype=torch.bool)
     found = torch.zeros((), dtype=torch.bool, device=src[0].device)
     with torch.no_grad():
         for s, d in zip(src, dst):
             found |= ~torch.isfinite(s).all()
             if add: d.add_(s.float().mul(scale).view_as(d))
-            elif scale == 1. and s.dtype == torch.float32: d.copy_(s.view_as(d))
+            elif one and s.dtype == torch.float32: d.copy_(s.view_as(d))
             else: d.copy_(s.float().mul(scale).view_as(d))
     return found
 
-def scale_check_ref_(src:list, dst:list, scale:float) -> torch.Tensor:
-    "Reference: `dst[i] = src[i].float()*scale` in `dst[i]`'s dtype; flag if any `src` element is inf or nan"
+def scale_check_ref_(src:list, dst:list, scale) -> torch.Tensor:
+    "Reference: `dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number or a 1-element fp32 tensor); flag if any `src` element is inf or nan"
     return _scale_ref(src, dst, scale, add=False)
 
 # %% ../nbs/00_ops.ipynb #4fdec047
@@ -162,22 +163,25 @@ def _scale_op(kernel:str, ref, src, dst, scale, impl):
     "Run the fused `kernel` (one launch per dtype pair; it checks the tensors) or the reference `ref`; returns the combined flag"
     src, dst = list(src), list(dst)
     _same_length(src, dst)
+    on_device = isinstance(scale, torch.Tensor)             # a scale the device computed: the kernels read it there
+    if on_device and (scale.dtype != torch.float32 or scale.numel() != 1): raise ValueError(f"a tensor scale must be a 1-element fp32 tensor, got {scale.dtype} of shape {tuple(scale.shape)}")
     ext = _ext_for(src[0], impl) if src else None
-    if ext is None: return ref(src, dst, float(scale))
-    flags = [getattr(ext, kernel)(_pick(src, g), _pick(dst, g), float(scale)) for g in _groups(src, dst)]
+    if ext is None: return ref(src, dst, scale if on_device else float(scale))
+    args = (1., scale) if on_device else (float(scale), None)
+    flags = [getattr(ext, kernel)(_pick(src, g), _pick(dst, g), *args) for g in _groups(src, dst)]
     return flags[0] if len(flags) == 1 else torch.stack([f.to(src[0].device) for f in flags]).any()
 
-def scale_check_(src:list, dst:list, scale:float, impl:str=None) -> torch.Tensor:
-    "`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype; returns a 0-dim bool tensor, True if any `src` element is inf or nan"
+def scale_check_(src:list, dst:list, scale, impl:str=None) -> torch.Tensor:
+    "`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number, or a 1-element fp32 tensor on the tensors' device); returns a 0-dim bool tensor, True if any `src` element is inf or nan"
     return _scale_op('scale_check', scale_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/00_ops.ipynb #a9896ed1
-def scale_add_check_ref_(src:list, dst:list, scale:float) -> torch.Tensor:
+def scale_add_check_ref_(src:list, dst:list, scale) -> torch.Tensor:
     "Reference: `dst[i] += src[i].float()*scale`; flag if any `src` element is inf or nan"
     return _scale_ref(src, dst, scale, add=True)
 
-def scale_add_check_(src:list, dst:list, scale:float, impl:str=None) -> torch.Tensor:
-    "`dst[i] += src[i].float()*scale` (fp32 math); returns a 0-dim bool tensor, True if any `src` element is inf or nan"
+def scale_add_check_(src:list, dst:list, scale, impl:str=None) -> torch.Tensor:
+    "`dst[i] += src[i].float()*scale` (fp32 math; `scale` as for `scale_check_`); returns a 0-dim bool tensor, True if any `src` element is inf or nan"
     return _scale_op('scale_add_check', scale_add_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/00_ops.ipynb #93b06a87
@@ -215,14 +219,13 @@ def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0
             p.sub_(gi.mul(lr))
             if out: out[i].copy_(p)
 
-def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0., decoupled=True):
-    "Reference: torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 `params`; `step` (a 0-dim fp32 tensor) advances"
+def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0., decoupled=True):
+    "Reference: torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 `params`; `steps[i]`: param i's step count before this step (not advanced here)"
     if bool(found_inf): return
     with torch.no_grad():
-        step += 1
-        t = step.item()
-        step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t)
         for i, (g, p, m, v) in enumerate(zip(grads, params, exp_avgs, exp_avg_sqs)):
+            t = steps[i].item() + 1
+            step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t)
             gi = g.float().mul(inv_scale)
             if decoupled: p.mul_(1 - lr * weight_decay)
             elif weight_decay: gi = gi.add(p.mul(weight_decay))
@@ -257,16 +260,27 @@ def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, mo
         ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [], found_inf, float(inv_scale),
                      float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run))
 
+def _advance(steps, found_inf):
+    "Add 1 to each distinct step count unless `found_inf` is set, on the counts' device (no host read of a device flag)"
+    distinct = list({id(s): s for s in steps}.values())
+    if any(s.dtype != torch.float32 or s.numel() != 1 for s in distinct): raise ValueError("step counts must be 1-element fp32 tensors, as torch's Adam keeps them")
+    if any(s.device != distinct[0].device for s in distinct): raise ValueError("the step counts of one call must be on one device")
+    flag = found_inf if isinstance(found_inf, torch.Tensor) else torch.tensor(bool(found_inf))
+    torch._foreach_add_(distinct, (~flag.to(distinct[0].device, torch.bool)).float())
+
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
                eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, impl:str=None):
     "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, writing the half copy into `out`; a no-op when `found_inf` is set"
     grads, params, (exp_avgs, exp_avg_sqs), out = _step_lists(grads, params, [exp_avgs, exp_avg_sqs], out)
     if not params: return
+    steps = [step] * len(params) if isinstance(step, torch.Tensor) else list(step)    # one count for all, or one per param
+    _same_length(params, steps)
     ext = _ext_for(params[0], impl)
     if ext is None:
         _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out)
-        return adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled)
-    groups = list(_groups(grads, out) if out else [range(len(params))])
-    if len(groups) > 1: raise ValueError("adam_step_ advances one step count: pass grads (and outs) of one dtype per call")
-    ext.adam_step(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, float(inv_scale), float(lr), float(beta1), float(beta2),
-                  float(eps), float(weight_decay), bool(decoupled))
+        adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled)
+    else:
+        for g in _groups(grads, out) if out else [range(len(params))]:
+            ext.adam_step(_pick(grads, g), _pick(params, g), _pick(exp_avgs, g), _pick(exp_avg_sqs, g), _pick(out, g) if out else [], found_inf,
+                          _pick(steps, g), float(inv_scale), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled))
+    _advance(steps, found_inf)                              # after the update, which used count + 1: a refused call changes nothing

@@ -31,3 +31,12 @@ def same_or_close(a, b, impl, rtol=1e-6, atol=1e-9):
     "Bit for bit with the reference ops; to fp32 rounding with the fused kernels, whose sums run in another order"
     if impl == 'ref': assert torch.equal(a, b), (a, b)
     else: torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+@pytest.fixture(params=['host', 'device'])
+def decide(request):
+    "Run a test with the skip decided on the host, then on the device (which the CPU does too here); yields where"
+    from mixedprec import master
+    old = master.DECIDE_ON_DEVICE
+    master.set_decide_on_device('never' if request.param == 'host' else 'always')
+    yield request.param
+    master.set_decide_on_device(old)

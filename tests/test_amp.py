@@ -1,6 +1,7 @@
 import copy
 import numpy as np
 import pytest, torch
+pytestmark = pytest.mark.usefixtures("decide")   # every test: the skip decided on the host, and on the device
 from torch import nn
 from mixedprec import amp
 

@@ -219,20 +219,22 @@ void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Te
   });
 }
 
-// Adam (L2 weight decay) or AdamW (decoupled) on fp32 masters, as torch.optim.Adam/AdamW compute them. `step` is the
-// fp32 step count (torch keeps it as a 0-dim tensor in the state); it advances only when the step is taken.
+// Adam (L2 weight decay) or AdamW (decoupled) on fp32 masters, as torch.optim.Adam/AdamW compute them. `steps[i]` is
+// tensor i's fp32 step count before this step (torch keeps it as a 0-dim tensor in the state); the caller advances it afterwards.
 void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
                    const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
-                   const at::Tensor& step, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
-                   bool decoupled) {
-  TORCH_CHECK(step.device().is_cpu() && step.scalar_type() == at::kFloat && step.numel() == 1, "adam_step: step must be a 1-element fp32 CPU tensor");
+                   const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool decoupled) {
   require_cpu(params, "adam_step");
   if (found_inf.item<bool>()) return;
-  float* stp = step.data_ptr<float>();
-  *stp += 1.f;
-  const double step_size = lr / (1.0 - std::pow(beta1, (double)*stp)), bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, (double)*stp));
+  std::vector<float> step_size(params.size()), bc2_sqrt(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double t = steps[i].item<float>() + 1.0;    // this step's count; the caller advances it afterwards
+    step_size[i] = lr / (1.0 - std::pow(beta1, t));
+    bc2_sqrt[i] = std::sqrt(1.0 - std::pow(beta2, t));
+  }
   auto spans = spans_of(params);
-  const float isc = inv_scale, b1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps, ss = step_size, bc = bc2_sqrt;
+  const float isc = inv_scale, b1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
   const float decay = decoupled ? 1.0 - lr * weight_decay : 1.0f, l2 = decoupled ? 0.0f : (float)weight_decay;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
@@ -240,6 +242,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
       float* p = params[s.tensor].data_ptr<float>() + s.begin;
       float* m = exp_avgs[s.tensor].data_ptr<float>() + s.begin;
       float* v = exp_avg_sqs[s.tensor].data_ptr<float>() + s.begin;
+      const float ss = step_size[s.tensor], bc = bc2_sqrt[s.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_adam", [&] {
         const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + s.begin;
         int64_t i = 0;

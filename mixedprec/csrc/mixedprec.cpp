@@ -10,15 +10,15 @@ std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>&);
 void sgd_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                   const at::Tensor&, double, double, double, double, double, bool, bool);
 void adam_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                   const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&, double, double, double, double, double, double, bool);
+                   const std::vector<at::Tensor>&, const at::Tensor&, const std::vector<at::Tensor>&, double, double, double, double, double, double, bool);
 #ifdef WITH_CUDA
-at::Tensor scale_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
-at::Tensor scale_add_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
+at::Tensor scale_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
+at::Tensor scale_add_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 std::vector<at::Tensor> l2norm_cuda(const std::vector<at::Tensor>&);
 void sgd_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                    const at::Tensor&, double, double, double, double, double, bool, bool);
 void adam_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                    const std::vector<at::Tensor>&, const at::Tensor&, const at::Tensor&, double, double, double, double, double, double, bool);
+                    const std::vector<at::Tensor>&, const at::Tensor&, const std::vector<at::Tensor>&, double, double, double, double, double, double, bool);
 #endif
 
 // Paired tensors of two lists: as many on each side, dense, one memory layout per pair, the same numel, floating point.
@@ -63,23 +63,36 @@ static bool on_cuda(std::initializer_list<const std::vector<at::Tensor>*> lists,
 #endif
 }
 
-// dst = src*scale (Add: dst += src*scale) on either device; the flag says whether src held inf or nan.
+// dst = src*scale (Add: dst += src*scale) on either device; the flag says whether src held inf or nan. The scale is the
+// number `scale`, or `scale_tensor` (a 1-element fp32 tensor on the tensors' device) when given: the CUDA kernels read
+// it on the device, so a scale the device computed (the loss scale's inverse, a clip coefficient) costs no host sync.
 template <bool Add>
-at::Tensor scale_op(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const char* op) {
+at::Tensor scale_op(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
+                    const c10::optional<at::Tensor>& scale_tensor, const char* op) {
   check_pairs(src, dst, op);
+  const bool has_tensor = scale_tensor.has_value() && scale_tensor->defined();
+  if (has_tensor) {
+    TORCH_CHECK_VALUE(scale_tensor->scalar_type() == at::kFloat && scale_tensor->numel() == 1, op, ": a tensor scale must be a 1-element fp32 tensor");
+    TORCH_CHECK_VALUE(src.empty() || scale_tensor->device() == src[0].device(), op, ": the tensor scale must be on the tensors' device (",
+                      src.empty() ? "" : src[0].device().str(), "), got ", scale_tensor->device());
+  }
 #ifdef WITH_CUDA
-  if (on_cuda({&src, &dst}, op)) return Add ? scale_add_check_cuda(src, dst, scale) : scale_check_cuda(src, dst, scale);
+  if (on_cuda({&src, &dst}, op)) {
+    const float* ptr = has_tensor ? scale_tensor->data_ptr<float>() : nullptr;
+    return Add ? scale_add_check_cuda(src, dst, scale, ptr) : scale_check_cuda(src, dst, scale, ptr);
+  }
 #else
   on_cuda({&src, &dst}, op);
 #endif
+  if (has_tensor) scale = scale_tensor->item<float>();           // a CPU tensor: reading it costs nothing
   return Add ? scale_add_check_cpu(src, dst, scale) : scale_check_cpu(src, dst, scale);
 }
 
-at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
-  return scale_op<false>(src, dst, scale, "scale_check_");
+at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const c10::optional<at::Tensor>& scale_tensor) {
+  return scale_op<false>(src, dst, scale, scale_tensor, "scale_check_");
 }
-at::Tensor scale_add_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale) {
-  return scale_op<true>(src, dst, scale, "scale_add_check_");
+at::Tensor scale_add_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const c10::optional<at::Tensor>& scale_tensor) {
+  return scale_op<true>(src, dst, scale, scale_tensor, "scale_add_check_");
 }
 
 std::vector<at::Tensor> l2norm(const std::vector<at::Tensor>& ts) {
@@ -107,15 +120,21 @@ void sgd_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor
 
 void adam_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
                const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
-               const at::Tensor& step, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled) {
+               const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
+               bool decoupled) {
   check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, "adam_step");
+  TORCH_CHECK_VALUE(steps.size() == params.size(), "adam_step: one step count per param, got ", steps.size(), " for ", params.size(), " params");
+  for (size_t i = 0; i < steps.size(); ++i)
+    TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == params[i].device(),
+                      "adam_step: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
+                      "), got ", steps[i].scalar_type(), " on ", steps[i].device());
 #ifdef WITH_CUDA
   if (on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step"))
-    return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
+    return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
 #else
   on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step");
 #endif
-  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
+  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
 }
 
 }  // namespace mixedprec
@@ -123,8 +142,10 @@ void adam_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("scale_check", &mixedprec::scale_check, "dst[i] = src[i]*scale in dst's dtype; returns a bool flag: any inf/nan in src", nogil);
-  m.def("scale_add_check", &mixedprec::scale_add_check, "dst[i] += src[i]*scale (fp32 math, no FMA); returns a bool flag: any inf/nan in src", nogil);
+  m.def("scale_check", &mixedprec::scale_check, "dst[i] = src[i]*scale in dst's dtype; returns a bool flag: any inf/nan in src",
+        py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("scale_tensor") = py::none(), nogil);
+  m.def("scale_add_check", &mixedprec::scale_add_check, "dst[i] += src[i]*scale (fp32 math, no FMA); returns a bool flag: any inf/nan in src",
+        py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("scale_tensor") = py::none(), nogil);
   m.def("l2norm", &mixedprec::l2norm, "Global L2 norm (fp32, 0-dim) and per-tensor norms (fp32, 1-d) of a list of tensors", nogil);
   m.def("has_cuda", []() {
 #ifdef WITH_CUDA
@@ -134,5 +155,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "True when this build holds the CUDA kernels");
   m.def("sgd_step", &mixedprec::sgd_step, "torch.optim.SGD's step on fp32 masters from grads*inv_scale, writing the half copy; a no-op when found_inf is set", nogil);
-  m.def("adam_step", &mixedprec::adam_step, "torch.optim.Adam/AdamW's step on fp32 masters from grads*inv_scale, writing the half copy; a no-op when found_inf is set", nogil);
+  m.def("adam_step", &mixedprec::adam_step, "torch.optim.Adam/AdamW's step on fp32 masters from grads*inv_scale with per-tensor step counts (used plus one; the caller advances them), writing the half copy; a no-op when found_inf is set", nogil);
 }

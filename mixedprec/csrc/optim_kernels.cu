@@ -1,6 +1,6 @@
 // Fused SGD and Adam/AdamW steps on fp32 masters: read the (half) grads, unscale, update the master and its
-// state, write the half model copy. When the overflow flag is set every block returns at once, and the Adam
-// step counter does not move: the skip is decided on the device, with no host sync.
+// state, write the half model copy. When the overflow flag is set every block returns at once: the skip is decided
+// on the device, with no host sync (the caller advances Adam's step counts by 1 - flag, on the device too).
 #include "multi_tensor_apply.cuh"
 
 namespace mixedprec {
@@ -30,12 +30,12 @@ template <typename G, typename O> struct SgdFunctor {
 };
 
 // The scalars arrive as the host computes them (in double, rounded once to float), as the reference's Python scalars do;
-// the per-step factors come from the step count: `host_step` when the host advanced it, else the device counter `step`.
+// the per-step factors come from each tensor's own step count (t.scalar[slot], on the device) plus one; the caller
+// advances the counts afterwards, on the device, unless the flag is set.
 template <typename G, typename O> struct AdamFunctor {
   template <typename Table>
-  __device__ void operator()(int64_t chunk, const int* noop, Table& t, const float* step, double host_step, float inv_scale, double lr,
-                             double beta1, double beta2, float omb1, float b2, float omb2, float eps, float l2, float decay,
-                             bool decoupled, bool has_out) {
+  __device__ void operator()(int64_t chunk, const int* noop, Table& t, float inv_scale, double lr, double beta1, double beta2,
+                             float omb1, float b2, float omb2, float eps, float l2, float decay, bool decoupled, bool has_out) {
     if (*noop) return;
     int64_t begin, end;
     const int slot = block_range(t, chunk, begin, end);
@@ -44,7 +44,7 @@ template <typename G, typename O> struct AdamFunctor {
     float* m = static_cast<float*>(t.addr[2][slot]);
     float* v = static_cast<float*>(t.addr[3][slot]);
     O* o = has_out ? static_cast<O*>(t.addr[4][slot]) : nullptr;
-    const double s = step ? (double)*step : host_step;
+    const double s = (double)*t.scalar[slot] + 1.0;           // this step's count; the caller advances it afterwards
     const float step_size = (float)(lr / (1.0 - pow(beta1, s)));
     const float bc2_sqrt = (float)sqrt(1.0 - pow(beta2, s));
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
@@ -60,15 +60,15 @@ template <typename G, typename O> struct AdamFunctor {
   }
 };
 
-__global__ void advance_step_kernel(const int* noop, float* step) { if (!*noop) *step += 1.f; }
-
-static at::Tensor as_int_flag(const at::Tensor& found_inf) { return found_inf.to(at::kInt); }
+// The overflow flag as the kernels' int no-op flag, on the params' device (a CPU flag is copied there).
+static at::Tensor as_int_flag(const at::Tensor& found_inf, const at::Tensor& like) { return found_inf.to(like.device(), at::kInt); }
 
 void sgd_step_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                    const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
                    double dampening, double weight_decay, bool nesterov, bool first_run) {
   if (params.empty()) return;
-  auto flag = as_int_flag(found_inf);
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  auto flag = as_int_flag(found_inf, params[0]);
   const bool has_out = !out.empty();
   const auto& m = momentum != 0 ? bufs : params;      // an unused list when there is no momentum
   const auto& o = has_out ? out : params;
@@ -81,31 +81,15 @@ void sgd_step_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::T
   });
 }
 
-// `step` on the device: it advances there, unless the device flag `found_inf` is set (no host sync). `step` on the CPU
-// (torch's layout for a non-capturable optimizer): then `found_inf` must be a CPU tensor too, and the host advances it.
+// `steps[i]` is tensor i's step count before this step, a 1-element fp32 tensor on the device (torch's capturable layout);
+// the caller advances it afterwards when the step is taken. The skip is decided on the device from `found_inf` (no host sync).
 void adam_step_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
                     const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
-                    const at::Tensor& step, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
-                    bool decoupled) {
+                    const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, bool decoupled) {
   if (params.empty()) return;
-  TORCH_CHECK(step.scalar_type() == at::kFloat && step.numel() == 1, "adam_step: step must be a 1-element fp32 tensor");
   const c10::cuda::CUDAGuard guard(params[0].device());
-  at::Tensor flag;
-  double host_step = 0;
-  if (step.is_cuda()) {
-    flag = as_int_flag(found_inf);
-    advance_step_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(flag.data_ptr<int>(), step.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {
-    TORCH_CHECK(found_inf.device().is_cpu(), "adam_step: with the step count on the CPU, found_inf must be a CPU tensor too "
-                "(keep both on the GPU to decide the skip there)");
-    if (found_inf.item<bool>()) return;
-    float* stp = step.data_ptr<float>();
-    *stp += 1.f;
-    host_step = *stp;
-    flag = at::zeros({}, params[0].options().dtype(at::kInt));
-  }
-  const float* device_step = step.is_cuda() ? step.data_ptr<float>() : nullptr;
+  auto flag = as_int_flag(found_inf, params[0]);
   const bool has_out = !out.empty();
   const auto& o = has_out ? out : params;
   const float omb1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
@@ -113,8 +97,8 @@ void adam_step_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_adam_cuda", [&] {
     using G = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o[0].scalar_type(), "mixedprec_adam_cuda_out", [&] {
-      multi_tensor_apply<5>(flag, {grads, params, exp_avgs, exp_avg_sqs, o}, AdamFunctor<G, scalar_t>(), device_step, host_step,
-                            (float)inv_scale, lr, beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out);
+      multi_tensor_apply_with_scalars<5>(flag, {grads, params, exp_avgs, exp_avg_sqs, o}, steps, AdamFunctor<G, scalar_t>(),
+                                         (float)inv_scale, lr, beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out);
     });
   });
 }
