@@ -6,6 +6,7 @@
 # GPU is lent and put them in the README.
 #   bash bench/gpu.sh                  # with the project's .venv (made if missing)
 #   PYTHON=python3 bash bench/gpu.sh   # with another Python that has torch, fastai and pytest
+#   PROFILE=1 bash bench/gpu.sh        # then also the device time per op of the fastai loop's half configurations
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then test -x .venv/bin/python || make .venv/.installed; PYTHON=.venv/bin/python; fi
@@ -21,4 +22,8 @@ step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py -k cu
 step "kernel benchmark" $PYTHON bench/kernels.py --device cuda --repeat 10
 step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 60 --max-seconds 10 --sync-sites \
     --configs "fp32,mixedprec fp16,fastai fp16,mixedprec bf16,fastai bf16,torch fp32,mixedprec amp O2 fp16,torch amp fp16"
+if [ "${PROFILE:-0}" = 1 ]; then    # PROFILE=1: where the device time goes in the fastai loop, mixedprec's bf16 against fastai's
+step "profile" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 12 --max-seconds 30 --profile \
+    --configs "mixedprec fp16,mixedprec bf16,fastai bf16"
+fi
 exit $status

@@ -154,7 +154,7 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
         acc = (model(x[-512:]).argmax(1) == y[-512:]).float().mean().item()
     return dict(res, steps=res['timed'] + 2, acc=acc, mem=peak_memory(device))
 
-def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0):
+def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0, profile=False):
     "Train `config` for up to `steps` batches from a pool of `pool` distinct batches (0: all distinct), resident on `device`"
     pool = pool or steps
     if config in PLAIN: return plain_worker(model_kind, config, steps, max_seconds, bs, device, pool)
@@ -182,6 +182,17 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0):
         def before_batch(self): self.ctx = torch.autocast(device, dtype=torch.bfloat16); self.ctx.__enter__()
         def after_loss(self): self.ctx.__exit__(None, None, None)
     res, window = {}, Window(device, clock)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if device == 'cuda' else torch.profiler.ProfilerActivity.CPU],
+                                  schedule=torch.profiler.schedule(wait=2, warmup=2, active=5)) if profile else None
+    class Profile(Callback):
+        "With --profile: the device time of each op over 5 steps (the timings of such a run are not comparable)"
+        order = 99
+        def before_fit(self): prof.start()
+        def after_batch(self): prof.step() if self.training else None
+        def after_fit(self):
+            prof.stop()
+            key = 'self_device_time_total' if device == 'cuda' else 'self_cpu_time_total'
+            res['profile'] = prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
     class Budget(Callback):
         "Time fastai's own loop: the window opens after the second batch and closes after `steps` or `max_seconds`"
         order = 100
@@ -194,7 +205,7 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0):
             if self.n >= steps or (self.n > 2 and window.elapsed() > max_seconds):
                 res.update(window.stop(self.n - 2))
                 raise CancelFitException()
-    learn.fit(steps // pool + 1, cbs=[Budget()] + ([Autocast()] if config == 'autocast bf16' else []))
+    learn.fit(steps // pool + 1, cbs=[Budget()] + ([Autocast()] if config == 'autocast bf16' else []) + ([Profile()] if profile else []))
     learn.model.eval()
     with torch.no_grad(): acc = torch.cat([learn.model(xb).argmax(1) == yb for xb, yb in dls.valid.dataset]).float().mean().item()
     return dict(res, steps=res['timed'] + 2, acc=acc, mem=peak_memory(device))
@@ -206,12 +217,13 @@ def main():
     ap.add_argument('--device', default='cpu'); ap.add_argument('--configs', default=','.join(CONFIGS))
     ap.add_argument('--pool', type=int, default=0, help="distinct batches, cycled (0: every step a new batch)")
     ap.add_argument('--sync-sites', action='store_true', help="print where the host syncs happen (CUDA)")
+    ap.add_argument('--profile', action='store_true', help="fastai configs: print the device time per op over 5 steps (timings then not comparable)")
     ap.add_argument('--worker', nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         if a.device == 'cpu':
             import warnings; warnings.simplefilter('ignore')
-        print(json.dumps(worker(a.worker[0], a.worker[1], a.steps, a.max_seconds, a.bs, a.device, a.pool))); return
+        print(json.dumps(worker(a.worker[0], a.worker[1], a.steps, a.max_seconds, a.bs, a.device, a.pool, a.profile))); return
     import torch
     from mixedprec.master import speed_note
     where = torch.cuda.get_device_name() if a.device == 'cuda' else f"{torch.get_num_threads()} CPU threads"
@@ -223,7 +235,7 @@ def main():
         base = None
         for cfg in a.configs.split(','):
             out = subprocess.run([sys.executable, __file__, '--worker', model, cfg, '--steps', str(a.steps), '--max-seconds', str(a.max_seconds), '--bs', str(a.bs),
-                                  '--device', a.device, '--pool', str(a.pool)],
+                                  '--device', a.device, '--pool', str(a.pool)] + (['--profile'] if a.profile else []),
                                  capture_output=True, text=True)
             if out.returncode: print(f"{cfg:<22} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}"); continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -232,5 +244,6 @@ def main():
             syncs = f"{r['syncs']:>12.1f}" if r.get('syncs') is not None else ''
             print(f"{cfg:<22}{r['steps']:>6}{r['sps']:>9.2f}{r['sps'] / base:>8.2f}{r['mem']:>13.0f}{r['acc']:>10.3f}{book:>13}{syncs}")
             if r.get('sites') and a.sync_sites: print(f"{'':<22}syncs at: {r['sites']}")
+            if r.get('profile'): print(r['profile'])
 
 if __name__ == '__main__': main()
