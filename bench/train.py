@@ -42,18 +42,18 @@ def make_data(kind, n, seed=0):
     return ids, w[ids].sum(1).argmax(1)
 
 class Clock:
-    "Time mixedprec's own bookkeeping: host time on the CPU; on CUDA, the device time between events around each call"
-    def __init__(self, device): self.device, self.host, self.events, self.on = device, 0., [], False
-    def wrap(self, f):
+    "Time mixedprec's calls by kind: host time on the CPU; on CUDA, the device time between events around each call"
+    def __init__(self, device): self.device, self.host, self.events, self.on = device, {}, {}, False
+    def wrap(self, f, kind='book'):
         import torch
         def g(*a, **k):
             if not self.on: return f(*a, **k)
             if self.device == 'cuda':
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(); r = f(*a, **k); e1.record(); self.events.append((e0, e1)); return r
-            t = time.perf_counter(); r = f(*a, **k); self.host += time.perf_counter() - t; return r
+                e0.record(); r = f(*a, **k); e1.record(); self.events.setdefault(kind, []).append((e0, e1)); return r
+            t = time.perf_counter(); r = f(*a, **k); self.host[kind] = self.host.get(kind, 0.) + time.perf_counter() - t; return r
         return g
-    def seconds(self): return self.host + sum(a.elapsed_time(b) for a, b in self.events) / 1000
+    def seconds(self, kind='book'): return self.host.get(kind, 0.) + sum(a.elapsed_time(b) for a, b in self.events.get(kind, [])) / 1000
 
 class SyncCounter:
     "Count synchronizing CUDA calls (torch's sync debug mode warns on each) while on"
@@ -79,7 +79,7 @@ def book_clock(device):
     clock = Clock(device)
     mpcb.unscale_step, mpamp.unscale_step = clock.wrap(mpcb.unscale_step), clock.wrap(mpamp.unscale_step)
     for name in ('masters_to_model', 'zero_model_grads'): setattr(master.MasterParams, name, clock.wrap(getattr(master.MasterParams, name)))
-    mpamp.fused_step = clock.wrap(mpamp.fused_step)
+    mpamp.fused_step = clock.wrap(mpamp.fused_step, 'step')      # the optimizer itself, with the unscale-free master->model copy fused in
     return clock
 
 class Window:
@@ -100,6 +100,7 @@ class Window:
         elapsed = self.elapsed()
         if self.clock: self.clock.on = False
         return dict(timed=n, sps=n / elapsed, book=self.clock.seconds() / elapsed if self.clock else None,
+                    fused=self.clock.seconds('step') / elapsed if self.clock else None,
                     syncs=self.syncs.n / max(n, 1) if self.syncs else None, sites=self.syncs.top() if self.syncs else '')
 
 def measure(step, steps, max_seconds, window):
@@ -148,7 +149,8 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
     res = measure(step, steps, max_seconds, Window(device, clock))
     if clock and device == 'cuda':                         # the host's books lag one step: how often it had to wait for them
         waits = amp._state.scalers[0].waits
-        res['sites'] = (res['sites'] + '; ' if res['sites'] else '') + f"the scaler's drain waited for the device {waits} times in {res['timed'] + 2} steps"
+        res['sites'] = (res['sites'] + '; ' if res['sites'] else '') + (f"the scaler's drain waited for the device {waits} times in {res['timed'] + 2} steps; "
+                                                                         f"the fused optimizer step (not counted as bookkeeping) took {100 * res['fused']:.1f}% of the time")
     model.eval()
     with torch.no_grad(), torch.autocast(device, dtype=torch.float16, enabled=gscaler is not None):
         acc = (model(x[-512:]).argmax(1) == y[-512:]).float().mean().item()
@@ -182,17 +184,16 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0, pro
         def before_batch(self): self.ctx = torch.autocast(device, dtype=torch.bfloat16); self.ctx.__enter__()
         def after_loss(self): self.ctx.__exit__(None, None, None)
     res, window = {}, Window(device, clock)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if device == 'cuda' else torch.profiler.ProfilerActivity.CPU],
-                                  schedule=torch.profiler.schedule(wait=2, warmup=2, active=5)) if profile else None
+    key = 'self_device_time_total' if device == 'cuda' else 'self_cpu_time_total'
+    table = lambda p: res.__setitem__('profile', p.key_averages().table(sort_by=key, row_limit=16, max_name_column_width=70))
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == 'cuda' else []),
+                                  schedule=torch.profiler.schedule(wait=2, warmup=2, active=5, repeat=1), on_trace_ready=table) if profile else None
     class Profile(Callback):
-        "With --profile: the device time of each op over 5 steps (the timings of such a run are not comparable)"
+        "With --profile: the time of each op over steps 5 to 9 (the timings of such a run are not comparable)"
         order = 99
         def before_fit(self): prof.start()
         def after_batch(self): prof.step() if self.training else None
-        def after_fit(self):
-            prof.stop()
-            key = 'self_device_time_total' if device == 'cuda' else 'self_cpu_time_total'
-            res['profile'] = prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
+        def after_fit(self): prof.stop()
     class Budget(Callback):
         "Time fastai's own loop: the window opens after the second batch and closes after `steps` or `max_seconds`"
         order = 100

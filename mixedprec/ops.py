@@ -266,7 +266,8 @@ def _advance(steps, found_inf):
     if any(s.dtype != torch.float32 or s.numel() != 1 for s in distinct): raise ValueError("step counts must be 1-element fp32 tensors, as torch's Adam keeps them")
     if any(s.device != distinct[0].device for s in distinct): raise ValueError("the step counts of one call must be on one device")
     flag = found_inf if isinstance(found_inf, torch.Tensor) else torch.tensor(bool(found_inf))
-    torch._foreach_add_(distinct, (~flag.to(distinct[0].device, torch.bool)).float())
+    step = (~flag.to(distinct[0].device, torch.bool)).float()
+    torch._foreach_add_(distinct, [step] * len(distinct))   # a list: adding one 0-dim tensor to a list reads it on the host
 
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
                eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, impl:str=None):
