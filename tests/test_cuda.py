@@ -130,14 +130,14 @@ def test_masters_follow_the_model_to_the_gpu():
     conv.undo()
     assert all(p.is_cuda and p.dtype == torch.float32 for p in model.parameters())
 
-def count_syncs(fn):
-    "How many synchronizing CUDA calls `fn` makes (torch's sync debug mode warns on each)"
+def sync_sites(fn) -> list:
+    "Where `fn` makes synchronizing CUDA calls (torch's sync debug mode warns on each): 'file:line' per call"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         torch.cuda.set_sync_debug_mode('warn')
         try: fn()
         finally: torch.cuda.set_sync_debug_mode(0)
-    return sum('synchroniz' in str(w.message).lower() for w in caught)
+    return [f"{w.filename.split('/')[-1]}:{w.lineno}" for w in caught if 'synchroniz' in str(w.message).lower()]
 
 @pytest.mark.parametrize("front", ['amp', 'fp16_optimizer'])
 def test_steady_state_step_makes_no_host_sync(front):
@@ -158,8 +158,10 @@ def test_steady_state_step_makes_no_host_sync(front):
         opt.step(); opt.zero_grad()
     for x, y in data[:3]: step(x, y)                      # warm-up: allocations, optimizer state, the scale's device copy
     torch.cuda.synchronize()
-    counts = [count_syncs(lambda: step(x, y)) for x, y in data[3:]]
+    sync_sites(lambda: torch.zeros(1, device='cuda').item())   # the process's first use of the debug mode may add a sync of its own
+    sites = [sync_sites(lambda: step(x, y)) for x, y in data[3:]]
     hist = list(amp.history() if front == 'amp' else opt.history)
     after_skip = [hist[i - 1].skipped for i in range(3, len(data))]
-    assert len(hist) == len(data) and sum(counts) < len(counts) * 6
-    assert all(n == 0 for n, s in zip(counts, after_skip) if not s), (counts, after_skip)
+    assert len(hist) == len(data)
+    assert all(not s for s, skip in zip(sites, after_skip) if not skip), (sites, after_skip)
+    assert all(len(s) <= 6 for s in sites), sites                # naming an overflowed step's params: a few reads
