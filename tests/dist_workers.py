@@ -18,11 +18,12 @@ def mlp():
 
 def shard(t, rank, world): return t if world == 1 else t[rank * BS:(rank + 1) * BS]
 
-def fp16_optimizer(rank, world, inject_rank=1, agree=True):
+def fp16_optimizer(rank, world, inject_rank=1, agree=True, decide='cuda'):
     "FP16_Optimizer over a DDP-wrapped half model; an inf written into rank `inject_rank`'s grads after DDP's reduction"
     from mixedprec.fp16_optimizer import FP16_Optimizer
-    from mixedprec import distributed
+    from mixedprec import distributed, master
     distributed.set_process_group(None, enabled=agree)
+    master.set_decide_on_device(decide)            # 'always': the skip decided on the device (here the CPU), as on GPUs
     model = mlp().half()
     net = DDP(model) if world > 1 else model
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), dynamic_loss_scale=True,
@@ -37,9 +38,10 @@ def fp16_optimizer(rank, world, inject_rank=1, agree=True):
     return dict(params=[p.detach().clone() for p in model.parameters()], masters=[m.detach().clone() for _, m, _ in opt.masters.pairs],
                 scaler=opt.scaler.state_dict(), skipped=[r.skipped for r in opt.history], norms=[r.grad_norm for r in opt.history])
 
-def amp_no_sync(rank, world):
+def amp_no_sync(rank, world, decide='cuda'):
     "amp O2 with two micro-batches per step, the first under no_sync; an inf on rank 0 after the reduction"
-    from mixedprec import amp
+    from mixedprec import amp, master
+    master.set_decide_on_device(decide)
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0)

@@ -47,6 +47,13 @@ def test_amp_with_no_sync_accumulation(tmp_path):
     identical(r0, r1)
     assert r0['skipped'] == [False, False, False, True, False, False]
 
+@pytest.mark.parametrize("scenario,args", [('fp16_optimizer', (1, True, 'always')), ('amp_no_sync', ('always',))])
+def test_ranks_agree_when_the_skip_is_decided_on_the_device(scenario, args, tmp_path):
+    # the all-reduced flags feed the device-side scale update and the kernels' skip: the same decision on every rank
+    r0, r1 = spawn(scenario, tmp_path, *args)
+    identical(r0, r1)
+    assert r0['skipped'] == [False, False, False, True, False, False]
+
 def test_fastai_callback_flat_masters_and_a_checkpoint_that_loads_in_one_process(tmp_path):
     r0, r1 = spawn('fastai_callback', tmp_path)
     identical(r0, r1)
