@@ -220,6 +220,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.ops.sgd_step_ref_': ('ops.html#sgd_step_ref_', 'mixedprec/ops.py'),
                                'mixedprec.ops.warn_once': ('ops.html#warn_once', 'mixedprec/ops.py')},
             'mixedprec.scaler': { 'mixedprec.scaler.LossScaler': ('scaler.html#lossscaler', 'mixedprec/scaler.py'),
+                                  'mixedprec.scaler.LossScaler.__getstate__': ( 'scaler.html#lossscaler.__getstate__',
+                                                                                'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.__init__': ('scaler.html#lossscaler.__init__', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.__repr__': ('scaler.html#lossscaler.__repr__', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler._say': ('scaler.html#lossscaler._say', 'mixedprec/scaler.py'),

@@ -219,3 +219,8 @@ def drain(self:LossScaler):
         finally: self._draining = False
         msg = self.hopeless()
         if msg: raise ScalingError(msg + (f" Params with non-finite grads: {', '.join(params)}." if params else ''))
+@patch
+def __getstate__(self:LossScaler) -> dict:
+    "Pickle (fastai's `export`, `copy.deepcopy`) the host state only: the pending steps are taken in first, the device copy restarts"
+    self.drain()
+    return {**self.__dict__, '_pending': deque(), '_dev': None}

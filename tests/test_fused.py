@@ -141,6 +141,35 @@ def test_adam_step_matches_torch_over_many_steps(cls, decoupled, wd):
         torch.testing.assert_close(m, opt.state[ref]['exp_avg'], rtol=1e-4, atol=1e-6)
         assert step.item() == opt.state[ref]['step'].item() == 49
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_per_param_step_counts(device):
+    # torch keeps one count per param; params added later (or loaded) have other counts than the rest: each uses its own
+    def run(impl):
+        g = torch.Generator().manual_seed(4)
+        sizes = [7, CHUNK + 3, 40]
+        params = [torch.randn(n, generator=g).to(device) for n in sizes]
+        m, v = [torch.zeros(n, device=device) for n in sizes], [torch.zeros(n, device=device) for n in sizes]
+        steps = [torch.tensor(float(t), device=device) for t in (0, 5, 2)]
+        out = [torch.empty(n, dtype=torch.half, device=device) for n in sizes]
+        for i in range(4):
+            grads = [torch.randn(n, generator=g).half().to(device) for n in sizes]
+            ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1, device=device), steps, 1., 1e-2, 0.9, 0.99, 1e-8, 0.1, True, impl=impl)
+        return params + m + v + out + steps
+    ref, fused = run('ref'), run('fused')
+    for a, b in zip(ref, fused): torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [s.item() for s in fused[-3:]] == [3., 8., 5.]
+    with pytest.raises(ValueError, match='same length'):
+        ops.adam_step_([torch.ones(2)], [torch.ones(2)], [torch.zeros(2)], [torch.zeros(2)], [], torch.tensor(False), [], 1., 0.1, impl='fused')
+
+def test_a_tensor_scale_is_read_like_a_number():
+    src = [torch.randn(100).half(), torch.randn(CHUNK + 1)]
+    a, b = [torch.empty(100), torch.empty(CHUNK + 1)], [torch.empty(100), torch.empty(CHUNK + 1)]
+    for impl in ('ref', 'fused'):
+        ops.scale_check_(src, a, 1 / 3, impl=impl); ops.scale_check_(src, b, torch.tensor(1 / 3), impl=impl)
+        for x, y in zip(a, b): assert torch.equal(x, y)
+    with pytest.raises(ValueError, match='1-element fp32'): ops.scale_check_(src, a, torch.tensor([1., 2.]))
+    with pytest.raises(ValueError, match='1-element fp32'): ops.scale_check_(src, a, torch.tensor(1., dtype=torch.float64))
+
 def test_flagged_step_changes_nothing():
     p, m, v, step = torch.randn(100), torch.randn(100).abs(), torch.randn(100).abs(), torch.tensor(3.)
     before = [t.clone() for t in (p, m, v, step)]

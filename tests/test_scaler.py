@@ -106,3 +106,42 @@ def test_scaler_follows_the_design_rules_for_any_sequence(flags, noskip, start, 
             if clean == noskip: scale, clean = min(scale * 2, max_scale), 0
         assert skipped == (f != 'clean') and sc.scale == scale and min_scale <= sc.scale <= max_scale and sc.scale > 0
     assert sc.n_skipped == sum(f != 'clean' for f in flags) and sc.n_steps == len(flags)
+
+from mixedprec.scaler import CODES
+
+@settings(max_examples=150, deadline=None)
+@given(codes=st.lists(st.sampled_from([0, 0, 0, 1, 2, 3]), max_size=40), noskip=st.integers(1, 4), dynamic=st.booleans(),
+       start=st.sampled_from([1., 3., 2.**16]), factor=st.sampled_from([2., 1.5, 3.]), cap_exp=st.integers(0, 3))
+def test_device_decisions_match_the_host_for_any_sequence(codes, noskip, dynamic, start, factor, cap_exp):
+    "update_on_device (the rules as tensor ops) and update (the rules in Python) agree step by step: scale, counters, history"
+    kw = dict(loss_scale=start, dynamic=dynamic, max_noskip=noskip, max_scale=start * factor ** cap_exp, factor=factor,
+              max_overflow_at_min=10**6, max_bad_loss=10**6)
+    host, dev = LossScaler(**kw), LossScaler(**kw)
+    for c in codes:
+        scale, inv = dev.device_scale('cpu')             # the scale this step uses, as the host has it
+        assert scale.item() == float(torch.tensor(host.scale, dtype=torch.float32)) and inv.item() == float(torch.tensor(1 / host.scale, dtype=torch.float32))
+        host.update(c != 0, CODES[c] if c else 'overflow', grad_norm=1.5 if c in (0, 3) else None)
+        found = dev.update_on_device(torch.tensor(c), grad_norm=torch.tensor(1.5))
+        assert bool(found) == (c != 0)
+        assert dev.state_dict() == host.state_dict()
+    assert list(dev.history) == list(host.history)
+
+def test_hopeless_is_raised_when_the_host_takes_the_step_in():
+    sc = LossScaler(loss_scale=2., max_overflow_at_min=2)
+    names = lambda: ['0.weight (inf)']
+    for _ in range(2):
+        sc.device_scale('cpu'); sc.update_on_device(torch.tensor(1), name_params=names)
+    sc.device_scale('cpu')
+    with pytest.raises(ScalingError, match=r"minimum loss scale.*0\.weight \(inf\)"): sc.update_on_device(torch.tensor(1), name_params=names)
+    assert sc.history[-1].params == ('0.weight (inf)',) and sc.n_skipped == 3
+
+def test_a_host_change_restarts_the_device_copy():
+    sc = LossScaler(loss_scale=8.)
+    sc.device_scale('cpu'); sc.update_on_device(torch.tensor(1))          # 8 -> 4 on the device, taken in on the host
+    assert sc.scale == 4. and sc.device_scale('cpu')[0].item() == 4.
+    sc.load_state_dict({**sc.state_dict(), 'scale': 64.})
+    assert sc.device_scale('cpu')[0].item() == 64.
+    sc.scale = 2.
+    assert sc.device_scale('cpu')[1].item() == 0.5
+    with pytest.raises(RuntimeError, match='device_scale'):
+        LossScaler().update_on_device(torch.tensor(0))
