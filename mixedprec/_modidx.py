@@ -195,6 +195,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.ops._check_impl': ('ops.html#_check_impl', 'mixedprec/ops.py'),
                                'mixedprec.ops._check_lists': ('ops.html#_check_lists', 'mixedprec/ops.py'),
                                'mixedprec.ops._check_ref_step': ('ops.html#_check_ref_step', 'mixedprec/ops.py'),
+                               'mixedprec.ops._check_steps': ('ops.html#_check_steps', 'mixedprec/ops.py'),
                                'mixedprec.ops._ext_for': ('ops.html#_ext_for', 'mixedprec/ops.py'),
                                'mixedprec.ops._fused': ('ops.html#_fused', 'mixedprec/ops.py'),
                                'mixedprec.ops._groups': ('ops.html#_groups', 'mixedprec/ops.py'),

@@ -246,6 +246,7 @@ class MasterParams:
                 mg.append(fm)
             self.groups.append(mg + own)
         self._copy_lists = [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]   # masters -> model, every step
+        self._half_of = {id(m): p for p, m, _ in self.pairs}                               # master -> half param, every fused step
 
     @property
     def master_params(self):
@@ -474,7 +475,7 @@ def fused_step(optimizer, masters:MasterParams, impl:str=None, found_inf:torch.T
     kind = _fusable(optimizer)
     params = [p for g in optimizer.param_groups for p in g['params'] if p.grad is not None]
     if kind is None or not params or backend(params[0], impl) == 'ref' or masters.flat: return False
-    half_of = {id(m): p for p, m, _ in masters.pairs}
+    half_of = masters._half_of
     flag = found_inf if found_inf is not None else torch.zeros((), dtype=torch.bool, device=params[0].device)
     for g in optimizer.param_groups:
         ps = [p for p in g['params'] if p.grad is not None]

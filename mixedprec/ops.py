@@ -260,14 +260,18 @@ def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, mo
         ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [], found_inf, float(inv_scale),
                      float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run))
 
-def _advance(steps, found_inf):
-    "Add 1 to each distinct step count unless `found_inf` is set, on the counts' device (no host read of a device flag)"
-    distinct = list({id(s): s for s in steps}.values())
-    if any(s.dtype != torch.float32 or s.numel() != 1 for s in distinct): raise ValueError("step counts must be 1-element fp32 tensors, as torch's Adam keeps them")
-    if any(s.device != distinct[0].device for s in distinct): raise ValueError("the step counts of one call must be on one device")
+def _advance(step, steps, found_inf):
+    "Add 1 to the step count(s) unless `found_inf` is set, on their device (no host read of a device flag)"
     flag = found_inf if isinstance(found_inf, torch.Tensor) else torch.tensor(bool(found_inf))
-    step = (~flag.to(distinct[0].device, torch.bool)).float()
-    torch._foreach_add_(distinct, [step] * len(distinct))   # a list: adding one 0-dim tensor to a list reads it on the host
+    inc = (~flag.to(steps[0].device, torch.bool)).float()
+    if isinstance(step, torch.Tensor): step.add_(inc)                # one count shared by all params
+    else: torch._foreach_add_(steps, [inc] * len(steps))           # as a list: adding one 0-dim tensor to a list reads it on the host
+
+def _check_steps(steps, params):
+    "The checks the kernels make of the step counts, for the reference"
+    for s, p in zip(steps, params):
+        if s.dtype != torch.float32 or s.numel() != 1: raise ValueError("step counts must be 1-element fp32 tensors, as torch's Adam keeps them")
+        if s.device != p.device: raise ValueError(f"a step count must be on its param's device ({p.device}), got {s.device}")
 
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
                eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, impl:str=None):
@@ -276,12 +280,15 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
     if not params: return
     steps = [step] * len(params) if isinstance(step, torch.Tensor) else list(step)    # one count for all, or one per param
     _same_length(params, steps)
+    if not isinstance(step, torch.Tensor) and len(set(map(id, steps))) != len(steps):
+        raise ValueError("a list of step counts holds one per param; for one count shared by all params pass that tensor itself")
     ext = _ext_for(params[0], impl)
     if ext is None:
         _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out)
+        _check_steps(steps, params)
         adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled)
     else:
         for g in _groups(grads, out) if out else [range(len(params))]:
             ext.adam_step(_pick(grads, g), _pick(params, g), _pick(exp_avgs, g), _pick(exp_avg_sqs, g), _pick(out, g) if out else [], found_inf,
                           _pick(steps, g), float(inv_scale), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled))
-    _advance(steps, found_inf)                              # after the update, which used count + 1: a refused call changes nothing
+    _advance(step, steps, found_inf)                        # after the update, which used count + 1: a refused call changes nothing

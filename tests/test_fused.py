@@ -158,8 +158,14 @@ def test_adam_per_param_step_counts(device):
     ref, fused = run('ref'), run('fused')
     for a, b in zip(ref, fused): torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert [s.item() for s in fused[-3:]] == [3., 8., 5.]
-    with pytest.raises(ValueError, match='same length'):
-        ops.adam_step_([torch.ones(2)], [torch.ones(2)], [torch.zeros(2)], [torch.zeros(2)], [], torch.tensor(False), [], 1., 0.1, impl='fused')
+    args = lambda n: ([torch.ones(2)] * n, [torch.ones(2) for _ in range(n)], [torch.zeros(2) for _ in range(n)], [torch.zeros(2) for _ in range(n)], [])
+    with pytest.raises(ValueError, match='same length'): ops.adam_step_(*args(1), torch.tensor(False), [], 1., 0.1, impl='fused')
+    shared = torch.zeros(())
+    with pytest.raises(ValueError, match='one per param'): ops.adam_step_(*args(2), torch.tensor(False), [shared, shared], 1., 0.1, impl='fused')
+    for impl in ('ref', 'fused'):
+        with pytest.raises(ValueError, match='1-element fp32'): ops.adam_step_(*args(1), torch.tensor(False), [torch.zeros((), dtype=torch.float64)], 1., 0.1, impl=impl)
+    ops.adam_step_(*args(2), torch.tensor(False), shared, 1., 0.1, impl='fused')
+    assert shared.item() == 1.                              # one shared count advances once per call
 
 def test_a_tensor_scale_is_read_like_a_number():
     src = [torch.randn(100).half(), torch.randn(CHUNK + 1)]
