@@ -225,6 +225,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.__init__': ('scaler.html#lossscaler.__init__', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.__repr__': ('scaler.html#lossscaler.__repr__', 'mixedprec/scaler.py'),
+                                  'mixedprec.scaler.LossScaler.__setstate__': ( 'scaler.html#lossscaler.__setstate__',
+                                                                                'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler._say': ('scaler.html#lossscaler._say', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.device_scale': ( 'scaler.html#lossscaler.device_scale',
                                                                                 'mixedprec/scaler.py'),

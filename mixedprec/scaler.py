@@ -219,8 +219,16 @@ def drain(self:LossScaler):
         finally: self._draining = False
         msg = self.hopeless()
         if msg: raise ScalingError(msg + (f" Params with non-finite grads: {', '.join(params)}." if params else ''))
+_DRAINED = tuple(k for k, v in vars(LossScaler).items() if isinstance(v, _Drained))     # the host attributes that drain first
+
 @patch
 def __getstate__(self:LossScaler) -> dict:
     "Pickle (fastai's `export`, `copy.deepcopy`) the host state only: the pending steps are taken in first, the device copy restarts"
     self.drain()
     return {**self.__dict__, '_pending': deque(), '_dev': None}
+
+@patch
+def __setstate__(self:LossScaler, state:dict):
+    "Unpickle, also a scaler pickled before the device path existed (its attributes were plain)"
+    state = {('_' + k if k in _DRAINED else k): v for k, v in state.items()}
+    self.__dict__.update({'_pending': deque(), '_draining': False, '_dev': None, 'waits': 0, **state})
