@@ -179,6 +179,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master._fusable': ('master.html#_fusable', 'mixedprec/master.py'),
                                   'mixedprec.master._kept_modules': ('master.html#_kept_modules', 'mixedprec/master.py'),
                                   'mixedprec.master._loss_bad': ('master.html#_loss_bad', 'mixedprec/master.py'),
+                                  'mixedprec.master._unscale_and_agree': ('master.html#_unscale_and_agree', 'mixedprec/master.py'),
                                   'mixedprec.master._unscale_on_device': ('master.html#_unscale_on_device', 'mixedprec/master.py'),
                                   'mixedprec.master.cast_floats': ('master.html#cast_floats', 'mixedprec/master.py'),
                                   'mixedprec.master.check_half_dtype': ('master.html#check_half_dtype', 'mixedprec/master.py'),

@@ -399,15 +399,19 @@ def _loss_bad(loss_finite, device) -> torch.Tensor:
     if isinstance(loss_finite, torch.Tensor): return ~loss_finite.to(device, torch.bool)
     return torch.full((), not loss_finite, dtype=torch.bool, device=device)
 
+def _unscale_and_agree(group, inv_scale, accumulate, loss_finite, device) -> torch.Tensor:
+    "Unscale into every `MasterParams` of `group`; (grads overflowed, loss non-finite) as an int tensor on `device`, the same on every rank"
+    flags = [m.grads_to_masters(inv_scale, accumulate=accumulate) for m in group]
+    if not flags: grads_bad = torch.zeros((), dtype=torch.bool, device=device)
+    else: grads_bad = flags[0].to(device) if len(flags) == 1 else torch.stack([f.to(device) for f in flags]).any()
+    return agree(torch.stack([grads_bad, _loss_bad(loss_finite, device)]).int())
+
 def _unscale_on_device(group, scaler, clip, loss_finite, accumulate, input_finite) -> torch.Tensor:
     "`unscale_step` with the decision left on the device: returns the skip flag; the scaler's host books follow at `drain`"
     if clip is not None and len(group) != 1: raise ValueError("clip needs a single MasterParams")
     scaler.drain()                                   # the step before: its grads are still in the masters, to be named on overflow
     device = group[0].device()
-    _, inv_scale = scaler.device_scale(device)
-    flags = [m.grads_to_masters(inv_scale, accumulate=accumulate) for m in group]
-    grads_bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-    both = agree(torch.stack([grads_bad, _loss_bad(loss_finite, device)]).int())   # the same decision on every rank
+    both = _unscale_and_agree(group, scaler.device_scale(device)[1], accumulate, loss_finite, device)
     code = torch.where(both[1] > 0, 2, torch.where(both[0] > 0, 1, 0))              # an index into CODES
     norm = None
     if clip is not None:
@@ -422,11 +426,8 @@ def unscale_step(masters, scaler:LossScaler, clip:float=None, loss_finite=True, 
     group = masters if isinstance(masters, (list, tuple)) else [masters]
     if on_device: return _unscale_on_device(group, scaler, clip, loss_finite, accumulate, input_finite)
     reason, norm = 'overflow', None
-    flags = [m.grads_to_masters(1. / scaler.scale, accumulate=accumulate) for m in group]
-    device = flags[0].device if flags else torch.device('cpu')
-    grads_bad = torch.stack([f.to(device) for f in flags]).any() if flags else torch.zeros((), dtype=torch.bool)
-    both = agree(torch.stack([grads_bad.to(device), _loss_bad(loss_finite, device)]).int())   # the same decision on every rank
-    grads_bad, loss_bad = both.tolist()                                     # the step's one host sync
+    device = group[0].device() if group else torch.device('cpu')
+    grads_bad, loss_bad = _unscale_and_agree(group, 1. / scaler.scale, accumulate, loss_finite, device).tolist()   # the step's one host sync
     found = bool(grads_bad or loss_bad)
     if loss_bad:
         reason = 'nonfinite_input' if not (input_finite() if callable(input_finite) else input_finite) else 'nonfinite_loss'

@@ -28,6 +28,8 @@ def _check_lists(*lists):
 def _scale_ref(src, dst, scale, add):
     "`dst[i] = src[i].float()*scale` (or `+=` with `add`) in `dst[i]`'s dtype; flag if any `src` element is inf or nan"
     _check_lists(src, dst)
+    if isinstance(scale, torch.Tensor) and (scale.dtype != torch.float32 or scale.numel() != 1 or (src and scale.device != src[0].device)):
+        raise ValueError(f"a tensor scale must be a 1-element fp32 tensor on the tensors' device, got {scale.dtype} of shape {tuple(scale.shape)} on {scale.device}")
     one = not isinstance(scale, torch.Tensor) and scale == 1.
     if not src: return torch.zeros((), dtype=torch.bool)
     found = torch.zeros((), dtype=torch.bool, device=src[0].device)
@@ -160,11 +162,10 @@ def _pick(l, idx):
     return l if len(idx) == len(l) else [l[i] for i in idx]
 
 def _scale_op(kernel:str, ref, src, dst, scale, impl):
-    "Run the fused `kernel` (one launch per dtype pair; it checks the tensors) or the reference `ref`; returns the combined flag"
+    "Run the fused `kernel` (one launch per dtype pair; it checks the tensors and a tensor scale) or the reference `ref`; returns the combined flag"
     src, dst = list(src), list(dst)
     _same_length(src, dst)
     on_device = isinstance(scale, torch.Tensor)             # a scale the device computed: the kernels read it there
-    if on_device and (scale.dtype != torch.float32 or scale.numel() != 1): raise ValueError(f"a tensor scale must be a 1-element fp32 tensor, got {scale.dtype} of shape {tuple(scale.shape)}")
     ext = _ext_for(src[0], impl) if src else None
     if ext is None: return ref(src, dst, scale if on_device else float(scale))
     args = (1., scale) if on_device else (float(scale), None)

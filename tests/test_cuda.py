@@ -31,7 +31,7 @@ def make_opt(kind, params):
 
 def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None, decide='cuda'):
     "Train `cnn` with amp; returns the masters after each step and the scaler history"
-    old = ops.DEFAULT_IMPL
+    old, old_decide = ops.DEFAULT_IMPL, master.DECIDE_ON_DEVICE
     ops.set_impl(impl)
     master.set_decide_on_device(decide)
     try:
@@ -46,7 +46,7 @@ def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None
             opt.step(); opt.zero_grad()
             snaps.append([p.detach().clone() for p in amp.master_params(opt)])
         return snaps, list(amp.history()), model
-    finally: ops.set_impl(old); master.set_decide_on_device('cuda')
+    finally: ops.set_impl(old); master.set_decide_on_device(old_decide)
 
 @pytest.mark.parametrize("kind", ['sgd', 'adamw', 'adam'])
 def test_amp_o2_fused_matches_reference(kind):
