@@ -80,6 +80,7 @@ def book_clock(device):
     mpcb.unscale_step, mpamp.unscale_step = clock.wrap(mpcb.unscale_step), clock.wrap(mpamp.unscale_step)
     for name in ('masters_to_model', 'zero_model_grads'): setattr(master.MasterParams, name, clock.wrap(getattr(master.MasterParams, name)))
     mpamp.fused_step = clock.wrap(mpamp.fused_step, 'step')      # the optimizer itself, with the unscale-free master->model copy fused in
+    mpcb.fastai_fused_step = clock.wrap(mpcb.fastai_fused_step, 'step')   # the same for fastai's Adam in the callback (on CUDA)
     return clock
 
 class Window:
@@ -119,6 +120,12 @@ def peak_memory(device):
 
 PLAIN = ('torch fp32', 'mixedprec amp O2 fp16', 'torch amp fp16')
 
+def _step_note(res, waits) -> str:
+    "The sync sites, then how often the host's books (one step late) waited for the device, and the fused step's share of the time"
+    note = (f"the scaler's drain waited for the device {waits} times in {res['timed'] + 2} steps; "
+            f"the fused optimizer step (not counted as bookkeeping) took {100 * res['fused']:.1f}% of the time" if res.get('fused') else '')
+    return '; '.join(s for s in (res['sites'], note) if s)
+
 def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
     "A plain PyTorch loop with torch's AdamW: fp32; mixedprec.amp at O2 (the fused AdamW step); torch.autocast with GradScaler"
     import torch
@@ -147,10 +154,7 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
             nn.functional.cross_entropy(model(xb), yb).backward(); opt.step()
         opt.zero_grad()
     res = measure(step, steps, max_seconds, Window(device, clock))
-    if clock and device == 'cuda':                         # the host's books lag one step: how often it had to wait for them
-        waits = amp._state.scalers[0].waits
-        res['sites'] = (res['sites'] + '; ' if res['sites'] else '') + (f"the scaler's drain waited for the device {waits} times in {res['timed'] + 2} steps; "
-                                                                         f"the fused optimizer step (not counted as bookkeeping) took {100 * res['fused']:.1f}% of the time")
+    if clock and device == 'cuda': res['sites'] = _step_note(res, amp._state.scalers[0].waits)
     model.eval()
     with torch.no_grad(), torch.autocast(device, dtype=torch.float16, enabled=gscaler is not None):
         acc = (model(x[-512:]).argmax(1) == y[-512:]).float().mean().item()
@@ -207,6 +211,7 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0, pro
                 res.update(window.stop(self.n - 2))
                 raise CancelFitException()
     learn.fit(steps // pool + 1, cbs=[Budget()] + ([Autocast()] if config == 'autocast bf16' else []) + ([Profile()] if profile else []))
+    if clock and device == 'cuda': res['sites'] = _step_note(res, learn.mixed_precision.scaler.waits)
     learn.model.eval()
     with torch.no_grad(): acc = torch.cat([learn.model(xb).argmax(1) == yb for xb, yb in dls.valid.dataset]).float().mean().item()
     return dict(res, steps=res['timed'] + 2, acc=acc, mem=peak_memory(device))

@@ -205,14 +205,16 @@ def l2norm(tensors:list, per_tensor:bool=False, impl:str=None):
     return (total, each) if per_tensor else total
 
 # %% ../nbs/00_ops.ipynb #b2871197
-def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0., dampening=0., weight_decay=0., nesterov=False, first_run=False):
-    "Reference: torch.optim.SGD's step on fp32 `params` from `grads*inv_scale`; momentum in `bufs`; half copy into `out`"
+def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0., dampening=0., weight_decay=0., nesterov=False, first_run=False,
+                  decoupled=False):
+    "Reference: torch.optim.SGD's step (`decoupled`: weight decay as fastai's SGD) on fp32 `params` from `grads*inv_scale`; a momentum buffer in `bufs` when given; half copy into `out`"
     if bool(found_inf): return
     with torch.no_grad():
         for i, (g, p) in enumerate(zip(grads, params)):
             gi = g.float().mul(inv_scale)
-            if weight_decay: gi = gi.add(p.mul(weight_decay))
-            if momentum:
+            if decoupled: p.mul_(1 - lr * weight_decay)
+            elif weight_decay: gi = gi.add(p.mul(weight_decay))
+            if bufs:
                 m = bufs[i]
                 if first_run: m.copy_(gi)
                 else: m.mul_(momentum).add_(gi.mul(1 - dampening))
@@ -249,17 +251,17 @@ def _check_ref_step(grads, params, states, out):
     _check_lists(grads, params, *[s for s in states if s], *([out] if out else []))
 
 def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, momentum:float=0., dampening:float=0., weight_decay:float=0.,
-              nesterov:bool=False, first_run:bool=False, impl:str=None):
-    "torch.optim.SGD's step on fp32 masters from `grads*inv_scale`, writing the half copy into `out`; a no-op when `found_inf` is set"
-    grads, params, (bufs,), out = _step_lists(grads, params, [bufs if momentum else []], out)
+              nesterov:bool=False, first_run:bool=False, decoupled:bool=False, impl:str=None):
+    "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, writing the half copy into `out`; a no-op when `found_inf` is set"
+    grads, params, (bufs,), out = _step_lists(grads, params, [bufs], out)
     if not params: return
     ext = _ext_for(params[0], impl)
     if ext is None:
         _check_ref_step(grads, params, [bufs], out)
-        return sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run)
+        return sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled)
     for g in _groups(grads, out) if out else [range(len(params))]:
         ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [], found_inf, float(inv_scale),
-                     float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run))
+                     float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run), bool(decoupled))
 
 def _advance(step, steps, found_inf):
     "Add 1 to the step count(s) unless `found_inf` is set, on their device (no host read of a device flag)"

@@ -5,6 +5,7 @@ from torch import nn
 import torch.nn.functional as F
 from mixedprec import amp, ops, master
 from mixedprec.fp16_optimizer import FP16_Optimizer
+from fastai.callback.core import Callback
 from helpers import synth_learner, masters_of
 
 pytestmark = pytest.mark.cuda
@@ -165,3 +166,44 @@ def test_steady_state_step_makes_no_host_sync(front):
     assert len(hist) == len(data)
     assert all(not s for s, skip in zip(sites, after_skip) if not skip), (sites, after_skip)
     assert all(len(s) <= 6 for s in sites), sites                # naming an overflowed step's params: a few reads
+
+class SyncSites(Callback):
+    "Where each training batch syncs, from `before_batch` to `after_step` (mixedprec's hooks and the model's work; fastai's recorder syncs after that)"
+    order = 99
+    def __init__(self): self.sites, self._cm = [], None
+    def before_batch(self):
+        if not self.training: return
+        self._cm = warnings.catch_warnings(record=True)
+        self._caught = self._cm.__enter__()
+        warnings.simplefilter('always'); torch.cuda.set_sync_debug_mode('warn')
+    def after_step(self):
+        torch.cuda.set_sync_debug_mode(0)
+        self._cm.__exit__(None, None, None)
+        self.sites.append([f"{w.filename.split('/')[-1]}:{w.lineno}" for w in self._caught if 'synchroniz' in str(w.message).lower()])
+
+@pytest.mark.parametrize("opt_func", ['Adam', 'SGD'])
+def test_fastai_fused_step_makes_no_host_sync(opt_func):
+    # fastai's Adam/SGD stepped by the fused kernels on the GPU, under a one-cycle schedule: the skip is decided on the
+    # device, so mixedprec's hooks and the step make no host sync; the same masters as fastai's own step, to rounding
+    from fastai.optimizer import Adam, SGD
+    from fastai.callback.schedule import fit_one_cycle
+    from functools import partial
+    opt_func = {'Adam': Adam, 'SGD': partial(SGD, mom=0.9, wd=1e-2)}[opt_func]
+    runs = {}
+    for where in ('never', 'cuda'):
+        old = master.DECIDE_ON_DEVICE
+        master.set_decide_on_device(where)
+        try:
+            learn = synth_learner(opt_func=opt_func)
+            learn.dls.cuda()
+            learn.to_fp16()
+            sync = SyncSites()
+            sync_sites(lambda: torch.zeros(1, device='cuda').item())   # the process's first use of the debug mode may add a sync of its own
+            learn.fit_one_cycle(2, 1e-2, cbs=[sync])
+        finally: master.set_decide_on_device(old)
+        runs[where] = learn, sync.sites
+    (host, host_sites), (dev, dev_sites) = runs['never'], runs['cuda']
+    assert all(len(s) >= 1 for s in host_sites[3:])                     # the host decision reads the flag once a step
+    assert not any(r.skipped for r in dev.mixed_precision.history)
+    assert all(not s for s in dev_sites[3:]), dev_sites
+    for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

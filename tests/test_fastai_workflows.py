@@ -2,6 +2,7 @@
 import warnings
 import numpy as np, pandas as pd
 import pytest, torch
+pytestmark = pytest.mark.usefixtures("decide")       # every test with the skip decided on the host and on the device (fastai's Adam/SGD fused)
 from torch import nn
 from fastai.learner import Learner, load_learner
 from fastai.optimizer import SGD, Adam

@@ -70,7 +70,7 @@ def test_l2norm_close_to_reference(device, sizes, dtype):
     torch.testing.assert_close(fp, rp, rtol=1e-5, atol=0)
     assert ft.dtype == torch.float32 and ft.dim() == 0 and fp.shape == (len(ts),)
 
-def _sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device='cpu', steps=12, skip_at=5):
+def _sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device='cpu', steps=12, skip_at=5, decoupled=False):
     g = torch.Generator().manual_seed(3)
     sizes = [7, CHUNK + 3, 300]
     params = [torch.randn(n, generator=g).to(device) for n in sizes]
@@ -79,14 +79,15 @@ def _sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device='cpu', 
     for i in range(steps):
         grads = [(torch.randn(n, generator=g) * 256).to(grad_dtype).to(device) for n in sizes]
         ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == skip_at, device=device), 1/256, 0.1, momentum, dampening, wd, nesterov,
-                      first_run=i == 0, impl=impl)
+                      first_run=i == 0, decoupled=decoupled, impl=impl)
     return params, bufs, out
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
-@pytest.mark.parametrize("momentum,nesterov,wd,dampening", [(0., False, 0., 0.), (0.9, False, 1e-2, 0.), (0.9, True, 1e-2, 0.), (0.5, False, 0., 0.1)])
-def test_sgd_step_bit_exact_with_reference(device, grad_dtype, momentum, nesterov, wd, dampening):
-    ref, fused = (_sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device) for impl in ('ref', 'fused'))
+@pytest.mark.parametrize("momentum,nesterov,wd,dampening,decoupled", [(0., False, 0., 0., False), (0.9, False, 1e-2, 0., False), (0.9, True, 1e-2, 0., False),
+                                                                     (0.5, False, 0., 0.1, False), (0.9, False, 1e-2, 0., True), (0., False, 0.1, 0., True)])
+def test_sgd_step_bit_exact_with_reference(device, grad_dtype, momentum, nesterov, wd, dampening, decoupled):
+    ref, fused = (_sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device, decoupled=decoupled) for impl in ('ref', 'fused'))
     for a, b in zip(ref, fused):
         for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=0, atol=0)
 

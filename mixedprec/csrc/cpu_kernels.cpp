@@ -163,26 +163,27 @@ template <typename O> static void copy_out(const float* p, O* o, int64_t n) {
   for (; i < n; ++i) o[i] = static_cast<O>(p[i]);
 }
 
-// SGD on fp32 masters from (half) grads times `inv_scale`, as torch.optim.SGD computes it; writes the half
-// model copy in the same pass. Does nothing when `found_inf` is set.
+// SGD on fp32 masters from (half) grads times `inv_scale`, as torch.optim.SGD computes it (L2 weight decay), or with
+// decoupled weight decay (`decoupled`: the param times 1 - lr*wd first, as fastai's SGD); writes the half model copy in the same pass. Does nothing when `found_inf` is set.
 void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                   const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-                  double dampening, double weight_decay, bool nesterov, bool first_run) {
+                  double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled) {
   require_cpu(params, "sgd_step");
   if (found_inf.item<bool>()) return;
   auto spans = spans_of(params);
-  const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening, wd = weight_decay;
+  const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening;
+  const float wd = decoupled ? 0.0f : (float)weight_decay, decay = decoupled ? 1.0 - lr * weight_decay : 1.0f;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       const Span& s = spans[k];
       float* p = params[s.tensor].data_ptr<float>() + s.begin;
-      float* m = momentum != 0 ? bufs[s.tensor].data_ptr<float>() + s.begin : nullptr;
+      float* m = !bufs.empty() ? bufs[s.tensor].data_ptr<float>() + s.begin : nullptr;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_sgd", [&] {
         const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + s.begin;
         int64_t i = 0;
         const int64_t n = s.end - s.begin;
         if constexpr (vectorizable<scalar_t>) {
-          const Vec visc(isc), vwd(wd), vmom(mom), vdamp(damp), vlr(flr);
+          const Vec visc(isc), vwd(wd), vmom(mom), vdamp(damp), vlr(flr), vdecay(decay);
           for (; i + kStep <= n; i += kStep) {
             Vec gv[2];
             VecIO<scalar_t>::load(g + i, gv[0], gv[1]);
@@ -196,6 +197,7 @@ void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Te
                 mv.store(mh);
                 gi = nesterov ? gi + vmom * mv : mv;
               }
+              if (decoupled) pv = pv * vdecay;
               (pv - vlr * gi).store(ph);
             }
           }
@@ -207,6 +209,7 @@ void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Te
             m[i] = first_run ? gi : m[i] * mom + damp * gi;
             gi = nesterov ? gi + mom * m[i] : m[i];
           }
+          if (decoupled) p[i] = p[i] * decay;
           p[i] = p[i] - flr * gi;
         }
       });

@@ -8,7 +8,7 @@ at::Tensor scale_check_cpu(const std::vector<at::Tensor>&, const std::vector<at:
 at::Tensor scale_add_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
 std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>&);
 void sgd_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                  const at::Tensor&, double, double, double, double, double, bool, bool);
+                  const at::Tensor&, double, double, double, double, double, bool, bool, bool);
 void adam_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                    const std::vector<at::Tensor>&, const at::Tensor&, const std::vector<at::Tensor>&, double, double, double, double, double, double, bool);
 #ifdef WITH_CUDA
@@ -16,7 +16,7 @@ at::Tensor scale_check_cuda(const std::vector<at::Tensor>&, const std::vector<at
 at::Tensor scale_add_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 std::vector<at::Tensor> l2norm_cuda(const std::vector<at::Tensor>&);
 void sgd_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                   const at::Tensor&, double, double, double, double, double, bool, bool);
+                   const at::Tensor&, double, double, double, double, double, bool, bool, bool);
 void adam_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                     const std::vector<at::Tensor>&, const at::Tensor&, const std::vector<at::Tensor>&, double, double, double, double, double, double, bool);
 #endif
@@ -106,16 +106,16 @@ std::vector<at::Tensor> l2norm(const std::vector<at::Tensor>& ts) {
 
 void sgd_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
               const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-              double dampening, double weight_decay, bool nesterov, bool first_run) {
-  check_step_pairs(grads, params, momentum != 0 ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
+              double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled) {
+  check_step_pairs(grads, params, !bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
                    out, "sgd_step");
 #ifdef WITH_CUDA
   if (on_cuda({&grads, &params, &bufs, &out}, "sgd_step"))
-    return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run);
+    return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled);
 #else
   on_cuda({&grads, &params, &bufs, &out}, "sgd_step");
 #endif
-  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run);
+  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled);
 }
 
 void adam_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
@@ -154,6 +154,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "True when this build holds the CUDA kernels");
-  m.def("sgd_step", &mixedprec::sgd_step, "torch.optim.SGD's step on fp32 masters from grads*inv_scale, writing the half copy; a no-op when found_inf is set", nogil);
+  m.def("sgd_step", &mixedprec::sgd_step, "torch.optim.SGD's step (or with decoupled weight decay) on fp32 masters from grads*inv_scale, writing the half copy; a no-op when found_inf is set", nogil);
   m.def("adam_step", &mixedprec::adam_step, "torch.optim.Adam/AdamW's step on fp32 masters from grads*inv_scale with per-tensor step counts (used plus one; the caller advances them), writing the half copy; a no-op when found_inf is set", nogil);
 }

@@ -8,13 +8,13 @@ namespace mixedprec {
 template <typename G, typename O> struct SgdFunctor {
   template <typename Table>
   __device__ void operator()(int64_t chunk, const int* noop, Table& t, float inv_scale, float lr, float momentum, float damp,
-                             float wd, bool nesterov, bool first_run, bool has_out) {
+                             float wd, float decay, bool decoupled, bool nesterov, bool first_run, bool has_buf, bool has_out) {
     if (*noop) return;
     int64_t begin, end;
     const int slot = block_range(t, chunk, begin, end);
     const G* g = static_cast<const G*>(t.addr[0][slot]);
     float* p = static_cast<float*>(t.addr[1][slot]);
-    float* m = momentum != 0.f ? static_cast<float*>(t.addr[2][slot]) : nullptr;
+    float* m = has_buf ? static_cast<float*>(t.addr[2][slot]) : nullptr;
     O* o = has_out ? static_cast<O*>(t.addr[3][slot]) : nullptr;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       float gi = __fmul_rn(to_float(g[i]), inv_scale);
@@ -23,7 +23,8 @@ template <typename G, typename O> struct SgdFunctor {
         m[i] = first_run ? gi : __fadd_rn(__fmul_rn(m[i], momentum), __fmul_rn(damp, gi));
         gi = nesterov ? __fadd_rn(gi, __fmul_rn(momentum, m[i])) : m[i];
       }
-      p[i] = __fsub_rn(p[i], __fmul_rn(lr, gi));
+      const float pv = decoupled ? __fmul_rn(p[i], decay) : p[i];
+      p[i] = __fsub_rn(pv, __fmul_rn(lr, gi));
       if (o) o[i] = static_cast<O>(p[i]);
     }
   }
@@ -65,18 +66,20 @@ static at::Tensor as_int_flag(const at::Tensor& found_inf, const at::Tensor& lik
 
 void sgd_step_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                    const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-                   double dampening, double weight_decay, bool nesterov, bool first_run) {
+                   double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled) {
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
   auto flag = as_int_flag(found_inf, params[0]);
   const bool has_out = !out.empty();
-  const auto& m = momentum != 0 ? bufs : params;      // an unused list when there is no momentum
+  const bool has_buf = !bufs.empty();
+  const auto& m = has_buf ? bufs : params;            // an unused list when there is no momentum buffer
   const auto& o = has_out ? out : params;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_sgd_cuda", [&] {
     using G = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o[0].scalar_type(), "mixedprec_sgd_cuda_out", [&] {
       multi_tensor_apply<4>(flag, {grads, params, m, o}, SgdFunctor<G, scalar_t>(), (float)inv_scale, (float)lr, (float)momentum,
-                            (float)(1.0 - dampening), (float)weight_decay, nesterov, first_run, has_out);
+                            (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
+                            decoupled ? (float)(1.0 - lr * weight_decay) : 1.f, decoupled, nesterov, first_run, has_buf, has_out);
     });
   });
 }

@@ -1,0 +1,82 @@
+"fastai's Adam and SGD stepped by the fused kernels with the skip decided on the device, against fastai's own step (the CPU, with 'always')"
+import pytest, torch
+from functools import partial
+from fastai.optimizer import SGD, Adam, RAdam, Lamb, QHAdam, OptimWrapper
+from fastai.callback.schedule import fit_one_cycle
+from mixedprec import master
+from mixedprec.callback import fastai_fused_kind, FusedKind
+from helpers import synth_learner, masters_of, Record, mlp
+
+FUSABLE = {'adam': (Adam, FusedKind('adam', True, True)), 'adam-l2': (partial(Adam, decouple_wd=False), FusedKind('adam', False, True)),
+           'sgd': (SGD, FusedKind('sgd', True, False)), 'sgd-mom-wd': (partial(SGD, mom=0.9, wd=1e-2), FusedKind('sgd', True, True)),
+           'sgd-mom-l2': (partial(SGD, mom=0.9, wd=1e-2, decouple_wd=False), FusedKind('sgd', False, True))}
+
+def test_fastai_fused_kind_knows_adam_and_sgd_only():
+    for opt_func, kind in FUSABLE.values(): assert fastai_fused_kind(opt_func(mlp().parameters(), lr=1e-3)) == kind
+    for opt_func in (RAdam, Lamb, QHAdam, partial(OptimWrapper, opt=torch.optim.AdamW)):
+        assert fastai_fused_kind(opt_func(mlp().parameters(), lr=1e-3)) is None
+
+def _fit_recording(opt_func, where, fit=lambda l: l.fit_one_cycle(3, 1e-2), **kw):
+    "Train with the skip decided `where`; the masters, optimizer state, scaler history and what stood in for `opt.step` during the fit"
+    old = master.DECIDE_ON_DEVICE
+    master.set_decide_on_device(where)
+    try:
+        learn = synth_learner(opt_func=opt_func, wd=kw.pop('wd', None)).to_fp16(**kw)
+        seen = set()
+        learn.add_cb(Record(1, before_step=lambda l: seen.add((type(l.opt.__dict__.get('step')).__name__, l.mixed_precision._fused))))
+        fit(learn)
+    finally: master.set_decide_on_device(old)
+    return learn, seen
+
+def _state(learn):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for p in masters_of(learn) for k, v in learn.opt.state[p].items()}
+
+@pytest.mark.parametrize("name", list(FUSABLE))
+def test_fused_fastai_step_matches_fastais_own(name):
+    # a one-cycle fit (lr and mom change every batch), weight decay off for batchnorm and biases (fastai's default `do_wd`),
+    # a starting scale that overflows the first steps: fastai's own step and the fused one, to fp32 rounding
+    opt_func, kind = FUSABLE[name]
+    (host, seen_h), (dev, seen_d) = (_fit_recording(opt_func, w, loss_scale=2.**30, max_scale=2.**30, wd=1e-2) for w in ('never', 'always'))
+    assert seen_h == {('NoneType', None)} and seen_d == {('method', kind)}
+    hist = lambda l: [(r.step, r.scale, r.skipped, r.reason, r.params) for r in l.mixed_precision.history]
+    assert hist(host) == hist(dev) and sum(r[2] for r in hist(dev)) >= 2
+    for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    for p, q in zip(host.model.parameters(), dev.model.parameters()): assert p.dtype == q.dtype
+    for p, m in zip(dev.model.parameters(), masters_of(dev)): assert torch.equal(p.detach(), m.detach().to(p.dtype))   # the kernels wrote the half model
+    sh, sd = _state(host), _state(dev)
+    assert sh.keys() == sd.keys()
+    if 'step' in sd: assert type(sd['step']) is int and sd['step'] == sh['step']      # fastai's ints again after the fit
+    for k in sh:
+        if isinstance(sh[k], torch.Tensor): torch.testing.assert_close(sd[k], sh[k], rtol=1e-5, atol=1e-7)
+    assert 'step' not in dev.opt.__dict__ and 'zero_grad' not in dev.opt.__dict__     # fastai's own step between fits
+    dev.opt.step()                                                                     # ... which still works
+
+def test_fused_sgd_keeps_its_momentum_buffer_at_momentum_zero():
+    # fastai's SGD built with momentum keeps `grad_avg` even while `mom` is 0 (it then holds the last grad)
+    def fit(learn):
+        learn.opt.set_hyper('mom', 0.); learn.fit(1, 1e-2)
+        learn.opt.set_hyper('mom', 0.9); learn.fit(1, 1e-2)
+    (host, _), (dev, seen) = (_fit_recording(partial(SGD, mom=0.9), w, fit=fit, loss_scale=2.**8) for w in ('never', 'always'))
+    assert seen == {('method', FusedKind('sgd', True, True))}
+    for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+def test_fused_fastai_step_falls_back_to_the_host(tmp_path):
+    # what the kernels cannot run decides on the host, with fastai's own step: other optimizers, flat masters
+    for opt_func, kw in ((RAdam, {}), (Adam, {'flat_master': True})):
+        _, seen = _fit_recording(opt_func, 'always', fit=lambda l: l.fit(1), **kw)
+        assert seen == {('NoneType', None)}
+
+def test_fused_fastai_checkpoints_hold_ints_and_resume(tmp_path):
+    learn, _ = _fit_recording(Adam, 'always', fit=lambda l: l.fit(1, 1e-2))
+    learn.save(tmp_path/'ck', with_opt=True)
+    sd = torch.load(tmp_path/'ck.pth', weights_only=True)
+    assert {type(s['step']) for s in sd['opt']['state']} == {int}
+    # resume the fused fit from the checkpoint, and continue the original: the same masters
+    other, _ = _fit_recording(Adam, 'always', fit=lambda l: (l.load(tmp_path/'ck', with_opt=True), l.fit(1, 1e-2)))
+    again, _ = _fit_recording(Adam, 'always', fit=lambda l: (l.fit(1, 1e-2), l.fit(1, 1e-2)))
+    for a, b in zip(masters_of(other), masters_of(again)): assert torch.equal(a, b)
+
+def test_overflowed_params_are_named_when_decided_on_the_device():
+    learn, seen = _fit_recording(Adam, 'always', fit=lambda l: l.fit(1, 1e-2), loss_scale=2.**30, max_scale=2.**30)
+    skipped = [r for r in learn.mixed_precision.history if r.skipped]
+    assert seen == {('method', FusedKind('adam', True, True))} and skipped and all(r.params for r in skipped)
