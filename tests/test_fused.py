@@ -223,3 +223,15 @@ def test_cuda_path_is_taken_and_adam_skips_on_device():
     found = ops.scale_check_([torch.tensor([float('inf')], device='cuda')], [torch.zeros(1, device='cuda')], 1.)
     ops.adam_step_([torch.randn(10, device='cuda').half()], [p], [m], [v], [], found, step, 1., 0.1, impl='fused')
     assert step.item() == 0. and not m.any()
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_raises_a_value_error_on_each_device(device):
+    # the kernels' binding checks its inputs and raises with the numbers in the message; on one GPU machine a message
+    # formatted by an ostream of the extension's crashed the process, so the messages are built without one (messages.h)
+    t = lambda *shape, **k: torch.ones(*shape, device=device, **k)
+    with pytest.raises(ValueError, match='tensor pair 0 is not dense'): ops.scale_check_([torch.randn(4, 6, device=device).t()], [t(6, 4)], 1., impl='fused')
+    with pytest.raises(ValueError, match='tensor 0 has 2 and 3'): ops.scale_check_([t(2)], [t(3)], 1., impl='fused')
+    with pytest.raises(ValueError, match=f"step count 0 must be a 1-element fp32 tensor on its param's device.*got Double"):
+        ops.adam_step_([t(2)], [t(2)], [t(2)], [t(2)], [], torch.tensor(False), [t((), dtype=torch.float64)], 1., 0.1, impl='fused')
+    with pytest.raises(ValueError, match='fp32 master params, tensor 0 is Half'):
+        ops.sgd_step_([t(2)], [t(2, dtype=torch.half)], [], [], torch.tensor(False), 1., 0.1, impl='fused')

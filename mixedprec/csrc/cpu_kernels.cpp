@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <vector>
+#include "messages.h"
 
 namespace mixedprec {
 
@@ -29,7 +30,7 @@ static std::vector<Span> spans_of(const std::vector<at::Tensor>& ts) {
 // The bindings (mixedprec.cpp) check the tensor pairs for every device before they dispatch here, and that every tensor
 // of a call is on the first tensor's device; the CPU kernels only need that device to be the CPU.
 static void require_cpu(const std::vector<at::Tensor>& ts, const char* op) {
-  TORCH_CHECK(ts.empty() || ts[0].device().is_cpu(), op, ": the CPU kernels take CPU tensors, got ", ts[0].device());
+  TORCH_CHECK(ts.empty() || ts[0].device().is_cpu(), msg(op, ": the CPU kernels take CPU tensors, got ", ts[0].device()));
 }
 
 using Vec = at::vec::Vectorized<float>;
@@ -118,8 +119,8 @@ at::Tensor scale_add_check_cpu(const std::vector<at::Tensor>& src, const std::ve
 // are added in a fixed order, so the result does not depend on the number of threads.
 std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>& ts) {
   for (size_t i = 0; i < ts.size(); ++i) {
-    TORCH_CHECK(ts[i].device().is_cpu(), "l2norm: the CPU kernels take CPU tensors (tensor ", i, ")");
-    TORCH_CHECK(ts[i].is_non_overlapping_and_dense(), "l2norm: tensor ", i, " is not dense; call .contiguous() first");
+    TORCH_CHECK(ts[i].device().is_cpu(), msg("l2norm: the CPU kernels take CPU tensors (tensor ", i, ")"));
+    TORCH_CHECK(ts[i].is_non_overlapping_and_dense(), msg("l2norm: tensor ", i, " is not dense; call .contiguous() first"));
   }
   auto spans = spans_of(ts);
   std::vector<double> partial(spans.size(), 0.0);

@@ -2,6 +2,7 @@
 // of the tensors to the C++ CPU kernels (cpu_kernels.cpp) or, in a CUDA build, the CUDA kernels (*.cu).
 #include <torch/extension.h>
 #include <vector>
+#include "messages.h"
 
 namespace mixedprec {
 at::Tensor scale_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
@@ -24,14 +25,14 @@ void adam_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor
 // Paired tensors of two lists: as many on each side, dense, one memory layout per pair, the same numel, floating point.
 // Checked here, for both devices, so that the Python side need not loop over the tensors on every step.
 static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* op) {
-  TORCH_CHECK_VALUE(a.size() == b.size(), op, ": tensor lists must have the same length, got ", a.size(), " and ", b.size());
+  TORCH_CHECK_VALUE(a.size() == b.size(), msg(op, ": tensor lists must have the same length, got ", a.size(), " and ", b.size()));
   for (size_t i = 0; i < a.size(); ++i) {
-    TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), op, ": paired tensors must have the same number of elements, tensor ", i, " has ",
-                      a[i].numel(), " and ", b[i].numel());
+    TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), msg(op, ": paired tensors must have the same number of elements, tensor ", i, " has ",
+                      a[i].numel(), " and ", b[i].numel()));
     TORCH_CHECK_VALUE(a[i].is_non_overlapping_and_dense() && b[i].is_non_overlapping_and_dense() &&
                       (a[i].strides() == b[i].strides() || (a[i].is_contiguous() && b[i].is_contiguous()) || a[i].numel() <= 1),
-                      op, ": tensor pair ", i, " is not dense or its two memory layouts differ; call .contiguous() on both");
-    TORCH_CHECK_VALUE(at::isFloatingType(a[i].scalar_type()) && at::isFloatingType(b[i].scalar_type()), op, ": tensor ", i, " is not floating point");
+                      msg(op, ": tensor pair ", i, " is not dense or its two memory layouts differ; call .contiguous() on both"));
+    TORCH_CHECK_VALUE(at::isFloatingType(a[i].scalar_type()) && at::isFloatingType(b[i].scalar_type()), msg(op, ": tensor ", i, " is not floating point"));
   }
 }
 
@@ -41,9 +42,9 @@ static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::ve
   for (auto st : states) check_pairs(params, *st, op);          // state lists the step uses: as long as params
   if (!out.empty()) check_pairs(params, out, op);
   for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK_VALUE(params[i].scalar_type() == at::kFloat, op, ": the fused optimizer steps update fp32 master params, tensor ", i, " is ", params[i].scalar_type());
+    TORCH_CHECK_VALUE(params[i].scalar_type() == at::kFloat, msg(op, ": the fused optimizer steps update fp32 master params, tensor ", i, " is ", params[i].scalar_type()));
   for (auto st : states)
-    for (size_t i = 0; i < st->size(); ++i) TORCH_CHECK_VALUE((*st)[i].scalar_type() == at::kFloat, op, ": optimizer state must be fp32 (tensor ", i, ")");
+    for (size_t i = 0; i < st->size(); ++i) TORCH_CHECK_VALUE((*st)[i].scalar_type() == at::kFloat, msg(op, ": optimizer state must be fp32 (tensor ", i, ")"));
 }
 
 // True when the list's tensors are CUDA tensors; every tensor of every list must be on that one device.
@@ -51,15 +52,15 @@ static bool on_cuda(std::initializer_list<const std::vector<at::Tensor>*> lists,
   const at::Tensor* first = nullptr;
   for (auto l : lists) for (auto& t : *l) {
     if (!first) { first = &t; continue; }
-    TORCH_CHECK(t.device() == first->device(), op, ": all tensors must be on one device, got ", first->device(), " and ", t.device());
+    TORCH_CHECK(t.device() == first->device(), msg(op, ": all tensors must be on one device, got ", first->device(), " and ", t.device()));
   }
   if (!first || !first->is_cuda()) return false;
 #ifdef WITH_CUDA
   for (auto l : lists) for (auto& t : *l)
-    TORCH_CHECK(t.is_contiguous() || t.is_contiguous(at::MemoryFormat::ChannelsLast), op, ": CUDA tensors must be contiguous");
+    TORCH_CHECK(t.is_contiguous() || t.is_contiguous(at::MemoryFormat::ChannelsLast), msg(op, ": CUDA tensors must be contiguous"));
   return true;
 #else
-  TORCH_CHECK(false, op, ": this mixedprec build has no CUDA kernels (it was compiled without nvcc)");
+  TORCH_CHECK(false, msg(op, ": this mixedprec build has no CUDA kernels (it was compiled without nvcc)"));
 #endif
 }
 
@@ -72,9 +73,9 @@ at::Tensor scale_op(const std::vector<at::Tensor>& src, const std::vector<at::Te
   check_pairs(src, dst, op);
   const bool has_tensor = scale_tensor.has_value() && scale_tensor->defined();
   if (has_tensor) {
-    TORCH_CHECK_VALUE(scale_tensor->scalar_type() == at::kFloat && scale_tensor->numel() == 1, op, ": a tensor scale must be a 1-element fp32 tensor");
-    TORCH_CHECK_VALUE(src.empty() || scale_tensor->device() == src[0].device(), op, ": the tensor scale must be on the tensors' device (",
-                      src.empty() ? "" : src[0].device().str(), "), got ", scale_tensor->device());
+    TORCH_CHECK_VALUE(scale_tensor->scalar_type() == at::kFloat && scale_tensor->numel() == 1, msg(op, ": a tensor scale must be a 1-element fp32 tensor"));
+    TORCH_CHECK_VALUE(src.empty() || scale_tensor->device() == src[0].device(), msg(op, ": the tensor scale must be on the tensors' device (",
+                      src.empty() ? std::string() : src[0].device().str(), "), got ", scale_tensor->device()));
   }
 #ifdef WITH_CUDA
   if (on_cuda({&src, &dst}, op)) {
@@ -123,11 +124,11 @@ void adam_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tenso
                const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
                bool decoupled) {
   check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, "adam_step");
-  TORCH_CHECK_VALUE(steps.size() == params.size(), "adam_step: one step count per param, got ", steps.size(), " for ", params.size(), " params");
+  TORCH_CHECK_VALUE(steps.size() == params.size(), msg("adam_step: one step count per param, got ", steps.size(), " for ", params.size(), " params"));
   for (size_t i = 0; i < steps.size(); ++i)
     TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == params[i].device(),
-                      "adam_step: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
-                      "), got ", steps[i].scalar_type(), " on ", steps[i].device());
+                      msg("adam_step: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
+                      "), got ", steps[i].scalar_type(), " on ", steps[i].device()));
 #ifdef WITH_CUDA
   if (on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step"))
     return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);

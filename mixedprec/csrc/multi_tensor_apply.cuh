@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <vector>
+#include "messages.h"
 
 namespace mixedprec {
 
@@ -40,7 +41,7 @@ __global__ void multi_tensor_kernel(int64_t chunk, const int* __restrict__ noop,
 template <int Depth, bool WithScalar, typename Functor, typename... Args>
 void multi_tensor_apply_impl(const at::Tensor& noop, const std::vector<std::vector<at::Tensor>>& lists, const std::vector<at::Tensor>* scalars,
                              Functor f, Args... args) {
-  TORCH_CHECK((int)lists.size() == Depth, "multi_tensor_apply: expected ", Depth, " tensor lists, got ", lists.size());
+  TORCH_CHECK((int)lists.size() == Depth, msg("multi_tensor_apply: expected ", Depth, " tensor lists, got ", lists.size()));
   const int64_t n = lists[0].size();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(lists[0][0].device());
