@@ -1,5 +1,6 @@
 """Benchmark of the per-step bookkeeping over a whole model's params: a per-tensor Python loop (as fastai v1 did),
-torch's foreach ops (with torch._amp_foreach_non_finite_check_and_unscale_), and mixedprec's fused kernels.
+torch's foreach ops (with torch._amp_foreach_non_finite_check_and_unscale_), and mixedprec's fused kernels; and fastai's
+own Adam step (its per-param Python loop) against the fused step that the callback runs in its place.
 Prints one table; every figure is also given as a ratio to a plain copy's bandwidth measured in the same run.
 
     python bench/kernels.py [--sizes resnet50,100m] [--repeat 5] [--device cpu]
@@ -87,6 +88,18 @@ def run(shapes, repeat, device):
     step_bytes = 6 * n + 4 * n + 4 * 4 * n + 2 * n              # unscale, norm, Adam (g, p, m, v read; p, m, v written ~), copy
     add('full step (Adam)', 'loop', loop_step, step_bytes); add('full step (Adam)', 'foreach', foreach_step, step_bytes)
     add('full step (Adam)', 'fused', fused_step, step_bytes)
+    # fastai's Adam over fp32 masters of half params: its own step, and the callback's fused step (which also writes the half params)
+    from fastai.optimizer import Adam
+    from mixedprec.master import MasterParams, masters_for
+    from mixedprec.callback import fastai_fused_kind, fastai_fused_step
+    halves = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in p16]
+    mp = MasterParams([halves], masters_for(halves))
+    for m, g in zip(mp.master_params, g32): m.grad = g
+    opt_fastai, opt_fused = Adam(mp.master_params, lr=1e-3), Adam(mp.master_params, lr=1e-3)     # two state sets
+    kind, clean = fastai_fused_kind(opt_fused), torch.zeros((), dtype=torch.bool, device=device)
+    adam_bytes = 4 * 7 * n                                         # g read; p, m, v read and written
+    add('fastai Adam step', 'loop', opt_fastai.step, adam_bytes)
+    add('fastai Adam step', 'fused', lambda: fastai_fused_step(opt_fused, mp, kind, clean), adam_bytes + 2 * n)
     return n, len(shapes), copy_bw, rows
 
 def main():

@@ -200,6 +200,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master.decides_on_device': ('master.html#decides_on_device', 'mixedprec/master.py'),
                                   'mixedprec.master.fused_group_step': ('master.html#fused_group_step', 'mixedprec/master.py'),
                                   'mixedprec.master.fused_step': ('master.html#fused_step', 'mixedprec/master.py'),
+                                  'mixedprec.master.fuses': ('master.html#fuses', 'mixedprec/master.py'),
                                   'mixedprec.master.masters_for': ('master.html#masters_for', 'mixedprec/master.py'),
                                   'mixedprec.master.set_decide_on_device': ('master.html#set_decide_on_device', 'mixedprec/master.py'),
                                   'mixedprec.master.speed_note': ('master.html#speed_note', 'mixedprec/master.py'),

@@ -24,7 +24,7 @@ from functools import partial
 from typing import NamedTuple
 from fastai.optimizer import Optimizer, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, adam_step, sgd_step, momentum_step
 from .scaler import LossScaler
-from .master import check_half_dtype, to_fp32, convert_model, MasterParams, unscale_step, speed_note, decides_on_device, fused_group_step
+from .master import check_half_dtype, to_fp32, convert_model, MasterParams, unscale_step, speed_note, decides_on_device, fuses, fused_group_step
 from .ops import warn_once
 from .scaler import plot_history
 
@@ -58,7 +58,7 @@ class MixedPrecision(Callback):
         self.table = table
         self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs)
         self.conversion, self.masters, self.loss_finite, self._checked, self._epoch_skipped = None, None, True, False, 0
-        self._fused, self._found = None, None      # the fused step's kind while it stands in for `opt.step`; its skip flag
+        self._fused, self._found, self._on_device = None, None, False   # the fused step's kind while it stands in for `opt.step`; its skip flag; where the skip is decided
 
     @property
     def loss_scale(self) -> float: "The current loss scale"; return self.scaler.scale
@@ -133,7 +133,7 @@ def follow_model_device(self:MixedPrecision):
 @patch
 def __getstate__(self:MixedPrecision):
     "Pickle without the master layout (it is rebuilt on the next optimizer), keeping the masters' values"
-    return {**self.__dict__, 'masters': None, '_fused': None, '_found': None}
+    return {**self.__dict__, 'masters': None, '_fused': None, '_found': None, '_on_device': False}
 
 # %% ../nbs/03_callback.ipynb #ae1c62a9
 def _plain(o):
@@ -175,7 +175,7 @@ def on_train_begin(self:MixedPrecision):
         raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never sees under mixedprec. "
                          "Remove it and pass the max norm to mixedprec instead: `learn.to_fp16(clip=max_norm)`.")
     if self.table: self._add_table_metrics()
-    self._checked, self._fused, self._found = False, None, None
+    self._checked, self._fused, self._found, self._on_device = False, None, None, False
     changed = self.conversion.unconverted()
     if changed: raise ValueError(f"the model has fp32 params that were added or replaced after `to_fp16()` ({', '.join(changed[:5])}). "
                                  f"Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they are converted and get masters.")
@@ -197,7 +197,7 @@ def on_backward_begin(self:MixedPrecision):
     "Note whether the loss is finite (on the device: no sync), then scale it"
     if not self._checked: self._check_trainable()
     if self.check_loss: self.loss_finite = self.loss_finite & torch.isfinite(self.learn.loss_grad.detach()).all()
-    scale = self.scaler.device_scale(self.learn.loss_grad.device)[0] if self._fused else self.scaler.scale
+    scale = self.scaler.device_scale(self.learn.loss_grad.device)[0] if self._on_device else self.scaler.scale
     self.learn.loss_grad = self.learn.loss_grad * scale
 
 @patch
@@ -205,9 +205,10 @@ def on_backward_end(self:MixedPrecision):
     "Unscale into the master grads, check, clip and update the scale; skip the step on overflow (cancel it, or on the device)"
     finite, self.loss_finite = self.loss_finite, True
     xb = self.learn.xb
-    skip = unscale_step(self.masters, self.scaler, self.clip, loss_finite=finite, input_finite=lambda: _all_finite(xb), on_device=self._fused is not None)
-    if self._fused is not None: self._found = skip      # the fused `opt.step()` reads it on the device
+    skip = unscale_step(self.masters, self.scaler, self.clip, loss_finite=finite, input_finite=lambda: _all_finite(xb), on_device=self._on_device)
+    if self._on_device: self._found = skip              # the fused `opt.step()` reads it on the device
     elif skip: raise CancelStepException()
+    elif self._fused is not None: self._found = torch.zeros((), dtype=torch.bool)   # decided on the host: a clean step
 
 @patch
 def on_step_end(self:MixedPrecision):
@@ -222,7 +223,7 @@ def on_train_end(self:MixedPrecision):
         self.scaler.drain()                          # the last step into the books (naming overflowed params reads the master grads)
         self.masters.zero_grads()                    # as fastai's `zero_grad` leaves them
     if getattr(self.learn, 'opt', None) is not None: self._own_step(self.learn.opt)
-    self._fused = None
+    self._fused, self._on_device = None, False
     # the table columns hold bound methods, which `export` need not pickle
     if self.table: self.learn.metrics = [m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
 
@@ -293,10 +294,11 @@ def steps_to_ints(state:dict):
 # %% ../nbs/03_callback.ipynb #70055a1f
 @patch
 def _choose_step(self:MixedPrecision):
-    "At `before_fit`: step fastai's `Adam`/`SGD` with the fused kernels, deciding the skip on the device, when the masters and device allow"
+    "At `before_fit`: step fastai's `Adam`/`SGD` with the fused kernels when they can, deciding the skip on the device where it can"
     opt = self.learn.opt
     kind = fastai_fused_kind(opt)
-    self._fused = kind if kind is not None and decides_on_device(opt, self.masters, kind=kind.name) else None
+    self._fused = kind if kind is not None and fuses(self.masters) else None
+    self._on_device = self._fused is not None and decides_on_device(opt, self.masters, kind=kind.name)
     if self._fused is None: self._own_step(opt)
     else: opt.step, opt.zero_grad = self._fused_opt_step, self._fused_zero_grad
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'DECIDE_ON_DEVICE', 'TORCH_STATE', 'check_half_dtype', 'cast_floats', 'to_fp32', 'CastIO',
            'masters_for', 'ModelConversion', 'SaveMasters', 'LoadMasters', 'convert_model', 'speed_note',
-           'MasterParams', 'unscale_step', 'set_decide_on_device', 'decides_on_device', 'fused_group_step',
+           'MasterParams', 'unscale_step', 'set_decide_on_device', 'fuses', 'decides_on_device', 'fused_group_step',
            'fused_step']
 
 # %% ../nbs/02_master.ipynb #1944725e
@@ -461,16 +461,19 @@ def set_decide_on_device(when:str):
     if when not in ('cuda', 'always', 'never'): raise ValueError(f"when must be 'cuda', 'always' or 'never', not {when!r}")
     DECIDE_ON_DEVICE = when
 
+def fuses(masters:MasterParams, impl:str=None) -> bool:
+    "True when the fused kernels can step an optimizer over `masters`: per-param masters, and the kernels built for their device"
+    return not masters.flat and bool(masters.pairs) and backend(masters.pairs[0][1], impl) != 'ref'
+
 def decides_on_device(optimizer, masters:MasterParams, impl:str=None, kind:str=None) -> bool:
     "True when a step of `optimizer` over `masters` can be skipped on the device: a fused step runs it (`kind`, default: `fused_step`'s) and needs no host decision"
-    if DECIDE_ON_DEVICE == 'never' or masters.flat or not masters.pairs: return False
+    if DECIDE_ON_DEVICE == 'never' or not fuses(masters, impl): return False
     kind = kind or _fusable(optimizer)
     if kind is None: return False
     # SGD's first momentum step differs from a later one from a zero buffer only by `dampening`: without it, a first step
     # skipped on the device (the host cannot know) changes nothing
     if kind == 'sgd' and any(g.get('momentum') and g.get('dampening') for g in optimizer.param_groups): return False
-    p = masters.pairs[0][1]
-    return backend(p, impl) != 'ref' and (DECIDE_ON_DEVICE == 'always' or p.device.type == 'cuda')
+    return DECIDE_ON_DEVICE == 'always' or masters.pairs[0][1].device.type == 'cuda'
 
 TORCH_STATE = dict(avg='exp_avg', sqr='exp_avg_sq', buf='momentum_buffer')   # torch's names for the state the fused steps keep
 

@@ -1,9 +1,9 @@
-"fastai's Adam and SGD stepped by the fused kernels with the skip decided on the device, against fastai's own step (the CPU, with 'always')"
+"fastai's Adam and SGD stepped by the fused kernels, the skip decided on the host and on the device (the CPU, with 'always'), against fastai's own step"
 import pytest, torch
 from functools import partial
 from fastai.optimizer import SGD, Adam, RAdam, Lamb, QHAdam, OptimWrapper
 from fastai.callback.schedule import fit_one_cycle
-from mixedprec import master
+from mixedprec import master, ops
 from mixedprec.callback import fastai_fused_kind, FusedKind
 from helpers import synth_learner, masters_of, Record, mlp
 
@@ -17,15 +17,16 @@ def test_fastai_fused_kind_knows_adam_and_sgd_only():
         assert fastai_fused_kind(opt_func(mlp().parameters(), lr=1e-3)) is None
 
 def _fit_recording(opt_func, where, fit=lambda l: l.fit_one_cycle(3, 1e-2), **kw):
-    "Train with the skip decided `where`; the masters, optimizer state, scaler history and what stood in for `opt.step` during the fit"
-    old = master.DECIDE_ON_DEVICE
-    master.set_decide_on_device(where)
+    "Train with the skip decided `where` ('never': on the host, 'always': on the device, 'fastai': fastai's own step, which the reference ops get); the Learner, and (what stood in for `opt.step`, the fused kind, on the device) as seen during the fit"
+    old, old_impl = master.DECIDE_ON_DEVICE, ops.DEFAULT_IMPL
+    master.set_decide_on_device('never' if where == 'fastai' else where)
+    if where == 'fastai': ops.set_impl('ref')
     try:
         learn = synth_learner(opt_func=opt_func, wd=kw.pop('wd', None)).to_fp16(**kw)
         seen = set()
-        learn.add_cb(Record(1, before_step=lambda l: seen.add((type(l.opt.__dict__.get('step')).__name__, l.mixed_precision._fused))))
+        learn.add_cb(Record(1, before_step=lambda l: seen.add((type(l.opt.__dict__.get('step')).__name__, l.mixed_precision._fused, l.mixed_precision._on_device))))
         fit(learn)
-    finally: master.set_decide_on_device(old)
+    finally: master.set_decide_on_device(old); ops.set_impl(old_impl)
     return learn, seen
 
 def _state(learn):
@@ -34,13 +35,16 @@ def _state(learn):
 @pytest.mark.parametrize("name", list(FUSABLE))
 def test_fused_fastai_step_matches_fastais_own(name):
     # a one-cycle fit (lr and mom change every batch), weight decay off for batchnorm and biases (fastai's default `do_wd`),
-    # a starting scale that overflows the first steps: fastai's own step and the fused one, to fp32 rounding
+    # a starting scale that overflows the first steps: fastai's own step and the fused one agree to fp32 rounding; the fused
+    # step decided on the host and on the device, bit for bit
     opt_func, kind = FUSABLE[name]
-    (host, seen_h), (dev, seen_d) = (_fit_recording(opt_func, w, loss_scale=2.**30, max_scale=2.**30, wd=1e-2) for w in ('never', 'always'))
-    assert seen_h == {('NoneType', None)} and seen_d == {('method', kind)}
+    (host, seen_h), (fused, seen_f), (dev, seen_d) = (_fit_recording(opt_func, w, loss_scale=2.**30, max_scale=2.**30, wd=1e-2)
+                                                      for w in ('fastai', 'never', 'always'))
+    assert seen_h == {('NoneType', None, False)} and seen_f == {('method', kind, False)} and seen_d == {('method', kind, True)}
     hist = lambda l: [(r.step, r.scale, r.skipped, r.reason, r.params) for r in l.mixed_precision.history]
-    assert hist(host) == hist(dev) and sum(r[2] for r in hist(dev)) >= 2
+    assert hist(host) == hist(dev) == hist(fused) and sum(r[2] for r in hist(dev)) >= 2
     for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    for a, b in zip(masters_of(fused), masters_of(dev)): assert torch.equal(a, b)
     for p, q in zip(host.model.parameters(), dev.model.parameters()): assert p.dtype == q.dtype
     for p, m in zip(dev.model.parameters(), masters_of(dev)): assert torch.equal(p.detach(), m.detach().to(p.dtype))   # the kernels wrote the half model
     sh, sd = _state(host), _state(dev)
@@ -56,15 +60,15 @@ def test_fused_sgd_keeps_its_momentum_buffer_at_momentum_zero():
     def fit(learn):
         learn.opt.set_hyper('mom', 0.); learn.fit(1, 1e-2)
         learn.opt.set_hyper('mom', 0.9); learn.fit(1, 1e-2)
-    (host, _), (dev, seen) = (_fit_recording(partial(SGD, mom=0.9), w, fit=fit, loss_scale=2.**8) for w in ('never', 'always'))
-    assert seen == {('method', FusedKind('sgd', True, True))}
+    (host, _), (dev, seen) = (_fit_recording(partial(SGD, mom=0.9), w, fit=fit, loss_scale=2.**8) for w in ('fastai', 'always'))
+    assert seen == {('method', FusedKind('sgd', True, True), True)}
     for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 def test_fused_fastai_step_falls_back_to_the_host(tmp_path):
     # what the kernels cannot run decides on the host, with fastai's own step: other optimizers, flat masters
     for opt_func, kw in ((RAdam, {}), (Adam, {'flat_master': True})):
         _, seen = _fit_recording(opt_func, 'always', fit=lambda l: l.fit(1), **kw)
-        assert seen == {('NoneType', None)}
+        assert seen == {('NoneType', None, False)}
 
 def test_fused_fastai_checkpoints_hold_ints_and_resume(tmp_path):
     learn, _ = _fit_recording(Adam, 'always', fit=lambda l: l.fit(1, 1e-2))
@@ -79,4 +83,4 @@ def test_fused_fastai_checkpoints_hold_ints_and_resume(tmp_path):
 def test_overflowed_params_are_named_when_decided_on_the_device():
     learn, seen = _fit_recording(Adam, 'always', fit=lambda l: l.fit(1, 1e-2), loss_scale=2.**30, max_scale=2.**30)
     skipped = [r for r in learn.mixed_precision.history if r.skipped]
-    assert seen == {('method', FusedKind('adam', True, True))} and skipped and all(r.params for r in skipped)
+    assert seen == {('method', FusedKind('adam', True, True), True)} and skipped and all(r.params for r in skipped)
