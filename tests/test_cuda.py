@@ -184,7 +184,7 @@ class SyncSites(Callback):
 @pytest.mark.parametrize("opt_func", ['Adam', 'SGD'])
 def test_fastai_fused_step_makes_no_host_sync(opt_func):
     # fastai's Adam/SGD stepped by the fused kernels on the GPU, under a one-cycle schedule: the skip is decided on the
-    # device, so mixedprec's hooks and the step make no host sync; the same masters as fastai's own step, to rounding
+    # device, so mixedprec's hooks and the step make no host sync; the same skips and masters as deciding on the host
     from fastai.optimizer import Adam, SGD
     from fastai.callback.schedule import fit_one_cycle
     from functools import partial
