@@ -7,6 +7,7 @@ from mixedprec import amp, ops, master
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from fastai.callback.core import Callback
 from helpers import synth_learner, masters_of
+from conftest import mixedprec_settings
 
 pytestmark = pytest.mark.cuda
 
@@ -32,10 +33,7 @@ def make_opt(kind, params):
 
 def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None, decide='cuda'):
     "Train `cnn` with amp; returns the masters after each step and the scaler history"
-    old, old_decide = ops.DEFAULT_IMPL, master.DECIDE_ON_DEVICE
-    ops.set_impl(impl)
-    master.set_decide_on_device(decide)
-    try:
+    with mixedprec_settings(impl=impl, decide=decide):
         model = cnn()
         model, opt = amp.initialize(model, make_opt(kind, model.parameters()), opt_level=level, verbosity=0, half_dtype=half_dtype)
         snaps = []
@@ -47,7 +45,6 @@ def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None
             opt.step(); opt.zero_grad()
             snaps.append([p.detach().clone() for p in amp.master_params(opt)])
         return snaps, list(amp.history()), model
-    finally: ops.set_impl(old); master.set_decide_on_device(old_decide)
 
 @pytest.mark.parametrize("kind", ['sgd', 'adamw', 'adam'])
 def test_amp_o2_fused_matches_reference(kind):
@@ -191,16 +188,13 @@ def test_fastai_fused_step_makes_no_host_sync(opt_func):
     opt_func = {'Adam': Adam, 'SGD': partial(SGD, mom=0.9, wd=1e-2)}[opt_func]
     runs = {}
     for where in ('never', 'cuda'):
-        old = master.DECIDE_ON_DEVICE
-        master.set_decide_on_device(where)
-        try:
+        with mixedprec_settings(decide=where):
             learn = synth_learner(opt_func=opt_func)
             learn.dls.cuda()
             learn.to_fp16()
             sync = SyncSites()
             sync_sites(lambda: torch.zeros(1, device='cuda').item())   # the process's first use of the debug mode may add a sync of its own
             learn.fit_one_cycle(2, 1e-2, cbs=[sync])
-        finally: master.set_decide_on_device(old)
         runs[where] = learn, sync.sites
     (host, host_sites), (dev, dev_sites) = runs['never'], runs['cuda']
     assert all(len(s) >= 1 for s in host_sites[3:])                     # the host decision reads the flag once a step

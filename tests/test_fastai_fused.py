@@ -3,9 +3,9 @@ import pytest, torch
 from functools import partial
 from fastai.optimizer import SGD, Adam, RAdam, Lamb, QHAdam, OptimWrapper
 from fastai.callback.schedule import fit_one_cycle
-from mixedprec import master, ops
 from mixedprec.callback import fastai_fused_kind, FusedKind
 from helpers import synth_learner, masters_of, Record, mlp
+from conftest import mixedprec_settings
 
 FUSABLE = {'adam': (Adam, FusedKind('adam', True, True)), 'adam-l2': (partial(Adam, decouple_wd=False), FusedKind('adam', False, True)),
            'sgd': (SGD, FusedKind('sgd', True, False)), 'sgd-mom-wd': (partial(SGD, mom=0.9, wd=1e-2), FusedKind('sgd', True, True)),
@@ -18,15 +18,11 @@ def test_fastai_fused_kind_knows_adam_and_sgd_only():
 
 def _fit_recording(opt_func, where, fit=lambda l: l.fit_one_cycle(3, 1e-2), **kw):
     "Train with the skip decided `where` ('never': on the host, 'always': on the device, 'fastai': fastai's own step, which the reference ops get); the Learner, and (what stood in for `opt.step`, the fused kind, on the device) as seen during the fit"
-    old, old_impl = master.DECIDE_ON_DEVICE, ops.DEFAULT_IMPL
-    master.set_decide_on_device('never' if where == 'fastai' else where)
-    if where == 'fastai': ops.set_impl('ref')
-    try:
+    with mixedprec_settings(impl='ref' if where == 'fastai' else None, decide='never' if where == 'fastai' else where):
         learn = synth_learner(opt_func=opt_func, wd=kw.pop('wd', None)).to_fp16(**kw)
         seen = set()
         learn.add_cb(Record(1, before_step=lambda l: seen.add((type(l.opt.__dict__.get('step')).__name__, l.mixed_precision._fused, l.mixed_precision._on_device))))
         fit(learn)
-    finally: master.set_decide_on_device(old); ops.set_impl(old_impl)
     return learn, seen
 
 def _state(learn):
