@@ -90,16 +90,17 @@ def run(shapes, repeat, device):
     add('full step (Adam)', 'fused', fused_step, step_bytes)
     # fastai's Adam over fp32 masters of half params: its own step, and the callback's fused step (which also writes the half params)
     from fastai.optimizer import Adam
-    from mixedprec.master import MasterParams, masters_for
-    from mixedprec.callback import fastai_fused_kind, fastai_fused_step
+    from mixedprec.master import MasterParams
+    from mixedprec.convert import masters_for
+    from mixedprec.engine import fused_plan, fused_opt_step
     halves = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in p16]
     mp = MasterParams([halves], masters_for(halves))
     for m, g in zip(mp.master_params, g32): m.grad = g
     opt_fastai, opt_fused = Adam(mp.master_params, lr=1e-3), Adam(mp.master_params, lr=1e-3)     # two state sets
-    kind, clean = fastai_fused_kind(opt_fused), torch.zeros((), dtype=torch.bool, device=device)
+    plan, clean = fused_plan(opt_fused), torch.zeros((), dtype=torch.bool, device=device)
     adam_bytes = 4 * 7 * n                                         # g read; p, m, v read and written
     add('fastai Adam step', 'loop', opt_fastai.step, adam_bytes)
-    add('fastai Adam step', 'fused', lambda: fastai_fused_step(opt_fused, mp, kind, clean), adam_bytes + 2 * n)
+    add('fastai Adam step', 'fused', lambda: fused_opt_step(opt_fused, plan, mp, clean), adam_bytes + 2 * n)
     return n, len(shapes), copy_bw, rows
 
 def main():

@@ -75,12 +75,11 @@ class SyncCounter:
 
 def book_clock(device):
     "A `Clock` wrapped around mixedprec's per-step entry points"
-    import mixedprec.master as master, mixedprec.callback as mpcb, mixedprec.amp as mpamp
+    import mixedprec.master as master, mixedprec.engine as engine, mixedprec.amp as mpamp
     clock = Clock(device)
-    mpcb.unscale_step, mpamp.unscale_step = clock.wrap(mpcb.unscale_step), clock.wrap(mpamp.unscale_step)
+    engine.unscale_into = mpamp.unscale_into = clock.wrap(engine.unscale_into)     # the decision, for every front end
     for name in ('masters_to_model', 'zero_model_grads'): setattr(master.MasterParams, name, clock.wrap(getattr(master.MasterParams, name)))
-    mpamp.fused_step = clock.wrap(mpamp.fused_step, 'step')      # the optimizer itself, with the unscale-free master->model copy fused in
-    mpcb.fastai_fused_step = clock.wrap(mpcb.fastai_fused_step, 'step')   # the same for fastai's Adam in the callback (on CUDA)
+    engine.fused_opt_step = clock.wrap(engine.fused_opt_step, 'step')   # the optimizer itself, with the master->model copy fused in
     return clock
 
 class Window:
@@ -231,7 +230,7 @@ def main():
             import warnings; warnings.simplefilter('ignore')
         print(json.dumps(worker(a.worker[0], a.worker[1], a.steps, a.max_seconds, a.bs, a.device, a.pool, a.profile))); return
     import torch
-    from mixedprec.master import speed_note
+    from mixedprec.convert import speed_note
     where = torch.cuda.get_device_name() if a.device == 'cuda' else f"{torch.get_num_threads()} CPU threads"
     print(f"torch {torch.__version__}, {where}; bf16: {speed_note(torch.bfloat16, a.device) or 'fast'}; fp16: {speed_note(torch.float16, a.device) or 'fast'}")
     for model in a.models.split(','):

@@ -21,13 +21,13 @@ def shard(t, rank, world): return t if world == 1 else t[rank * BS:(rank + 1) * 
 def fp16_optimizer(rank, world, inject_rank=1, agree=True, decide='cuda'):
     "FP16_Optimizer over a DDP-wrapped half model; an inf written into rank `inject_rank`'s grads after DDP's reduction"
     from mixedprec.fp16_optimizer import FP16_Optimizer
-    from mixedprec import distributed, master
+    from mixedprec import distributed
     distributed.set_process_group(None, enabled=agree)
-    master.set_decide_on_device(decide)            # 'always': the skip decided on the device (here the CPU), as on GPUs
     model = mlp().half()
     net = DDP(model) if world > 1 else model
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), dynamic_loss_scale=True,
-                         dynamic_loss_args=dict(init_scale=2.**8, scale_window=2), verbose=False)
+                         dynamic_loss_args=dict(init_scale=2.**8, scale_window=2), verbose=False,
+                         decide=decide)            # 'always': the skip decided on the device (here the CPU), as on GPUs
     for step in range(STEPS):
         x, y = data(step)
         opt.zero_grad()
@@ -40,11 +40,10 @@ def fp16_optimizer(rank, world, inject_rank=1, agree=True, decide='cuda'):
 
 def amp_no_sync(rank, world, decide='cuda'):
     "amp O2 with two micro-batches per step, the first under no_sync; an inf on rank 0 after the reduction"
-    from mixedprec import amp, master
-    master.set_decide_on_device(decide)
+    from mixedprec import amp
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0, decide=decide)
     net = DDP(model) if world > 1 else model
     for step in range(STEPS):
         x, y = data(step)

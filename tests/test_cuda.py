@@ -3,11 +3,11 @@ import warnings
 import pytest, torch
 from torch import nn
 import torch.nn.functional as F
-from mixedprec import amp, ops, master
+from mixedprec import amp, ops
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from fastai.callback.core import Callback
 from helpers import synth_learner, masters_of
-from conftest import mixedprec_settings
+from mixedprec.engine import settings
 
 pytestmark = pytest.mark.cuda
 
@@ -33,7 +33,7 @@ def make_opt(kind, params):
 
 def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None, decide='cuda'):
     "Train `cnn` with amp; returns the masters after each step and the scaler history"
-    with mixedprec_settings(impl=impl, decide=decide):
+    with settings(impl=impl, decide=decide):
         model = cnn()
         model, opt = amp.initialize(model, make_opt(kind, model.parameters()), opt_level=level, verbosity=0, half_dtype=half_dtype)
         snaps = []
@@ -71,7 +71,7 @@ def test_amp_overflow_skips_the_step_on_cuda():
 def test_skip_decided_on_the_device_matches_the_host(kind):
     # the same kernels, the skip decided by the host (a sync per step) or on the device (none): bit for bit the same run
     (h_snaps, h_hist, _), (d_snaps, d_hist, model) = (amp_run('fused', kind, inject_at=2, decide=d) for d in ('never', 'cuda'))
-    assert master.decides_on_device(amp._state.optimizers[0], amp._state.optimizers[0]._mixedprec_amp.masters)
+    assert amp._state.engines[0].on_device
     assert h_hist == d_hist and d_hist[2].skipped
     for a, b in zip(h_snaps, d_snaps):
         for x, y in zip(a, b): assert torch.equal(x, y)
@@ -118,7 +118,7 @@ def test_fastai_callback_trains_and_checkpoints_on_cuda(how, tmp_path):
     for a, b in zip(before, masters_of(learn)): assert torch.equal(a, b)
 
 def test_masters_follow_the_model_to_the_gpu():
-    from mixedprec.master import convert_model
+    from mixedprec.convert import convert_model
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     conv = convert_model(model, torch.float16)
     assert not conv.follow_devices()
@@ -188,7 +188,7 @@ def test_fastai_fused_step_makes_no_host_sync(opt_func):
     opt_func = {'Adam': Adam, 'SGD': partial(SGD, mom=0.9, wd=1e-2)}[opt_func]
     runs = {}
     for where in ('never', 'cuda'):
-        with mixedprec_settings(decide=where):
+        with settings(decide=where):
             learn = synth_learner(opt_func=opt_func)
             learn.dls.cuda()
             learn.to_fp16()

@@ -7,7 +7,7 @@ from fastai.optimizer import SGD, Adam
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from torch.utils.data import TensorDataset
-from mixedprec import amp, master, ops
+from mixedprec import amp, convert, ops
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import LossScaler, ScalingError, plot_history
 from mixedprec.callback import MixedPrecision
@@ -88,13 +88,13 @@ def test_conversion_warns_about_underflow_and_range(monkeypatch):
     monkeypatch.setattr(ops, '_warned', set())
     model = nn.Sequential(nn.Linear(100, 10), nn.Linear(10, 1))
     with torch.no_grad(): model[0].weight[:5] = 1e-9; model[1].weight[0, 0] = 1e5
-    with pytest.warns(UserWarning) as rec: master.convert_model(model)
+    with pytest.warns(UserWarning) as rec: convert.convert_model(model)
     msgs = [str(w.message) for w in rec]
     assert any("exceed fp16's range" in m for m in msgs) and any("below fp16's smallest value" in m for m in msgs)
     with pytest.warns(UserWarning, match='running_var'):
         bn = nn.BatchNorm1d(3); bn.running_var.fill_(1e6)
-        master.convert_model(nn.Sequential(nn.Linear(3, 3), bn), keep_fp32=())
-    master.convert_model(nn.Sequential(nn.Linear(100, 10)), dtype=torch.bfloat16)              # bf16 has fp32's range: no warning
+        convert.convert_model(nn.Sequential(nn.Linear(3, 3), bn), keep_fp32=())
+    convert.convert_model(nn.Sequential(nn.Linear(100, 10)), dtype=torch.bfloat16)              # bf16 has fp32's range: no warning
 
 def test_table_shows_scale_and_skipped_per_epoch():
     learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, table=True)

@@ -3,25 +3,25 @@ import pytest, torch
 from functools import partial
 from fastai.optimizer import SGD, Adam, RAdam, Lamb, QHAdam, OptimWrapper
 from fastai.callback.schedule import fit_one_cycle
-from mixedprec.callback import fastai_fused_kind, FusedKind
+from mixedprec.engine import fused_plan
 from helpers import synth_learner, masters_of, Record, mlp
-from conftest import mixedprec_settings
+from mixedprec.engine import settings
 
-FUSABLE = {'adam': (Adam, FusedKind('adam', True, True)), 'adam-l2': (partial(Adam, decouple_wd=False), FusedKind('adam', False, True)),
-           'sgd': (SGD, FusedKind('sgd', True, False)), 'sgd-mom-wd': (partial(SGD, mom=0.9, wd=1e-2), FusedKind('sgd', True, True)),
-           'sgd-mom-l2': (partial(SGD, mom=0.9, wd=1e-2, decouple_wd=False), FusedKind('sgd', False, True))}
+FUSABLE = {'adam': (Adam, 'fastai Adam (true wd)'), 'adam-l2': (partial(Adam, decouple_wd=False), 'fastai Adam (L2)'),
+           'sgd': (SGD, 'fastai SGD (true wd)'), 'sgd-mom-wd': (partial(SGD, mom=0.9, wd=1e-2), 'fastai SGD with momentum (true wd)'),
+           'sgd-mom-l2': (partial(SGD, mom=0.9, wd=1e-2, decouple_wd=False), 'fastai SGD with momentum (L2)')}
 
 def test_fastai_fused_kind_knows_adam_and_sgd_only():
-    for opt_func, kind in FUSABLE.values(): assert fastai_fused_kind(opt_func(mlp().parameters(), lr=1e-3)) == kind
+    for opt_func, kind in FUSABLE.values(): assert fused_plan(opt_func(mlp().parameters(), lr=1e-3)).name == kind
     for opt_func in (RAdam, Lamb, QHAdam, partial(OptimWrapper, opt=torch.optim.AdamW)):
-        assert fastai_fused_kind(opt_func(mlp().parameters(), lr=1e-3)) is None
+        assert fused_plan(opt_func(mlp().parameters(), lr=1e-3)) is None
 
 def _fit_recording(opt_func, where, fit=lambda l: l.fit_one_cycle(3, 1e-2), **kw):
-    "Train with the skip decided `where` ('never': on the host, 'always': on the device, 'fastai': fastai's own step, which the reference ops get); the Learner, and (what stood in for `opt.step`, the fused kind, on the device) as seen during the fit"
-    with mixedprec_settings(impl='ref' if where == 'fastai' else None, decide='never' if where == 'fastai' else where):
+    "Train with the skip decided `where` ('never': on the host, 'always': on the device, 'fastai': fastai's own step, which the reference ops get); the Learner, and (the fused plan's name, on the device) as seen during the fit"
+    with settings(impl='ref' if where == 'fastai' else None, decide='never' if where == 'fastai' else where):
         learn = synth_learner(opt_func=opt_func, wd=kw.pop('wd', None)).to_fp16(**kw)
         seen = set()
-        learn.add_cb(Record(1, before_step=lambda l: seen.add((type(l.opt.__dict__.get('step')).__name__, l.mixed_precision._fused, l.mixed_precision._on_device))))
+        learn.add_cb(Record(1, before_step=lambda l: seen.add((getattr(l.mixed_precision.engine.plan, 'name', None), l.mixed_precision.engine.on_device))))
         fit(learn)
     return learn, seen
 
@@ -36,7 +36,7 @@ def test_fused_fastai_step_matches_fastais_own(name):
     opt_func, kind = FUSABLE[name]
     (host, seen_h), (fused, seen_f), (dev, seen_d) = (_fit_recording(opt_func, w, loss_scale=2.**30, max_scale=2.**30, wd=1e-2)
                                                       for w in ('fastai', 'never', 'always'))
-    assert seen_h == {('NoneType', None, False)} and seen_f == {('method', kind, False)} and seen_d == {('method', kind, True)}
+    assert seen_h == {(None, False)} and seen_f == {(kind, False)} and seen_d == {(kind, True)}
     hist = lambda l: [(r.step, r.scale, r.skipped, r.reason, r.params) for r in l.mixed_precision.history]
     assert hist(host) == hist(dev) == hist(fused) and sum(r[2] for r in hist(dev)) >= 2
     for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
@@ -57,14 +57,14 @@ def test_fused_sgd_keeps_its_momentum_buffer_at_momentum_zero():
         learn.opt.set_hyper('mom', 0.); learn.fit(1, 1e-2)
         learn.opt.set_hyper('mom', 0.9); learn.fit(1, 1e-2)
     (host, _), (dev, seen) = (_fit_recording(partial(SGD, mom=0.9), w, fit=fit, loss_scale=2.**8) for w in ('fastai', 'always'))
-    assert seen == {('method', FusedKind('sgd', True, True), True)}
+    assert seen == {('fastai SGD with momentum (true wd)', True)}
     for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 def test_fused_fastai_step_falls_back_to_the_host(tmp_path):
     # what the kernels cannot run decides on the host, with fastai's own step: other optimizers, flat masters
     for opt_func, kw in ((RAdam, {}), (Adam, {'flat_master': True})):
         _, seen = _fit_recording(opt_func, 'always', fit=lambda l: l.fit(1), **kw)
-        assert seen == {('NoneType', None, False)}
+        assert seen == {(None, False)}
 
 def test_fused_fastai_checkpoints_hold_ints_and_resume(tmp_path):
     learn, _ = _fit_recording(Adam, 'always', fit=lambda l: l.fit(1, 1e-2))
@@ -79,4 +79,4 @@ def test_fused_fastai_checkpoints_hold_ints_and_resume(tmp_path):
 def test_overflowed_params_are_named_when_decided_on_the_device():
     learn, seen = _fit_recording(Adam, 'always', fit=lambda l: l.fit(1, 1e-2), loss_scale=2.**30, max_scale=2.**30)
     skipped = [r for r in learn.mixed_precision.history if r.skipped]
-    assert seen == {('method', FusedKind('adam', True, True), True)} and skipped and all(r.params for r in skipped)
+    assert seen == {('fastai Adam (true wd)', True)} and skipped and all(r.params for r in skipped)

@@ -18,7 +18,7 @@ from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from torch.utils.data import TensorDataset
 from mixedprec.callback import MixedPrecision
-from mixedprec import master, ops
+from mixedprec import convert, ops
 from helpers import synth_learner, masters_of, Record, mlp
 
 def params(learn): return [p.detach().clone() for p in learn.model.parameters()]
@@ -195,15 +195,15 @@ def test_keyboard_interrupt_like_exception_then_to_fp32_and_fit():
     learn.fit(1)
 
 def test_speed_note_warns_once(monkeypatch):
-    monkeypatch.setattr(master, '_cpu_flags', lambda: {'avx2'})
+    monkeypatch.setattr(convert, 'cpu_flags', lambda: {'avx2'})
     monkeypatch.setattr(ops, '_warned', set())
     with pytest.warns(UserWarning, match='no bf16 units'): synth_learner().to_bf16()
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         synth_learner().to_bf16()                      # once per process
-    assert master.speed_note(torch.bfloat16, 'cpu').startswith('this CPU has no bf16')
-    monkeypatch.setattr(master, '_cpu_flags', lambda: {'avx512_bf16', 'amx_bf16', 'avx512_fp16', 'amx_fp16'})
-    assert master.speed_note(torch.bfloat16, 'cpu') is None and master.speed_note(torch.float16, 'cpu') is None
+    assert convert.speed_note(torch.bfloat16, 'cpu').startswith('this CPU has no bf16')
+    monkeypatch.setattr(convert, 'cpu_flags', lambda: {'avx512_bf16', 'amx_bf16', 'avx512_fp16', 'amx_fp16'})
+    assert convert.speed_note(torch.bfloat16, 'cpu') is None and convert.speed_note(torch.float16, 'cpu') is None
 
 def test_model_without_float_params_warns():
     class Ids(nn.Module):

@@ -4,7 +4,7 @@ pytestmark = pytest.mark.usefixtures("decide")   # every test: the skip decided 
 from torch import nn
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import ScalingError
-from mixedprec import ops, master
+from mixedprec import ops, engine
 from conftest import same_or_close
 
 def half_mlp(seed=0):
@@ -159,13 +159,13 @@ def test_bad_arguments():
                                   lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), lambda ps: torch.optim.Adam(ps, lr=1e-2)])
 def test_fused_step_matches_the_wrapped_optimizer(make, monkeypatch, decide):
     data = batches(6)
-    runs = []
+    runs, real = [], engine.fused_opt_step
     for use_fused in (False, True):
         model = half_mlp()
-        opt = FP16_Optimizer(make(list(model.parameters())), dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**8), verbose=False)
+        opt = FP16_Optimizer(make(list(model.parameters())), dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**8), verbose=False,
+                             impl=None if use_fused else 'ref')
         calls = []
-        real = master.fused_step
-        monkeypatch.setattr('mixedprec.fp16_optimizer.fused_step', lambda o, m, **kw: use_fused and (calls.append(1) or real(o, m, **kw)))
+        monkeypatch.setattr(engine, 'fused_opt_step', lambda *a, **kw: calls.append(1) or real(*a, **kw))
         run(model, opt, data, inject_at=2)
         assert len(calls) == (0 if not use_fused else 5 if decide == 'host' else 6)    # on the device the overflowed step runs, as a no-op
         runs.append((model, opt))

@@ -3,7 +3,9 @@ from collections import namedtuple, OrderedDict
 import numpy as np
 import pytest, torch
 from torch import nn
-from mixedprec.master import convert_model, MasterParams, cast_floats, to_fp32, unscale_step, check_half_dtype
+from mixedprec.convert import convert_model, cast_floats, to_fp32, check_half_dtype
+from mixedprec.master import MasterParams
+from mixedprec.engine import StepEngine
 from mixedprec.scaler import LossScaler, ScalingError
 from conftest import same_or_close
 
@@ -93,25 +95,28 @@ def test_clip_matches_clip_grad_norm_on_fp32_copy(impl):
     same_or_close(norm, expected, impl)
     for p, m in zip(ref.parameters(), mp.master_params): same_or_close(p.grad, m.grad, impl)
 
-def test_unscale_step_names_params_when_hopeless():
+def test_unscale_names_params_when_hopeless():
     model = nn.Sequential(nn.Linear(2, 2))
     conv = convert_model(model)
     mp = MasterParams([list(model.parameters())], conv.masters, names={p: n for n, p in model.named_parameters()})
     sc = LossScaler(loss_scale=1., max_overflow_at_min=2)
+    engine = StepEngine(torch.optim.SGD(mp.master_params, lr=0.), mp, sc)
     for i in range(2):
         model(torch.randn(1, 2).half()).float().sum().backward()
         model[0].weight.grad[0, 0] = float('nan')
-        if i == 0: assert unscale_step(mp, sc)
-    with pytest.raises(ScalingError, match=r"0\.weight \(nan\)"): unscale_step(mp, sc)
+        if i == 0: engine.unscale(); assert engine.must_skip(); engine.step()
+    with pytest.raises(ScalingError, match=r"0\.weight \(nan\)"): engine.unscale()
     assert sc.scale == 1.
 
-def test_unscale_step_nonfinite_norm_is_overflow():
+def test_unscale_nonfinite_norm_is_overflow():
     model = nn.Linear(2, 1)
     conv = convert_model(model)
     mp = MasterParams([list(model.parameters())], conv.masters)
     model.weight.grad = torch.full((1, 2), 60000., dtype=torch.half); model.bias.grad = torch.zeros(1, dtype=torch.half)
     sc = LossScaler(loss_scale=2.**-120, min_scale=2.**-130)    # unscaling by 2**120 leaves finite fp32 values whose squares overflow
-    assert unscale_step(mp, sc, clip=1.)
+    engine = StepEngine(torch.optim.SGD(mp.master_params, lr=0.), mp, sc, clip=1.)
+    engine.unscale()
+    assert engine.must_skip()
     assert sc.history[-1].reason == 'nonfinite_norm' and sc.scale == 2.**-121
 
 Point = namedtuple('Point', 'x y')

@@ -94,7 +94,7 @@ from hypothesis import given, settings, strategies as st
 @given(flags=st.lists(st.sampled_from(['clean', 'overflow', 'bad_loss']), max_size=60), noskip=st.integers(1, 5),
        start=st.sampled_from([1., 4., 2.**16]), cap_exp=st.integers(0, 4))
 def test_scaler_follows_the_design_rules_for_any_sequence(flags, noskip, start, cap_exp):
-    "A direct model of DESIGN.md's rules agrees with LossScaler on every prefix of any step sequence"
+    "A direct model of nbs/DESIGN.md's rules agrees with LossScaler on every prefix of any step sequence"
     max_scale, min_scale = start * 2.**cap_exp, 1.
     sc = LossScaler(loss_scale=start, max_noskip=noskip, max_scale=max_scale, min_scale=min_scale, max_overflow_at_min=10**6, max_bad_loss=10**6)
     scale, clean = start, 0
@@ -112,36 +112,42 @@ from mixedprec.scaler import CODES
 @settings(max_examples=150, deadline=None)
 @given(codes=st.lists(st.sampled_from([0, 0, 0, 1, 2, 3]), max_size=40), noskip=st.integers(1, 4), dynamic=st.booleans(),
        start=st.sampled_from([1., 3., 2.**16]), factor=st.sampled_from([2., 1.5, 3.]), cap_exp=st.integers(0, 3))
-def test_device_decisions_match_the_host_for_any_sequence(codes, noskip, dynamic, start, factor, cap_exp):
-    "update_on_device (the rules as tensor ops) and update (the rules in Python) agree step by step: scale, counters, history"
-    kw = dict(loss_scale=start, dynamic=dynamic, max_noskip=noskip, max_scale=start * factor ** cap_exp, factor=factor,
-              max_overflow_at_min=10**6, max_bad_loss=10**6)
-    host, dev = LossScaler(**kw), LossScaler(**kw)
-    for c in codes:
-        scale, inv = dev.device_scale('cpu')             # the scale this step uses, as the host has it
-        assert scale.item() == float(torch.tensor(host.scale, dtype=torch.float32)) and inv.item() == float(torch.tensor(1 / host.scale, dtype=torch.float32))
-        host.update(c != 0, CODES[c] if c else 'overflow', grad_norm=1.5 if c in (0, 3) else None)
-        found = dev.update_on_device(torch.tensor(c), grad_norm=torch.tensor(1.5))
-        assert bool(found) == (c != 0)
-        assert dev.state_dict() == host.state_dict()
-    assert list(dev.history) == list(host.history)
+def test_the_tensor_rules_follow_a_direct_model_for_any_sequence(codes, noskip, dynamic, start, factor, cap_exp):
+    "`advance` (the one rule engine, tensor ops) against a direct Python model of nbs/DESIGN.md's rules: scale, the scale each step reads, counters, history"
+    max_scale, min_scale = start * factor ** cap_exp, 1.
+    sc = LossScaler(loss_scale=start, dynamic=dynamic, max_noskip=noskip, max_scale=max_scale, factor=factor, max_overflow_at_min=10**6, max_bad_loss=10**6)
+    scale, clean, history = start, 0, []
+    for i, c in enumerate(codes):
+        s, inv = sc.tensors('cpu')                       # the scale this step reads
+        assert s.item() == float(torch.tensor(scale, dtype=torch.float32)) and inv.item() == float(torch.tensor(1 / scale, dtype=torch.float32))
+        found = sc.advance(torch.tensor(c), grad_norm=torch.tensor(1.5))
+        history.append((i + 1, scale, c != 0, CODES[c] if c else None, 1.5 if c in (0, 3) else None))
+        if c in (1, 3):
+            clean = 0
+            if dynamic: scale = max(scale / factor, min_scale)
+        elif c == 0:
+            clean += 1
+            if dynamic and clean >= noskip: scale, clean = min(scale * factor, max_scale), 0
+        assert bool(found) == (c != 0) and sc.scale == scale and sc.noskip == clean
+    assert [(r.step, r.scale, r.skipped, r.reason, r.grad_norm) for r in sc.history] == history
+    assert sc.n_skipped == sum(c != 0 for c in codes) and sc.n_steps == len(codes)
 
 def test_hopeless_is_raised_when_the_host_takes_the_step_in():
     sc = LossScaler(loss_scale=2., max_overflow_at_min=2)
     names = lambda: ['0.weight (inf)']
     for _ in range(2):
-        sc.device_scale('cpu'); sc.update_on_device(torch.tensor(1), name_params=names)
-    sc.device_scale('cpu')
-    with pytest.raises(ScalingError, match=r"minimum loss scale.*0\.weight \(inf\)"): sc.update_on_device(torch.tensor(1), name_params=names)
+        sc.tensors('cpu'); sc.advance(torch.tensor(1), name_params=names)
+    sc.tensors('cpu')
+    with pytest.raises(ScalingError, match=r"minimum loss scale.*0\.weight \(inf\)"): sc.advance(torch.tensor(1), name_params=names)
     assert sc.history[-1].params == ('0.weight (inf)',) and sc.n_skipped == 3
 
-def test_a_host_change_restarts_the_device_copy():
+def test_a_host_change_restarts_the_tensors():
     sc = LossScaler(loss_scale=8.)
-    sc.device_scale('cpu'); sc.update_on_device(torch.tensor(1))          # 8 -> 4 on the device, taken in on the host
-    assert sc.scale == 4. and sc.device_scale('cpu')[0].item() == 4.
+    sc.tensors('cpu'); sc.advance(torch.tensor(1))          # 8 -> 4 in the tensors, taken in by the host's books
+    assert sc.scale == 4. and sc.tensors('cpu')[0].item() == 4.
     sc.load_state_dict({**sc.state_dict(), 'scale': 64.})
-    assert sc.device_scale('cpu')[0].item() == 64.
+    assert sc.tensors('cpu')[0].item() == 64.
     sc.scale = 2.
-    assert sc.device_scale('cpu')[1].item() == 0.5
-    with pytest.raises(RuntimeError, match='device_scale'):
-        LossScaler().update_on_device(torch.tensor(0))
+    assert sc.tensors('cpu')[1].item() == 0.5
+    with pytest.raises(RuntimeError, match='tensors'):
+        LossScaler().advance(torch.tensor(0))
