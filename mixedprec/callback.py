@@ -33,6 +33,21 @@ fastai_to_fp16.__doc__ = "fastai's own `Learner.to_fp16` (native AMP), as it was
 # %% ../nbs/05_callback.ipynb #a0883456
 _SCALER_KWARGS = ('min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size')
 
+_GRADSCALER_NAMES = {'init_scale': 'loss_scale', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
+
+def _gradscaler_names(loss_scale, max_noskip, kwargs):
+    "torch GradScaler's (and fastai 2's) names for the scaler's settings, as ours"
+    kwargs = dict(kwargs)
+    if 'init_scale' in kwargs: loss_scale = kwargs.pop('init_scale')
+    if 'growth_interval' in kwargs: max_noskip = kwargs.pop('growth_interval')
+    if 'growth_factor' in kwargs: kwargs['factor'] = kwargs.pop('growth_factor')
+    if 'backoff_factor' in kwargs:
+        b = kwargs.pop('backoff_factor')
+        if abs(b * kwargs.get('factor', 2.) - 1) > 1e-12:
+            raise TypeError(f"backoff_factor={b} is not 1/growth factor: mixedprec's scale grows and backs off by the same `factor` "
+                            f"(default 2, so backoff 0.5); pass `factor=` (GradScaler's growth_factor) alone")
+    return loss_scale, max_noskip, kwargs
+
 def _opt_state_key(opt):
     "Per-param fastai flags (`do_wd`, `force_train`) that a flat master must not mix"
     def key(p): return tuple(sorted((k, v) for k, v in opt.state.get(p, {}).items() if k in ('do_wd', 'force_train')))
@@ -61,20 +76,41 @@ class MixedPrecision(Callback):
         flat_master:bool=False,       # one flat fp32 master per param group
         max_scale:float=2**24,        # cap on the scale
         dtype=torch.float16,          # torch.float16 or torch.bfloat16
-        keep_fp32:tuple=(_BatchNorm,),# module types that stay fp32
+        keep_fp32:tuple=(),           # module types that stay fp32 (a type or a tuple), besides batchnorm
+        keep_batchnorm:bool=True,     # keep every `_BatchNorm` in fp32 (fastai v1's rule); False makes them half too
         check_loss:bool=True,         # skip (without lowering the scale) when the loss is already inf/nan
         verbose:bool=False,           # print each change of loss scale, with its cause
         table:bool=False,             # add the loss scale and the epoch's skipped steps to fastai's progress table
         decide:str=None,              # where the skip is decided: 'cuda', 'always' or 'never' (default: `mixedprec.engine.settings`)
         impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
-        **kwargs):                    # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size
+        **kwargs):                    # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size (and GradScaler's names)
+        loss_scale, max_noskip, kwargs = _gradscaler_names(loss_scale, max_noskip, kwargs)
         bad = [k for k in kwargs if k not in _SCALER_KWARGS]
-        if bad: raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are {list(_SCALER_KWARGS)}")
+        if bad: raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are {list(_SCALER_KWARGS)} "
+                                f"(and GradScaler's {[*_GRADSCALER_NAMES, 'backoff_factor']})")
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
-        self.dtype, self.clip, self.flat_master, self.keep_fp32, self.check_loss = check_half_dtype(dtype), clip, flat_master, tuple(keep_fp32), check_loss
+        keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
+        if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
+        self.dtype, self.clip, self.flat_master, self.keep_fp32, self.check_loss = check_half_dtype(dtype), clip, flat_master, keep, check_loss
         self.table, self.decide, self.impl = table, decide, impl
-        self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs)
-        self.conversion, self.engine, self._checked, self._epoch_skipped = None, None, False, 0
+        self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs,
+                                 advice="With fastai: `learn.to_bf16()`, or `learn.to_fp16(keep_fp32=(nn.BatchNorm2d, TheModule))` for the modules that overflow.")
+        self.conversion, self.engine, self._checked, self._epoch_skipped, self._kept_history = None, None, False, 0, None
+
+    @property
+    def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
+    @learn.setter
+    def learn(self, learn):
+        "fastai sets `learn` to None when it removes the callback (`remove_cb`, or the end of `fit(cbs=...)`): leave mixed precision then, as `to_fp32()` does"
+        old = self.__dict__.get('_learn')
+        if learn is None and old is not None and self.conversion is not None: self.leave()
+        self.__dict__['_learn'] = learn
+
+    def leave(self):
+        "Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state kept"
+        self.release_opt()
+        if self.conversion is not None: self.conversion.undo()
+        self.conversion = None
 
     masters = property(lambda self: self.engine.masters if self.engine is not None else None, doc="The masters' layout in the optimizer (while it holds them)")
     @property
@@ -91,7 +127,8 @@ class MixedPrecision(Callback):
             self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True)
             if not self.conversion.masters: warnings.warn("mixedprec: the model has no fp32 params to convert, so mixed precision changes nothing")
             p = next(iter(self.conversion.masters), None)
-            note = speed_note(self.dtype, p.device) if p is not None else None
+            convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
+            note = speed_note(self.dtype, p.device, convs=convs) if p is not None else None
             if note: warn_once(note)
         return self
 
@@ -139,7 +176,8 @@ class MixedPrecision(Callback):
     def __setstate__(self, state:dict):
         "Unpickle, also a callback pickled by an earlier version (with a `masters` layout and step flags)"
         for k in ('masters', '_fused', '_found', '_on_device', 'loss_finite'): state.pop(k, None)
-        self.__dict__.update({'engine': None, 'decide': None, 'impl': None, **state})
+        if 'learn' in state: state['_learn'] = state.pop('learn')
+        self.__dict__.update({'engine': None, 'decide': None, 'impl': None, '_kept_history': None, **state})
 
     def before_fit(self):
         "Prepare the half model and the masters, swap the masters into the optimizer, and let the step engine run `opt.step()` and `opt.zero_grad()`"
@@ -149,12 +187,14 @@ class MixedPrecision(Callback):
                              "Remove it and pass the max norm to mixedprec instead: `learn.to_fp16(clip=max_norm)`.")
         if self.table: self._add_table_metrics()
         self._checked = False
+        if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs): self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
         changed = self.conversion.unconverted()
         if changed: raise ValueError(f"the model has fp32 params that were added or replaced after `to_fp16()` ({', '.join(changed[:5])}). "
                                      f"Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they are converted and get masters.")
         if getattr(self.learn, 'opt', None) is None or not self.conversion.masters: return
         if any(m.device != p.device for p, m in self.conversion.masters.items()): self.follow_model_device()
         self.attach_opt()
+        self.engine.follow_layouts()                     # fastai's ChannelsLast (order -1) has just laid the model out anew
         self.masters.sync_requires_grad()
         for p in self.learn.model.parameters(): p.grad = None
         self.engine.choose()
@@ -189,6 +229,10 @@ class MixedPrecision(Callback):
             self.scaler.drain()                          # the last step into the books (naming overflowed params reads the master grads)
             self.engine.own_layout()
             for k in ('step', 'zero_grad'): opt.__dict__.pop(k, None)
+        if self._kept_history is not None:
+            self.scaler.drain()
+            while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()
+            self._kept_history = None
         # the table columns hold bound methods, which `export` need not pickle
         if self.table: self.learn.metrics = [m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
 
@@ -229,6 +273,7 @@ class MixedPrecision(Callback):
         for i, (p, m) in enumerate(zip(params, saved)):
             if m is not None and p in masters and not (isinstance(m, torch.Tensor) and m.numel() == p.numel()):
                 raise ValueError(f"the state_dict's master {i} is {tuple(getattr(m, 'shape', ()))}, the model's param is {tuple(p.shape)}: it comes from another model; nothing was loaded")
+        self.scaler.check_state(sd.get('scaler'))
         self.scaler.load_state_dict(sd['scaler'])
         with torch.no_grad():
             for p, m in zip(params, saved):
@@ -267,6 +312,7 @@ class OptStateIO:
             for k, v in s.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
                     raise ValueError(f"the optimizer state {k!r} of param {i} has shape {tuple(v.shape)}, the param has {tuple(p.shape)}: it comes from another model; nothing was loaded")
+        if 'mixedprec' in sd: cb.scaler.check_state(sd['mixedprec']['scaler'])
         state = {p: dict(s) for p, s in zip(params, sd['state'])}
         masters.move_state_to_masters(state)
         opt.state, opt.hypers = defaultdict(dict, state), L(dict(h) for h in sd['hypers'])
@@ -307,10 +353,6 @@ def to_bf16(self:Learner, loss_scale:float=1., max_noskip:int=1000, dynamic:bool
 def to_fp32(self:Learner):
     "Return `learn` to fp32: weights from the fp32 masters, the optimizer on the model params with its state kept"
     for cb in list(self.cbs):
-        if isinstance(cb, MixedPrecision):
-            cb.release_opt()
-            if cb.conversion is not None: cb.conversion.undo()
-            cb.conversion = None
-            self.remove_cb(cb)
+        if isinstance(cb, MixedPrecision): self.remove_cb(cb)          # the callback leaves mixed precision as it goes
         elif isinstance(cb, fastai_fp16.MixedPrecision): self.remove_cb(cb)
     return self

@@ -112,15 +112,17 @@ class SaveMasters:
             if p in masters and prefix + name in state_dict: state_dict[prefix + name] = masters[p].detach().reshape(p.shape)
 
 class LoadMasters:
-    "`load_state_dict` pre-hook: floating values loaded for half params go into their fp32 masters first"
+    "`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into their fp32 masters"
     def __init__(self, conversion): self.conversion = conversion
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         masters, todo = self.conversion.masters, []
-        for name, p in module.named_parameters(remove_duplicate=False):
+        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
             v = state_dict.get(prefix + name)
-            if p not in masters or not isinstance(v, torch.Tensor): continue
-            if not v.is_floating_point() or v.shape != p.shape: return      # torch raises its own error, and no master has changed
-            todo.append((masters[p], v))
+            if not isinstance(v, torch.Tensor) or t is None: continue
+            if v.shape != t.shape:                  # torch would copy every tensor that fits before it raises: nothing is loaded instead
+                raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the checkpoint holds {tuple(v.shape)}, "
+                                   f"the model {tuple(t.shape)}. It comes from another model; nothing was loaded")
+            if t in masters and v.is_floating_point(): todo.append((masters[t], v))
         with torch.no_grad():
             for m, v in todo: m.copy_(v.reshape(m.shape))
 
@@ -149,7 +151,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
         raise ValueError("this model is already converted to half precision by mixedprec: converting it again would build masters from its "
                          "rounded half weights. Undo the first conversion (`learn.to_fp32()`, or `.undo()` on what `convert_model` returned), "
                          "or pass a fresh model (amp.initialize takes each model once)")
-    keep = tuple(keep_fp32 or ())
+    keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
     res, kept, seen = ModelConversion(model, dtype, keep), _kept_modules(model, keep), set()
     with torch.no_grad():
         for m in model.modules():
@@ -174,8 +176,8 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
     return res
 
 # %% ../nbs/02_convert.ipynb #c8677a50
-def speed_note(dtype, device) -> str:
-    "Why `dtype` may bring no speed-up on `device`, or None"
+def speed_note(dtype, device, convs:bool=True) -> str:
+    "Why `dtype` may bring no speed-up on `device` (for a model with convolutions, unless `convs=False`), or None"
     dtype, device = check_half_dtype(dtype), torch.device(device)
     name = 'bf16' if dtype == torch.bfloat16 else 'fp16'
     if device.type == 'cuda':
@@ -190,5 +192,6 @@ def speed_note(dtype, device) -> str:
     if dtype == torch.float16 and not flags & {'avx512_fp16', 'amx_fp16'}:
         return "this CPU has no fp16 units (AVX-512-FP16 or AMX-FP16): fp16 will compute slower than fp32; bf16 may be faster"
     if dtype == torch.float16 and 'amx_fp16' not in flags:
-        return "this CPU has no AMX-FP16: fp16 matmuls run at about fp32 speed and fp16 convolutions train far slower; prefer bf16 on this CPU"
+        if convs: return "this CPU has no AMX-FP16: fp16 matmuls run at about fp32 speed and fp16 convolutions train far slower; prefer bf16 on this CPU"
+        return "this CPU has no AMX-FP16: fp16 matmuls run at about fp32 speed; prefer bf16 on this CPU"
     return None

@@ -169,10 +169,14 @@ def _clip(group:list, max_norm:float) -> torch.Tensor:
     if grads: scale_check_(grads, grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0), impl=group[0].impl)
     return norm
 
-def _check_state_shapes(opt_sd:dict, params:list, what:str):
-    "Raise, naming the first one, when a torch optimizer state dict does not fit `params` (in its groups' order)"
-    saved = [i for g in opt_sd.get('param_groups', []) for i in g['params']]
-    if len(saved) != len(params): raise ValueError(f"{what} holds optimizer state for {len(saved)} params, this optimizer has {len(params)}: it comes from another model; nothing was loaded")
+def _check_state_shapes(opt_sd:dict, groups:list, what:str):
+    "Raise, naming the first one, when a torch optimizer state dict does not fit the param `groups`"
+    if not (isinstance(opt_sd, dict) and 'param_groups' in opt_sd and 'state' in opt_sd): raise ValueError(f"{what} holds no torch optimizer state dict; nothing was loaded")
+    saved = [i for g in opt_sd['param_groups'] for i in g['params']]
+    if [len(g['params']) for g in opt_sd['param_groups']] != [len(ps) for ps in groups]:
+        raise ValueError(f"{what} holds optimizer state for {[len(g['params']) for g in opt_sd['param_groups']]} params per group, this optimizer has "
+                         f"{[len(ps) for ps in groups]}: it comes from another model; nothing was loaded")
+    params = [p for ps in groups for p in ps]
     for n, (i, p) in enumerate(zip(saved, params)):
         for k, v in opt_sd.get('state', {}).get(i, {}).items():
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
@@ -263,6 +267,7 @@ class StepEngine:
     def _fused(self, found):
         "The fused kernels' step, between the optimizer's step hooks (torch's `register_step_pre_hook`/`post_hook`)"
         opt = self.optimizer
+        if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True    # what torch's LR schedulers check (its own step is not called)
         hooks = hasattr(opt, '_optimizer_step_pre_hooks')
         if hooks:
             from torch.optim.optimizer import _global_optimizer_pre_hooks
@@ -278,6 +283,7 @@ class StepEngine:
         if self.recognised is not None and self.recognised.own_layout is not None: self.recognised.own_layout(opt.state)
         restore = self.masters.hold_gradless(opt.state) if self.masters.flat else None
         own = self._own or partial(type(opt).step, opt)
+        if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
         try: return own(closure) if closure is not None else own()
         finally:
             if restore is not None: restore()
@@ -288,6 +294,11 @@ class StepEngine:
         if any(p.grad is not None for p, _, _ in self.masters.pairs):
             raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this step would train nothing"
                                + (f": {self.hint}" if self.hint else ''))
+
+    def follow_layouts(self) -> bool:
+        "Give the masters and their optimizer state the half params' memory layout, when the model's changed since (`to_channelslast()`)"
+        self._layouts_followed = True
+        return self.masters.follow_layouts([self.optimizer.state])
 
     def own_layout(self):
         "Give the optimizer's state the layout its own step expects (fastai's int step counts), when the optimizer leaves the engine"
@@ -351,7 +362,7 @@ class StepEngine:
 
     def check_optimizer_state(self, opt_sd:dict, what:str='the state_dict'):
         "Raise, naming the first misfit, unless a torch optimizer state dict fits this optimizer's masters"
-        _check_state_shapes(opt_sd, [p for g in self.optimizer.param_groups for p in g['params']], what)
+        _check_state_shapes(opt_sd, [g['params'] for g in self.optimizer.param_groups], what)
 
     def state_dict(self) -> dict:
         "The scaler's state and the fp32 masters"
@@ -360,11 +371,25 @@ class StepEngine:
     def load_state_dict(self, sd:dict):
         "Restore `state_dict()`: every tensor is checked before anything changes"
         if not (isinstance(sd, dict) and 'scaler' in sd and 'masters' in sd): raise ValueError("not a StepEngine state_dict: it needs 'scaler' and 'masters'")
-        self.check_masters(sd['masters'])
+        self.check_masters(sd['masters']); self.scaler.check_state(sd['scaler'])
         self.scaler.load_state_dict(sd['scaler'])
         self.load_masters(sd['masters'])
 
 # %% ../nbs/04_engine.ipynb #e0000011
+def _nonfinite_weights(engines:list, limit:int=5) -> str:
+    "A sentence naming the params whose weights (masters) or optimizer state hold inf or NaN, or ''"
+    bad = []
+    for e in engines:
+        ms, state = e.masters, e.optimizer.state
+        for w in (p for g in ms.groups for p in g):
+            what = (['weights'] if not torch.isfinite(w.detach()).all() else []) + \
+                   [k for k, v in state.get(w, {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
+            if what: bad.append(f"{ms.names.get(ms._half_of.get(id(w), w), tuple(w.shape))} ({', '.join(what)})")
+    if not bad: return ''
+    return (f" The weights themselves are no longer finite: {', '.join(bad[:limit])}{f' and {len(bad) - limit} more' if len(bad) > limit else ''}. "
+            f"An optimizer step wrote inf/NaN into them (in half-precision weights without fp32 masters, Adam's eps underflows), so the "
+            f"overflows are its consequence, not the data's: keep fp32 masters, or train in bf16.")
+
 def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=True) -> torch.Tensor:
     "`loss.float()` times `scaler`'s scale (a tensor on the loss's device); each engine notes whether `loss` is finite and sets its fp32 params' grads aside"
     finite = torch.isfinite(loss.detach()).all() if check else None
@@ -381,6 +406,7 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     inv = scaler.tensors(device)[1]
     flags, loss_bad = [], torch.zeros((), dtype=torch.bool, device=device)
     for e in engines:
+        if not getattr(e, '_layouts_followed', False): e.follow_layouts()     # once: a model laid out anew after the front end took it
         if e.fresh: e.choose()
         flags.append(e.masters.grads_to_masters(inv, accumulate=not e.fresh).to(device))
         if e.loss_finite is not None: loss_bad = loss_bad | ~e.loss_finite.to(device)
@@ -396,7 +422,7 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     grads = [e.masters.unscaled_grads() for e in engines]                           # kept until the books name the overflowed params
     for e in engines: e.masters.zero_model_grads()
     name = lambda: [n for e, g in zip(engines, grads) for n in e.masters.nonfinite_grads(grads=g)]
-    skip = scaler.advance(code, norm, name, input_finite)
+    skip = scaler.advance(code, norm, name, input_finite, diagnose=lambda: _nonfinite_weights(engines))
     for e in engines:
         e.found, e._skip = (skip if e.found is None else e.found | skip), None
     return skip

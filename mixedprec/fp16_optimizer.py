@@ -12,7 +12,7 @@ from .convert import masters_for
 from .engine import StepEngine
 
 # %% ../nbs/06_fp16_optimizer.ipynb #a1804b5f
-_APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor'}
+_APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
 _SCALER_ARGS = ('loss_scale', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size')
 
 def _dynamic_scaler(args:dict) -> LossScaler:
@@ -40,6 +40,7 @@ class FP16_Optimizer:
         self.optimizer, self.verbose = init_optimizer, verbose
         self.scaler = _dynamic_scaler(dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale, dynamic=False)
         self.scaler.verbose = verbose
+        self.scaler.advice = "With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow kept in fp32."
         self.masters_of = masters_for(p for g in init_optimizer.param_groups for p in g['params'])
         self.engine = StepEngine.wrap(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
@@ -113,6 +114,7 @@ class FP16_Optimizer:
         if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
         self.engine.check_masters(sd['fp32_from_fp16'])
         self.engine.check_optimizer_state(sd['optimizer_state_dict'])
+        self.scaler.check_state(sd['loss_scaler'])
         self.scaler.load_state_dict(sd['loss_scaler'])
         self.optimizer.load_state_dict(sd['optimizer_state_dict'])
         self.engine.load_masters(sd['fp32_from_fp16'])

@@ -12,6 +12,16 @@ from torch import nn
 from .ops import scale_check_, scale_add_check_, l2norm
 
 # %% ../nbs/03_master.ipynb #2f577845
+def _dense(t) -> bool:
+    "True when `t`'s elements fill its memory without gaps or overlaps, in some order of its dims"
+    return torch.empty_like(t).stride() == t.stride()            # empty_like keeps the strides of exactly such tensors
+
+def _like(p, v):
+    "A copy of `v` laid out in memory as `p` is"
+    res = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device=v.device)
+    res.copy_(v)
+    return res
+
 def _concat_state(parts, params):
     "One state dict for a flat master from the state dicts of its params"
     res = {}
@@ -31,7 +41,7 @@ class MasterParams:
         names:dict=None,          # {param: name}, for messages
         impl:str=None,            # the ops' implementation: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
     ):
-        self.flat, self.names, self.impl = flat, names or {}, impl
+        self.flat, self.names, self.impl, self._masters_of = flat, names or {}, impl, masters
         self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
         self._flat_of, self._stash, self._gradless = {}, {}, set()    # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
         for group in groups:
@@ -65,6 +75,10 @@ class MasterParams:
                     offset += n
                 mg.append(fm)
             self.groups.append(mg + own)
+        self._index()
+
+    def _index(self):
+        "The lists and maps every step reads, from `pairs`"
         self._copy_lists = [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]   # masters -> model, every step
         self._half_of = {id(m): p for p, m, _ in self.pairs}                               # master -> half param, every fused step
 
@@ -161,14 +175,42 @@ class MasterParams:
             for p, m, _ in self.pairs:
                 if m in state: state[p] = state.pop(m)
             return
+        views = {p: m for p, m, _ in self.pairs}
         for fm, ps, _ in self.flats:
-            st, offset = state.pop(fm, None), 0
+            st = state.pop(fm, None)
+            if st is None: continue
             for p in ps:
-                n = p.numel()
-                if st is not None:
-                    state[p] = {k: (v[offset:offset+n].view(p.shape).clone() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel() else v)
-                                for k, v in st.items()}
-                offset += n
+                m, off = views[p], views[p].storage_offset() - fm.data.storage_offset()     # the slice, laid out as the param is
+                state[p] = {k: (v.as_strided(m.shape, m.stride(), v.storage_offset() + off).clone()
+                                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel() else v) for k, v in st.items()}
+
+    def follow_layouts(self, states:list=()) -> bool:
+        "Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, when the model's changed (`to_channelslast()`); True if any moved"
+        moved, gbufs = False, {id(fm): g for fm, _, g in self.flats}
+        for i, (p, m, g) in enumerate(self.pairs):
+            if p.numel() <= 1 or p.stride() == m.stride() or not _dense(p): continue
+            moved = True
+            if self.flat:
+                fm = self._flat_of[p]
+                off = m.storage_offset() - fm.data.storage_offset()
+                flat_state = [v for st in states for v in st.get(fm, {}).values() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel()]
+                with torch.no_grad():
+                    for t in [fm.data, gbufs[id(fm)], *flat_state]:        # the slice's values, permuted into the param's layout
+                        old = t.as_strided(m.shape, m.stride(), t.storage_offset() + off).clone()
+                        t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(old)
+                g1 = gbufs[id(fm)]
+                view = fm.data.as_strided(p.shape, p.stride(), fm.data.storage_offset() + off)
+                self.pairs[i] = (p, view, g1.as_strided(p.shape, p.stride(), g1.storage_offset() + off))
+                self._masters_of[p] = view
+                continue
+            m.data = _like(p, m.detach())
+            for st in states:
+                for k, v in list(st.get(m, {}).items()):
+                    if isinstance(v, torch.Tensor) and v.shape == m.shape: st[m][k] = _like(p, v)
+            if m.grad is not None: m.grad = None
+            self.pairs[i] = (p, m, torch.zeros_like(m))
+        if moved: self._index()
+        return moved
 
     def unscaled_grads(self) -> list:
         "(model param, its unscaled grad) for each param with a grad, after `grads_to_masters`: the master grad of a half param, the own grad of an fp32 one"

@@ -44,8 +44,9 @@ class LossScaler:
         max_bad_loss:int=10,          # consecutive non-finite losses before `ScalingError`
         history_size:int=100_000,     # number of `StepRecord`s kept in `history`
         verbose:bool=False,           # print each change of scale (and skipped steps, at most once per scale)
+        advice:str=None,              # what to do, in the words of the front end in use, when scaling cannot help
     ):
-        if loss_scale is None: loss_scale = 2.**16 if dynamic else 512.
+        if loss_scale is None: loss_scale = min(2.**16, max_scale) if dynamic else 512.   # a cap below the default start is the start
         for name, v in dict(loss_scale=loss_scale, max_scale=max_scale, min_scale=min_scale).items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -56,7 +57,7 @@ class LossScaler:
             if max_scale < loss_scale: raise ValueError(f"max_scale ({max_scale}) is below the starting loss_scale ({loss_scale}); raise max_scale or lower loss_scale")
             if min_scale > loss_scale: raise ValueError(f"min_scale ({min_scale}) is above the starting loss_scale ({loss_scale}); lower min_scale or raise loss_scale")
         self.dynamic, self.max_noskip, self.max_scale, self.min_scale, self.factor = dynamic, max_noskip, float(max_scale), float(min_scale), float(factor)
-        self.max_overflow_at_min, self.max_bad_loss, self.verbose = max_overflow_at_min, max_bad_loss, verbose
+        self.max_overflow_at_min, self.max_bad_loss, self.verbose, self.advice = max_overflow_at_min, max_bad_loss, verbose, advice
         self._tensors, self._pending, self.waits, self._said = None, deque(), 0, None
         self._scale, self._noskip = float(loss_scale), 0
         self.n_steps = self.n_skipped = self.overflows_at_min = self.bad_losses = 0
@@ -85,8 +86,8 @@ class LossScaler:
             self._tensors = _ScaleTensors(self._scale, self._noskip, device)
         return self._tensors.scale, self._tensors.inv
 
-    def advance(self, code:torch.Tensor, grad_norm:torch.Tensor=None, name_params=None, input_finite=True, hopeless_raises:bool=True) -> torch.Tensor:
-        "The rules, as tensor ops on `code`'s device, for one step whose outcome `code` indexes `CODES`; returns the skip flag. The host's books follow at `drain`, which raises `ScalingError` when scaling cannot help (unless `hopeless_raises=False`)"
+    def advance(self, code:torch.Tensor, grad_norm:torch.Tensor=None, name_params=None, input_finite=True, hopeless_raises:bool=True, diagnose=None) -> torch.Tensor:
+        "The rules, as tensor ops on `code`'s device, for one step whose outcome `code` indexes `CODES`; returns the skip flag. The host's books follow at `drain`, which raises `ScalingError` when scaling cannot help (unless `hopeless_raises=False`), naming the params (`name_params()`) and what `diagnose()` finds"
         d = self._tensors
         if d is None or d.scale64.device != code.device: raise RuntimeError("call tensors(device) first: advance needs the scale on the code's device")
         clean, grads_bad = code == 0, (code == 1) | (code == 3)
@@ -106,14 +107,14 @@ class LossScaler:
             host.copy_(vals, non_blocking=True)
             event, vals = torch.cuda.Event(), host
             event.record()
-        self._pending.append((vals, event, grad_norm is not None, name_params, input_finite, hopeless_raises))
+        self._pending.append((vals, event, grad_norm is not None, name_params, input_finite, hopeless_raises, diagnose))
         if event is None: self.drain()
         return ~clean
 
     def drain(self):
         "Catch the host's books up with every step `advance` took, in order (waiting for a copy that has not landed): scale, counters, history, messages, `ScalingError`"
         while self._pending:
-            vals, event, has_norm, name_params, input_finite, raises = self._pending.popleft()
+            vals, event, has_norm, name_params, input_finite, raises, diagnose = self._pending.popleft()
             if event is not None and not event.query(): self.waits += 1; event.synchronize()
             code, norm, before, after, noskip = vals.tolist()
             code = int(code)
@@ -122,7 +123,7 @@ class LossScaler:
             params = tuple(name_params() or ()) if code in (1, 3) and name_params is not None else ()
             self._book(code, reason, before, after, int(noskip), norm if has_norm and code in (0, 3) else None, params or None)
             msg = self.hopeless() if raises else None
-            if msg: raise ScalingError(msg + (f" Params with non-finite grads: {', '.join(params)}." if params else ''))
+            if msg: raise ScalingError(msg + (f" Params with non-finite grads: {', '.join(params)}." if params else '') + (diagnose() if diagnose else ''))
 
     def _book(self, code, reason, before, after, noskip, norm, params):
         "Write one step into the books: counters, history, a message"
@@ -166,12 +167,14 @@ class LossScaler:
                         f"and no loss scale can fix it. Clean the data (look for NaN in the inputs) before training.")
             return (f"the loss was inf or NaN before backward for {self.bad_losses} consecutive steps. The forward pass or the data "
                     f"produced it, so a smaller loss scale cannot fix it: check the inputs for NaN/inf, and look for activations "
-                    f"beyond fp16's range (65504); bf16 (`to_bf16()`) has fp32's range.")
+                    f"beyond fp16's range (65504); bf16 has fp32's range." + self._advice())
         if self.overflows_at_min >= self.max_overflow_at_min:
             return (f"gradients overflowed for {self.overflows_at_min} consecutive steps at the minimum loss scale {self.min_scale:g}. "
-                    f"Scaling cannot help: train in bf16 (`to_bf16()`), keep the offending modules in fp32 (`keep_fp32=`), "
-                    f"or lower the learning rate.")
+                    f"Scaling cannot help: train in bf16, keep the offending modules in fp32, or lower the learning rate." + self._advice())
         return None
+
+    def _advice(self) -> str: return f" {self.advice}" if getattr(self, 'advice', None) else ''
+
 
     _STATE = ('scale', 'dynamic', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'noskip', 'n_steps', 'n_skipped', 'overflows_at_min', 'bad_losses')
     def state_dict(self) -> dict:
@@ -181,13 +184,20 @@ class LossScaler:
 
     def load_state_dict(self, sd:dict):
         "Restore the state from `state_dict()`; the tensors restart from it"
-        missing = [k for k in ('scale', 'noskip') if k not in sd]
-        if missing: raise KeyError(f"not a LossScaler state_dict: missing {missing}")
+        values = self.check_state(sd)
         self.drain()
-        for k in self._STATE:
-            if k in sd: setattr(self, k, type(getattr(self, k))(sd[k]))
+        for k, v in values.items(): setattr(self, k, v)
         self._tensors = None
         return self
+
+    def check_state(self, sd:dict) -> dict:
+        "The values `load_state_dict(sd)` would set, or an error saying what is wrong (nothing changes here)"
+        missing = [k for k in ('scale', 'noskip') if not isinstance(sd, dict) or k not in sd]
+        if missing: raise KeyError(f"not a LossScaler state_dict: missing {missing}")
+        try: values = {k: type(getattr(self, k))(sd[k]) for k in self._STATE if k in sd}
+        except (TypeError, ValueError) as e: raise ValueError(f"not a LossScaler state_dict: {e}") from None
+        if not (math.isfinite(values['scale']) and values['scale'] > 0): raise ValueError(f"not a LossScaler state_dict: scale {values['scale']!r}")
+        return values
 
     def __getstate__(self) -> dict:
         "Pickle (fastai's `export`, `copy.deepcopy`) the host state only: the books catch up first, the tensors restart"

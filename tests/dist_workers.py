@@ -106,10 +106,27 @@ def timed_steps(rank, world, agree, n=200):
         opt.zero_grad(); opt.backward(net(x).float().pow(2).mean()); opt.step()
     return (time.perf_counter() - start) / n
 
+def stalled_peer(rank, world, outdir):
+    "Rank 1 stalls (never joins a step); rank 0's step gives up after the agreement's timeout with an error that names it"
+    import time
+    from mixedprec import distributed
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    distributed.set_process_group(None, timeout=2.)
+    if rank == 1:
+        time.sleep(15); os._exit(0)
+    model = mlp().half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False)
+    t = time.monotonic()
+    try: opt.backward(model(data(0)[0][:BS].half()).float().sum()); res = {'error': None}
+    except RuntimeError as e: res = {'error': str(e)}
+    res['waited'] = time.monotonic() - t
+    torch.save(res, os.path.join(outdir, f'stalled_peer_rank{rank}.pt'))
+    os._exit(0)                                       # the group is broken: no clean shutdown to wait for
+
 def main(rank, world, port, scenario, outdir, *args):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, *args) if scenario != 'fastai_callback' else fn(rank, world, outdir)
+        res = fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
     finally: dist.destroy_process_group()
