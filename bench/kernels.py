@@ -3,7 +3,7 @@ torch's foreach ops (with torch._amp_foreach_non_finite_check_and_unscale_), and
 own Adam step (its per-param Python loop) against the fused step that the callback runs in its place.
 Prints one table; every figure is also given as a ratio to a plain copy's bandwidth measured in the same run.
 
-    python bench/kernels.py [--sizes resnet50,100m] [--repeat 5] [--device cpu]
+    python bench/kernels.py [--sizes resnet50,100m] [--repeat 5] [--device cpu] [--threads 1,2]
 """
 import argparse, time
 import torch
@@ -103,18 +103,30 @@ def run(shapes, repeat, device):
     add('fastai Adam step', 'fused', lambda: fused_opt_step(opt_fused, plan, mp, clean), adam_bytes + 2 * n)
     return n, len(shapes), copy_bw, rows
 
+def cpu_name() -> str:
+    "The CPU's model name and its half-precision units, for the table's title"
+    try: name = next(l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name'))
+    except (OSError, StopIteration): name = 'unknown CPU'
+    units = sorted(f for f in ops.cpu_flags() if f.startswith('amx') or f in ('avx512_bf16', 'avx512_fp16', 'avx512f', 'avx2'))
+    return f"{name} ({' '.join(units) or 'no AVX flags'})"
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--sizes', default='resnet50,100m'); ap.add_argument('--repeat', type=int, default=5); ap.add_argument('--device', default='cpu')
+    ap.add_argument('--threads', default=None, help="comma-separated thread counts (default: torch's)")
     a = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {a.device}, fused backend: {ops.backend(torch.zeros(1, device=a.device))}")
+    threads = [int(t) for t in a.threads.split(',')] if a.threads else [torch.get_num_threads()]
+    print(f"torch {torch.__version__}, device {a.device} on {cpu_name()}, fused backend: {ops.backend(torch.zeros(1, device=a.device))}")
     for name in a.sizes.split(','):
         shapes = {'resnet50': resnet50_like, '100m': hundred_m}[name]()
-        n, k, copy_bw, rows = run(shapes, a.repeat, a.device)
-        print(f"\n{name}: {n / 1e6:.1f}M params in {k} tensors; plain fp32 copy: {copy_bw / 1e9:.1f} GB/s")
-        print(f"{'op':<20}{'impl':<9}{'ms':>9}{'GB/s':>8}{'x copy bw':>11}{'x loop':>9}")
-        for op, impl, ms, gbs, rel in rows:
-            loop_ms = next(r[2] for r in rows if r[0] == op and r[1] == 'loop')
-            print(f"{op:<20}{impl:<9}{ms:>9.1f}{gbs:>8.1f}{rel:>11.2f}{loop_ms / ms:>9.2f}")
+        print(f"\n{name}:")
+        print(f"{'threads':>7}  {'op':<20}{'impl':<9}{'ms':>9}{'GB/s':>8}{'x copy bw':>11}{'x loop':>9}")
+        for t in threads:
+            torch.set_num_threads(t)
+            n, k, copy_bw, rows = run(shapes, a.repeat, a.device)
+            print(f"{t:>7}  {n / 1e6:.1f}M params in {k} tensors; plain fp32 copy: {copy_bw / 1e9:.1f} GB/s")
+            for op, impl, ms, gbs, rel in rows:
+                loop_ms = next(r[2] for r in rows if r[0] == op and r[1] == 'loop')
+                print(f"{t:>7}  {op:<20}{impl:<9}{ms:>9.1f}{gbs:>8.1f}{rel:>11.2f}{loop_ms / ms:>9.2f}")
 
 if __name__ == '__main__': main()

@@ -105,6 +105,14 @@ def test_tabular_train_inference_interpretation_and_export(tabular):
     with learn.no_bar(), learn.no_logging(): learn.fit(1)          # the Learner trains on after export
     loaded = load_learner(learn.path/'export.pkl')
     assert not hasattr(loaded, 'mixed_precision') and all(p.dtype == torch.float32 for p in loaded.model.parameters())
+    # plain fastai loads it: mixedprec is never imported in the serving process, and the file holds no masters
+    import subprocess, sys
+    probe = ("import sys; from fastai.learner import load_learner; l = load_learner(sys.argv[1]); "
+             "print(sorted({str(p.dtype) for p in l.model.parameters()}), any(m.startswith('mixedprec') for m in sys.modules))")
+    out = subprocess.run([sys.executable, '-c', probe, str(learn.path/'export.pkl')], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "['torch.float32'] False", out.stderr[-2000:]
+    learn.export('kept.pkl', keep_mixed_precision=True)
+    assert (learn.path/'export.pkl').stat().st_size < (learn.path/'kept.pkl').stat().st_size
     assert loaded.predict(df.iloc[0])[2].dtype == torch.float32
     assert loaded.get_preds(dl=loaded.dls.test_dl(df.iloc[:10]))[0].dtype == torch.float32
 

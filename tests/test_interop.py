@@ -154,3 +154,28 @@ def test_channels_last_with_bf16_trains_like_nchw(order, flat):
     sd = learn.opt.state_dict()                                 # checkpoints keep the logical (NCHW) order
     learn.to_fp32()
     assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+
+def test_the_table_columns_line_up(capsys):
+    from fastai.learner import Learner
+    from fastai.callback.progress import ProgressCallback
+    from helpers import synth_dls, mlp
+    torch.manual_seed(0)
+    learn = Learner(synth_dls(), mlp(), loss_func=nn.MSELoss()).to_fp16(table=True)
+    learn.fit(2)
+    lines = [l.split('\r')[-1].split('█')[-1] for l in capsys.readouterr().out.splitlines()]
+    header = next(l for l in lines if 'loss_scale' in l)
+    rows = [l for l in lines if l.strip()[:1].isdigit()]
+    assert len(rows) == 2 and all(len(r.split()) == len(header.split()) for r in rows), (header, rows)
+    scale, skipped = rows[-1].split()[3:5]
+    assert float(scale) == learn.mixed_precision.loss_scale and int(skipped) >= 0
+
+def test_an_fp32_tensor_made_in_forward_gets_a_hint():
+    class Noisy(nn.Module):
+        def __init__(self): super().__init__(); self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 1)
+        def forward(self, x):
+            h = self.lin(x)
+            return self.out(h + torch.randn(h.shape) @ torch.eye(8))      # fp32 noise meets half activations
+    learn = synth_learner(Noisy()).to_fp16()
+    with pytest.raises(RuntimeError) as e: learn.fit(1)
+    notes = ' '.join(getattr(e.value, '__notes__', []))
+    assert 'float32 tensor made inside `forward`' in notes and 'dtype=h.dtype' in notes
