@@ -256,7 +256,10 @@ class MixedPrecision(Callback):
         self.learn.metrics = list(self.learn.metrics) + [ValueMetric(self._table_scale, 'loss_scale'), ValueMetric(self._table_skipped, 'skipped')]
 
     def before_train(self): self._epoch_skipped = self.scaler.n_skipped
-    def _table_scale(self): return f"{self.loss_scale:g}"          # as text: fastai prints floats with 6 decimals, wider than the column
+    def _table_scale(self):
+        "The scale for the table: an int when it is one (fastai prints floats with 6 decimals, wider than the column)"
+        s = self.loss_scale
+        return int(s) if s >= 1 and s == int(s) else s
     def _table_skipped(self): self.scaler.drain(); return self.scaler.n_skipped - self._epoch_skipped
 
     def state_dict(self) -> dict:

@@ -34,6 +34,7 @@ def cast_floats(o, dtype:torch.dtype, only:tuple=None):
     if isinstance(o, (str, bytes, np.ndarray)) or o is None: return o
     if isinstance(o, tuple) and hasattr(o, '_fields'): return type(o)(*(cast_floats(x, dtype, only) for x in o))
     if isinstance(o, (list, tuple)): return type(o)(cast_floats(x, dtype, only) for x in o)
+    if type(o) is dict: return {k: cast_floats(v, dtype, only) for k, v in o.items()}     # (a plain dict also keeps torch.compile's trace whole)
     if isinstance(o, Mapping):
         res = copy.copy(o)
         for k in o: res[k] = cast_floats(o[k], dtype, only)
@@ -104,8 +105,9 @@ class DtypeHint:
     "Forward hook, called even when forward raises, that adds to a dtype-mismatch error inside a converted model what happened and what to do"
     def __init__(self, dtype): self.dtype = dtype
     def __call__(self, module, args, out):
+        if out is not None: return                   # forward succeeded (the only path `torch.compile` traces)
         e = sys.exc_info()[1]
-        if out is not None or not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or getattr(e, '_mixedprec_hint', False): return
+        if not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or getattr(e, '_mixedprec_hint', False): return
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
         e._mixedprec_hint = True
         name = 'bf16' if self.dtype == torch.bfloat16 else 'fp16'

@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'FIX', 'scale_check_ref_', 'set_impl', 'find_cuda_home', 'cpu_flags', 'cpu_isa',
-           'default_cache', 'unsafe', 'build_extension', 'warn_once', 'backend', 'scale_check_', 'scale_add_check_ref_',
-           'scale_add_check_', 'l2norm_ref', 'l2norm', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
+           'default_cache', 'unsafe', 'build_extension', 'Kernels', 'warn_once', 'backend', 'scale_check_',
+           'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'sgd_step_ref_', 'adam_step_ref_',
+           'sgd_step_', 'adam_step_']
 
 # %% ../nbs/00_ops.ipynb #8848a001
 import functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
@@ -180,7 +181,7 @@ def _build_in(parent, final, name, verbose, **load_kw):
         raise
 
 def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cache:str=None):
-    "Load the fused kernels from the cache, or compile them into it: CPU only, or CPU and CUDA for `cuda_arch` (like '9.0'; default: this GPU's)"
+    "The fused kernels (`Kernels`), loaded from the cache or compiled into it: CPU only, or CPU and CUDA for `cuda_arch` (like '9.0'; default: this GPU's)"
     src = Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'   # real files: the compiler needs paths
     sources = [str(src / 'mixedprec.cpp'), str(src / 'cpu_kernels.cpp')]
     cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [], _openmp_flags(), None
@@ -214,7 +215,7 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
                 damage = _damaged(final, so)
                 if damage is None:
                     _say_passed(passed, root)
-                    return _load_built(name, so)
+                    return Kernels(_load_built(name, so))
                 warn_once(f"{damage}: rebuilding it", ('damaged', so))
                 shutil.rmtree(final, ignore_errors=True)
                 if os.path.exists(final): why = f"{damage}, and it cannot be removed"
@@ -224,17 +225,47 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
         try: ext = _build_in(parent, final, name, verbose, **load_kw)
         except OSError as e: passed.append((root, f"the build could not be written there ({e})")); continue
         _say_passed(passed, root)
-        return ext
+        return Kernels(ext)
     tmp = tempfile.mkdtemp(prefix='mixedprec-')                    # no cache folder can be used: one of this process's own
     ext = _build_in(tmp, os.path.join(tmp, key), name, verbose, **load_kw)
     _say_passed(passed, tmp)
-    return ext
+    return Kernels(ext)
 
 def _say_passed(passed, used):
     "Say once which cache folders were not used, why, and how to fix it"
     for root, why in passed:
         warn_once(f"the kernel cache {root} was not used: {why}. The kernels come from {used} instead. To use {root}: make it yours "
                   f"and private (`chmod 700 {root}`), or point MIXEDPREC_CACHE at a folder of yours", ('cache', root))
+
+_OPS = ('scale_check_', 'scale_add_check_', 'l2norm', 'sgd_step_', 'adam_step_')
+_faked = set()
+
+def _register_fakes(ns:str):
+    "Fake (meta) kernels of a build's ops, for `torch.compile` and `opcheck`: the outputs' shapes, dtypes and devices"
+    if ns in _faked: return
+    _faked.add(ns)
+    flag = lambda src, dst, scale, scale_tensor=None: src[0].new_empty((), dtype=torch.bool)
+    torch.library.register_fake(f"{ns}::scale_check_")(flag)
+    torch.library.register_fake(f"{ns}::scale_add_check_")(flag)
+    torch.library.register_fake(f"{ns}::l2norm")(lambda tensors: (tensors[0].new_empty((), dtype=torch.float32), tensors[0].new_empty((len(tensors),), dtype=torch.float32)))
+    for name in ('sgd_step_', 'adam_step_'): torch.library.register_fake(f"{ns}::{name}")(lambda *args, **kwargs: None)
+
+class Kernels:
+    "One build's fused ops: torch custom ops (`torch.ops.<namespace>`, one schema each, a kernel per dispatch key, a fake kernel), called by name"
+    def __init__(self, module):
+        self.module, self.namespace = module, module.namespace()
+        ns = getattr(torch.ops, self.namespace)
+        self.ops = {name: getattr(ns, name).default for name in _OPS}
+        _register_fakes(self.namespace)
+    __name__ = property(lambda self: self.module.__name__)
+    __file__ = property(lambda self: self.module.__file__)
+    def __repr__(self): return f"Kernels({self.namespace}: {', '.join(_OPS)})"
+    def has_cuda(self) -> bool: return self.module.has_cuda()
+    def scale_check(self, src, dst, scale, scale_tensor=None): return self.ops['scale_check_'](src, dst, scale, scale_tensor)
+    def scale_add_check(self, src, dst, scale, scale_tensor=None): return self.ops['scale_add_check_'](src, dst, scale, scale_tensor)
+    def l2norm(self, tensors): return self.ops['l2norm'](tensors)
+    def sgd_step(self, *args): return self.ops['sgd_step_'](*args)
+    def adam_step(self, *args): return self.ops['adam_step_'](*args)
 
 FIX = ("To use the fused kernels: install a C++ compiler (g++) and ninja, or point CXX at a working compiler; "
        "if the kernel cache cannot be written, point MIXEDPREC_CACHE at a folder of yours")

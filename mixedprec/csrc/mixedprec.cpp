@@ -1,8 +1,13 @@
-// Python bindings of mixedprec's fused multi-tensor ops: one entry point per op, dispatching on the device
-// of the tensors to the C++ CPU kernels (cpu_kernels.cpp) or, in a CUDA build, the CUDA kernels (*.cu).
+// mixedprec's fused multi-tensor ops as torch custom ops: one schema per op (named arguments, mutations annotated), the
+// C++ CPU kernels (cpu_kernels.cpp) registered for the CPU dispatch key and, in a CUDA build, the CUDA kernels (*.cu) for
+// the CUDA key. The dispatcher picks the device; each implementation checks its tensors. The namespace is the extension's
+// name (mixedprec_cpu_avx512, ...), so that two builds can live in one process. Fake kernels are registered in Python.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <vector>
 #include "messages.h"
+#define MIXEDPREC_STR2(x) #x
+#define MIXEDPREC_STR(x) MIXEDPREC_STR2(x)
 
 namespace mixedprec {
 at::Tensor scale_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
@@ -22,8 +27,9 @@ void adam_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor
                     const std::vector<at::Tensor>&, const at::Tensor&, const std::vector<at::Tensor>&, double, double, double, double, double, double, bool);
 #endif
 
+using TL = at::TensorList;
+
 // Paired tensors of two lists: as many on each side, dense, one memory layout per pair, the same numel, floating point.
-// Checked here, for both devices, so that the Python side need not loop over the tensors on every step.
 static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* op) {
   TORCH_CHECK_VALUE(a.size() == b.size(), msg(op, ": tensor lists must have the same length, got ", a.size(), " and ", b.size()));
   for (size_t i = 0; i < a.size(); ++i) {
@@ -47,107 +53,116 @@ static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::ve
     for (size_t i = 0; i < st->size(); ++i) TORCH_CHECK_VALUE((*st)[i].scalar_type() == at::kFloat, msg(op, ": optimizer state must be fp32 (tensor ", i, ")"));
 }
 
-// True when the list's tensors are CUDA tensors; every tensor of every list must be on that one device.
-static bool on_cuda(std::initializer_list<const std::vector<at::Tensor>*> lists, const char* op) {
+// Every tensor of every list on one device; on CUDA, each dense in a layout the kernels index (contiguous or channels-last).
+static void one_device(std::initializer_list<const std::vector<at::Tensor>*> lists, const char* op, bool cuda) {
   const at::Tensor* first = nullptr;
   for (auto l : lists) for (auto& t : *l) {
-    if (!first) { first = &t; continue; }
+    if (!first) first = &t;
     TORCH_CHECK(t.device() == first->device(), msg(op, ": all tensors must be on one device, got ", first->device(), " and ", t.device()));
+    if (cuda) TORCH_CHECK(t.is_contiguous() || t.is_contiguous(at::MemoryFormat::ChannelsLast), msg(op, ": CUDA tensors must be contiguous"));
   }
-  if (!first || !first->is_cuda()) return false;
-#ifdef WITH_CUDA
-  for (auto l : lists) for (auto& t : *l)
-    TORCH_CHECK(t.is_contiguous() || t.is_contiguous(at::MemoryFormat::ChannelsLast), msg(op, ": CUDA tensors must be contiguous"));
-  return true;
-#else
-  TORCH_CHECK(false, msg(op, ": this mixedprec build has no CUDA kernels (it was compiled without nvcc)"));
-#endif
 }
 
-// dst = src*scale (Add: dst += src*scale) on either device; the flag says whether src held inf or nan. The scale is the
-// number `scale`, or `scale_tensor` (a 1-element fp32 tensor on the tensors' device) when given: the CUDA kernels read
-// it on the device, so a scale the device computed (the loss scale's inverse, a clip coefficient) costs no host sync.
-template <bool Add>
-at::Tensor scale_op(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale,
-                    const c10::optional<at::Tensor>& scale_tensor, const char* op) {
+static void check_scale_tensor(const std::optional<at::Tensor>& st, const std::vector<at::Tensor>& src, const char* op) {
+  if (!st.has_value() || !st->defined()) return;
+  TORCH_CHECK_VALUE(st->scalar_type() == at::kFloat && st->numel() == 1, msg(op, ": a tensor scale must be a 1-element fp32 tensor"));
+  TORCH_CHECK_VALUE(src.empty() || st->device() == src[0].device(), msg(op, ": the tensor scale must be on the tensors' device (",
+                    src.empty() ? std::string() : src[0].device().str(), "), got ", st->device()));
+}
+
+// dst = src*scale (Add: dst += src*scale); the flag says whether src held inf or nan. The scale is `scale`, or
+// `scale_tensor` when given: the CUDA kernels read it on the device, so a scale the device computed costs no host sync.
+template <bool Add, bool Cuda>
+at::Tensor scale_op(TL src_, TL dst_, double scale, const std::optional<at::Tensor>& scale_tensor) {
+  const char* op = Add ? "scale_add_check_" : "scale_check_";
+  auto src = src_.vec(), dst = dst_.vec();
   check_pairs(src, dst, op);
+  check_scale_tensor(scale_tensor, src, op);
+  one_device({&src, &dst}, op, Cuda);
   const bool has_tensor = scale_tensor.has_value() && scale_tensor->defined();
-  if (has_tensor) {
-    TORCH_CHECK_VALUE(scale_tensor->scalar_type() == at::kFloat && scale_tensor->numel() == 1, msg(op, ": a tensor scale must be a 1-element fp32 tensor"));
-    TORCH_CHECK_VALUE(src.empty() || scale_tensor->device() == src[0].device(), msg(op, ": the tensor scale must be on the tensors' device (",
-                      src.empty() ? std::string() : src[0].device().str(), "), got ", scale_tensor->device()));
-  }
 #ifdef WITH_CUDA
-  if (on_cuda({&src, &dst}, op)) {
+  if constexpr (Cuda) {
     const float* ptr = has_tensor ? scale_tensor->data_ptr<float>() : nullptr;
     return Add ? scale_add_check_cuda(src, dst, scale, ptr) : scale_check_cuda(src, dst, scale, ptr);
   }
-#else
-  on_cuda({&src, &dst}, op);
 #endif
   if (has_tensor) scale = scale_tensor->item<float>();           // a CPU tensor: reading it costs nothing
   return Add ? scale_add_check_cpu(src, dst, scale) : scale_check_cpu(src, dst, scale);
 }
 
-at::Tensor scale_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const c10::optional<at::Tensor>& scale_tensor) {
-  return scale_op<false>(src, dst, scale, scale_tensor, "scale_check_");
-}
-at::Tensor scale_add_check(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const c10::optional<at::Tensor>& scale_tensor) {
-  return scale_op<true>(src, dst, scale, scale_tensor, "scale_add_check_");
-}
-
-std::vector<at::Tensor> l2norm(const std::vector<at::Tensor>& ts) {
+template <bool Cuda>
+std::tuple<at::Tensor, at::Tensor> l2norm_op(TL ts_) {
+  auto ts = ts_.vec();
+  one_device({&ts}, "l2norm", Cuda);
+  std::vector<at::Tensor> res;
 #ifdef WITH_CUDA
-  if (on_cuda({&ts}, "l2norm")) return l2norm_cuda(ts);
-#else
-  on_cuda({&ts}, "l2norm");
+  if constexpr (Cuda) res = l2norm_cuda(ts); else
 #endif
-  return l2norm_cpu(ts);
+  res = l2norm_cpu(ts);
+  return {res[0], res[1]};
 }
 
-void sgd_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
-              const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-              double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled) {
+template <bool Cuda>
+void sgd_step_op(TL grads_, TL params_, TL bufs_, TL out_, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
+                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled) {
+  auto grads = grads_.vec(), params = params_.vec(), bufs = bufs_.vec(), out = out_.vec();
   check_step_pairs(grads, params, !bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
-                   out, "sgd_step");
+                   out, "sgd_step_");
+  one_device({&grads, &params, &bufs, &out}, "sgd_step_", Cuda);
 #ifdef WITH_CUDA
-  if (on_cuda({&grads, &params, &bufs, &out}, "sgd_step"))
-    return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled);
-#else
-  on_cuda({&grads, &params, &bufs, &out}, "sgd_step");
+  if constexpr (Cuda) return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled);
 #endif
   sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled);
 }
 
-void adam_step(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
-               const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
-               const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
-               bool decoupled) {
-  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, "adam_step");
-  TORCH_CHECK_VALUE(steps.size() == params.size(), msg("adam_step: one step count per param, got ", steps.size(), " for ", params.size(), " params"));
+template <bool Cuda>
+void adam_step_op(TL grads_, TL params_, TL exp_avgs_, TL exp_avg_sqs_, TL out_, const at::Tensor& found_inf, TL steps_, double inv_scale,
+                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled) {
+  auto grads = grads_.vec(), params = params_.vec(), exp_avgs = exp_avgs_.vec(), exp_avg_sqs = exp_avg_sqs_.vec(), out = out_.vec(), steps = steps_.vec();
+  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, "adam_step_");
+  TORCH_CHECK_VALUE(steps.size() == params.size(), msg("adam_step_: one step count per param, got ", steps.size(), " for ", params.size(), " params"));
   for (size_t i = 0; i < steps.size(); ++i)
     TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == params[i].device(),
-                      msg("adam_step: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
+                      msg("adam_step_: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
                       "), got ", steps[i].scalar_type(), " on ", steps[i].device()));
+  one_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step_", Cuda);
 #ifdef WITH_CUDA
-  if (on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step"))
-    return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
-#else
-  on_cuda({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step");
+  if constexpr (Cuda) return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
 #endif
   adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
 }
 
 }  // namespace mixedprec
 
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("scale_check_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor? scale_tensor=None) -> Tensor");
+  m.def("scale_add_check_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor? scale_tensor=None) -> Tensor");
+  m.def("l2norm(Tensor[] tensors) -> (Tensor, Tensor)");
+  m.def("sgd_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor(c!)[] out, Tensor found_inf, float inv_scale, float lr, "
+        "float momentum, float dampening, float weight_decay, bool nesterov, bool first_run, bool decoupled) -> ()");
+  m.def("adam_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] out, Tensor found_inf, "
+        "Tensor[] steps, float inv_scale, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
+}
+
+#define MIXEDPREC_IMPLS(KEY, CUDA)                                                  \
+  TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, KEY, m) {                                \
+    m.impl("scale_check_", &mixedprec::scale_op<false, CUDA>);                      \
+    m.impl("scale_add_check_", &mixedprec::scale_op<true, CUDA>);                   \
+    m.impl("l2norm", &mixedprec::l2norm_op<CUDA>);                                  \
+    m.impl("sgd_step_", &mixedprec::sgd_step_op<CUDA>);                             \
+    m.impl("adam_step_", &mixedprec::adam_step_op<CUDA>);                           \
+  }
+MIXEDPREC_IMPLS(CPU, false)
+#ifdef WITH_CUDA
+MIXEDPREC_IMPLS(CUDA, true)
+#endif
+
+// The ops update masters, optimizer state and grads in place, and are never differentiated through: autograd passes them by.
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, Autograd, m) {
+  for (auto name : {"scale_check_", "scale_add_check_", "l2norm", "sgd_step_", "adam_step_"}) m.impl(name, torch::CppFunction::makeFallthrough());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("scale_check", &mixedprec::scale_check, "dst[i] = src[i]*scale in dst's dtype; returns a bool flag: any inf/nan in src",
-        py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("scale_tensor") = py::none(), nogil);
-  m.def("scale_add_check", &mixedprec::scale_add_check, "dst[i] += src[i]*scale (fp32 math, no FMA); returns a bool flag: any inf/nan in src",
-        py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("scale_tensor") = py::none(), nogil);
-  m.def("l2norm", &mixedprec::l2norm, "Global L2 norm (fp32, 0-dim) and per-tensor norms (fp32, 1-d) of a list of tensors", nogil);
   m.def("has_cuda", []() {
 #ifdef WITH_CUDA
     return true;
@@ -155,6 +170,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "True when this build holds the CUDA kernels");
-  m.def("sgd_step", &mixedprec::sgd_step, "torch.optim.SGD's step (or with decoupled weight decay) on fp32 masters from grads*inv_scale, writing the half copy; a no-op when found_inf is set", nogil);
-  m.def("adam_step", &mixedprec::adam_step, "torch.optim.Adam/AdamW's step on fp32 masters from grads*inv_scale with per-tensor step counts (used plus one; the caller advances them), writing the half copy; a no-op when found_inf is set", nogil);
+  m.def("namespace", []() { return std::string(MIXEDPREC_STR(TORCH_EXTENSION_NAME)); }, "The torch.ops namespace of this build's ops");
 }

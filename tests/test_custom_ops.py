@@ -1,0 +1,78 @@
+"""The fused kernels as torch custom ops: each schema passes torch.library.opcheck (schema, fake kernel, autograd
+registration, AOT dispatch) on every device the build has, and a model compiled with torch.compile trains under the three
+front ends with no graph break caused by mixedprec."""
+import pytest
+import torch
+from torch import nn
+from mixedprec import ops, amp
+from mixedprec.fp16_optimizer import FP16_Optimizer
+
+DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
+
+@pytest.fixture(scope='module')
+def kernels():
+    k, why = ops._fused()
+    if k is None: pytest.skip(f"no fused kernels here: {why}")
+    return k
+
+def lists(device, dtype=torch.half, n=2):
+    shapes = [(5,), (2, 3)][:n]
+    return [torch.randn(s, device=device).to(dtype) for s in shapes], [torch.randn(s, device=device) for s in shapes]
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_op_passes_opcheck(kernels, device):
+    from torch.library import opcheck
+    k = kernels.ops
+    g16, m32 = lists(device)
+    flag = torch.zeros((), dtype=torch.bool, device=device)
+    opcheck(k['scale_check_'], (g16, [torch.zeros_like(m) for m in m32], 0.5, None))
+    opcheck(k['scale_check_'], (g16, [torch.zeros_like(m) for m in m32], 1., torch.tensor([0.25], device=device)))
+    opcheck(k['scale_add_check_'], (g16, [torch.zeros_like(m) for m in m32], 0.5, None))
+    opcheck(k['l2norm'], (m32,))
+    out = [torch.empty_like(g) for g in g16]
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False))
+    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], out, flag,
+                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True))
+
+def test_the_ops_live_in_the_builds_namespace(kernels):
+    assert kernels.namespace.startswith('mixedprec_') and hasattr(torch.ops, kernels.namespace)
+    g16, m32 = lists('cpu')
+    assert getattr(torch.ops, kernels.namespace).scale_check_(g16, m32, 2.).item() is False
+    for g, m in zip(g16, m32): assert torch.equal(m, g.float() * 2)
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+def graph_breaks(model, x) -> list:
+    "The graph breaks Dynamo reports for one forward of `model`"
+    torch._dynamo.reset()
+    return [str(b.reason) for b in torch._dynamo.explain(model)(x).break_reasons]
+
+@pytest.mark.parametrize("front", ['amp O1', 'amp O2', 'fp16_optimizer', 'fastai'])
+def test_a_compiled_model_trains_without_a_graph_break_from_mixedprec(front):
+    model, x, y = mlp(), torch.randn(32, 8), torch.randn(32, 1)
+    plain_breaks = graph_breaks(mlp(), x)
+    if front.startswith('amp'):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level=front.split()[1], verbosity=0, half_dtype='bf16')
+    elif front == 'fp16_optimizer':
+        model = model.bfloat16(); x = x.bfloat16()
+        opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), verbose=False)
+    else:
+        from helpers import synth_learner
+        learn = synth_learner(model, lr=1e-2).to_bf16()
+    assert graph_breaks(model, x) == plain_breaks
+    compiled = torch.compile(model)
+    losses = []
+    if front == 'fastai':
+        learn.model = compiled; learn.fit(2)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        return
+    for _ in range(5):
+        loss = nn.functional.mse_loss(compiled(x).float(), y)
+        if front.startswith('amp'):
+            with amp.scale_loss(loss, opt) as s: s.backward()
+        else: opt.backward(loss)
+        opt.step(); opt.zero_grad(); losses.append(loss.item())
+    assert losses[-1] < losses[0]
