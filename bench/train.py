@@ -3,7 +3,7 @@ and to_bf16(), fastai 2.8's own to_fp16() and to_bf16(), and plain torch.autocas
 PyTorch loops (PLAIN): fp32, mixedprec.amp at O2, torch.autocast with GradScaler. Each configuration runs in its own
 process (for its peak memory). On CUDA it counts host syncs per step. Prints one table.
 
-    python bench/train.py [--models cnn,transformer,resnet50] [--steps 40] [--max-seconds 60] [--bs 64] [--device cpu|cuda]
+    python bench/train.py [--models cnn,transformer,transformer512,resnet50] [--steps 40] [--max-seconds 60] [--bs 64] [--device cpu|cuda]
 """
 import argparse, json, os, resource, subprocess, sys, time
 
@@ -19,12 +19,13 @@ def make_model(kind):
             return nn.Sequential(nn.Conv2d(ci, co, 3, stride, 1, bias=False), nn.BatchNorm2d(co), nn.ReLU(),
                                  nn.Conv2d(co, co, 3, 1, 1, bias=False), nn.BatchNorm2d(co), nn.ReLU())
         return nn.Sequential(block(3, 32, 1), block(32, 64, 2), block(64, 128, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+    d, heads, layers = (512, 8, 4) if kind == 'transformer512' else (128, 4, 2)
     class Encoder(nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = nn.Embedding(1000, 128)
-            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 512, dropout=0., batch_first=True), 2)
-            self.head = nn.Linear(128, 10)
+            self.emb = nn.Embedding(1000, d)
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0., batch_first=True), layers)
+            self.head = nn.Linear(d, 10)
         def forward(self, ids): return self.head(self.enc(self.emb(ids)).mean(1))
     return Encoder()
 
@@ -37,7 +38,7 @@ def make_data(kind, n, seed=0):
         x = torch.randn(n, 3, size, size, generator=g)
         w = torch.randn(3 * size * size, 10, generator=g)
         return x, (x.flatten(1) @ w).argmax(1)
-    ids = torch.randint(0, 1000, (n, 64), generator=g)
+    ids = torch.randint(0, 1000, (n, 128 if kind == 'transformer512' else 64), generator=g)
     w = torch.randn(1000, 10, generator=g)
     return ids, w[ids].sum(1).argmax(1)
 
@@ -117,7 +118,7 @@ def peak_memory(device):
     if device == 'cuda': return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-PLAIN = ('torch fp32', 'mixedprec amp O2 fp16', 'torch amp fp16')
+PLAIN = ('torch fp32', 'mixedprec amp O2 fp16', 'torch amp fp16', 'raw bf16')
 
 def _step_note(res, waits) -> str:
     "The sync sites, then how often the host's books (one step late) waited for the device, and the fused step's share of the time"
@@ -137,6 +138,9 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, **({'fused': True} if config == 'torch amp fp16' and device == 'cuda' else {}))
     clock = book_clock(device) if config.startswith('mixedprec') else None
     if config == 'mixedprec amp O2 fp16': model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
+    if config == 'raw bf16':                                   # the ceiling: bf16 weights and AdamW on them, no masters, no scaling
+        model = model.to(torch.bfloat16); opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        if x.is_floating_point(): x = x.to(torch.bfloat16)
     gscaler = torch.amp.GradScaler(device) if config == 'torch amp fp16' else None
     i = [0]
     def step():
@@ -150,7 +154,7 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
             with amp.scale_loss(loss, opt) as scaled: scaled.backward()
             opt.step()
         else:
-            nn.functional.cross_entropy(model(xb), yb).backward(); opt.step()
+            nn.functional.cross_entropy(model(xb).float(), yb).backward(); opt.step()
         opt.zero_grad()
     res = measure(step, steps, max_seconds, Window(device, clock))
     if clock and device == 'cuda': res['sites'] = _step_note(res, amp._state.scalers[0].waits)

@@ -89,6 +89,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                   'mixedprec/callback.py'),
                                     'mixedprec.callback._all_finite': ('callback.html#_all_finite', 'mixedprec/callback.py'),
                                     'mixedprec.callback._attach': ('callback.html#_attach', 'mixedprec/callback.py'),
+                                    'mixedprec.callback._fastais': ('callback.html#_fastais', 'mixedprec/callback.py'),
                                     'mixedprec.callback._gradscaler_names': ('callback.html#_gradscaler_names', 'mixedprec/callback.py'),
                                     'mixedprec.callback._opt_state_key': ('callback.html#_opt_state_key', 'mixedprec/callback.py'),
                                     'mixedprec.callback._plain': ('callback.html#_plain', 'mixedprec/callback.py'),
