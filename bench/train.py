@@ -118,7 +118,7 @@ def peak_memory(device):
     if device == 'cuda': return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-PLAIN = ('torch fp32', 'mixedprec amp O2 fp16', 'torch amp fp16', 'raw bf16')
+PLAIN = ('torch fp32', 'mixedprec amp O2 fp16', 'torch amp fp16', 'raw bf16', 'raw bf16 channels_last')
 
 def _step_note(res, waits) -> str:
     "The sync sites, then how often the host's books (one step late) waited for the device, and the fused step's share of the time"
@@ -138,9 +138,10 @@ def plain_worker(model_kind, config, steps, max_seconds, bs, device, pool):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, **({'fused': True} if config == 'torch amp fp16' and device == 'cuda' else {}))
     clock = book_clock(device) if config.startswith('mixedprec') else None
     if config == 'mixedprec amp O2 fp16': model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
-    if config == 'raw bf16':                                   # the ceiling: bf16 weights and AdamW on them, no masters, no scaling
+    if config.startswith('raw bf16'):                          # the ceiling: bf16 weights and AdamW on them, no masters, no scaling
         model = model.to(torch.bfloat16); opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         if x.is_floating_point(): x = x.to(torch.bfloat16)
+        if config == 'raw bf16 channels_last': model = model.to(memory_format=torch.channels_last); x = x.contiguous(memory_format=torch.channels_last)
     gscaler = torch.amp.GradScaler(device) if config == 'torch amp fp16' else None
     i = [0]
     def step():
@@ -185,6 +186,9 @@ def worker(model_kind, config, steps, max_seconds, bs, device='cpu', pool=0, pro
     clock = book_clock(device) if config.startswith('mixedprec') else None
     if config == 'mixedprec fp16': learn.to_fp16()
     elif config == 'mixedprec bf16': learn.to_bf16()
+    elif config == 'mixedprec bf16 channels_last':
+        from fastai.callback.channelslast import ChannelsLast
+        learn.to_bf16().to_channelslast()
     elif config == 'fastai fp16': mpcb.fastai_to_fp16(learn)
     elif config == 'fastai bf16': mpcb.fastai_to_bf16(learn)
     class Autocast(Callback):
