@@ -7,7 +7,7 @@ __all__ = ['OPT_LEVELS', 'resolve_opt_level', 'AmpState', 'AutocastForward', 'in
            'skipped', 'history', 'state_dict', 'load_state_dict']
 
 # %% ../nbs/17_amp.ipynb #a09547f5
-import contextlib, functools, types, weakref
+import contextlib, types, weakref
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm

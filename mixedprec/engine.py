@@ -8,7 +8,6 @@ __all__ = ['DECIDE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'settings', 'F
            'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
-import sys, types
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
