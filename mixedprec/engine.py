@@ -251,7 +251,9 @@ class StepEngine:
     def step(self, closure=None):
         "Step or skip by the pending decision: the fused kernels (reading it on the device), or the optimizer's own step and the master copy"
         found, plan = self.found, self.plan
-        if found is None and self.fresh and closure is None: self._check_scaled()
+        if found is None and self.fresh and closure is None:
+            self._check_scaled()
+            return None                          # nothing unscaled since the last step: a second `step()` does not repeat the first
         try:
             if found is not None and self.on_device:
                 return self._fused(found)

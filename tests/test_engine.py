@@ -260,3 +260,21 @@ def test_step_hooks_and_a_scheduler_see_the_engine_step(decide):
             with amp.scale_loss(nn.functional.mse_loss(model(batch(i)[0]), batch(i)[1]), opt) as s: s.backward()
             opt.step(); sched.step(); opt.zero_grad()
     assert calls == ['pre', 'post'] * 3
+
+@pytest.mark.parametrize("front", ['amp', 'fp16'])
+def test_a_second_step_without_a_backward_changes_nothing(front, impl):
+    model = two_layer()
+    if front == 'amp':
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
+    else:
+        model = model.half(); opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), verbose=False)
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(model(x.half() if front == 'fp16' else x).float(), y)
+    if front == 'amp':
+        with amp.scale_loss(loss, opt) as s: s.backward()
+    else: opt.backward(loss)
+    opt.step()
+    once = [p.detach().clone() for p in model.parameters()]
+    opt.step()                                                 # as apex: the grads were used; nothing is stepped twice
+    assert all(torch.equal(a, p.detach()) for a, p in zip(once, model.parameters()))
