@@ -277,6 +277,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.ops._check_lists': ('ops.html#_check_lists', 'mixedprec/ops.py'),
                                'mixedprec.ops._check_ref_step': ('ops.html#_check_ref_step', 'mixedprec/ops.py'),
                                'mixedprec.ops._check_steps': ('ops.html#_check_steps', 'mixedprec/ops.py'),
+                               'mixedprec.ops._choose': ('ops.html#_choose', 'mixedprec/ops.py'),
                                'mixedprec.ops._damaged': ('ops.html#_damaged', 'mixedprec/ops.py'),
                                'mixedprec.ops._ext_for': ('ops.html#_ext_for', 'mixedprec/ops.py'),
                                'mixedprec.ops._fused': ('ops.html#_fused', 'mixedprec/ops.py'),

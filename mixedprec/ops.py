@@ -287,10 +287,19 @@ def warn_once(msg:str, key=None):
     _warned.add(key)
     warnings.warn(f"mixedprec: {msg}", stacklevel=3)
 
+_chosen = {}                                           # (impl, device type) -> what `_ext_for` chose, for traced code
+
 def _ext_for(t:torch.Tensor, impl:str=None, warn:bool=True):
     "The extension to run an op on tensors like `t` with, or None for the reference (saying why once, unless `warn=False`)"
     impl = _check_impl(impl or DEFAULT_IMPL)
     if impl == 'ref': return None
+    if torch.compiler.is_compiling(): return _chosen.get((impl, t.device.type))   # under torch.compile: what the eager steps chose
+    ext = _choose(t, impl, warn)
+    _chosen[(impl, t.device.type)] = ext
+    return ext
+
+def _choose(t, impl, warn):
+    "The extension for `t`'s device, or None (or an error, for `impl='fused'`) when it cannot be used"
     ext, why = _fused()
     if ext is not None and t.device.type == 'cuda' and not ext.has_cuda(): why, ext = "the extension was built without CUDA (no CUDA toolkit found)", None
     if ext is not None and t.device.type not in ('cpu', 'cuda'): why, ext = f"there are no fused kernels for {t.device.type} tensors", None

@@ -76,3 +76,25 @@ def test_a_compiled_model_trains_without_a_graph_break_from_mixedprec(front):
         else: opt.backward(loss)
         opt.step(); opt.zero_grad(); losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager():
+    from mixedprec import engine
+    def run(compiled):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0, decide='always', max_loss_scale=2.**10)
+        e = opt._mixedprec_engine
+        step = torch.compile(engine.fused_opt_step, fullgraph=True) if compiled else engine.fused_opt_step
+        g = torch.Generator().manual_seed(1)
+        for i in range(6):
+            x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+            with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * (1e6 if i == 3 else 1), opt) as s: s.backward()
+            if i == 0: opt.step()                              # the first step makes the optimizer state, eagerly
+            else: step(opt, e.plan, e.masters, e.found); e.last_found, e.found, e.fresh = e.found, None, True     # the skip read on the device
+            opt.zero_grad()
+        return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
+    torch._dynamo.reset()
+    (eager, steps), (compiled, csteps) = run(False), run(True)
+    assert steps == csteps == [5.] * 4                        # the overflowed step counted by neither
+    for a, b in zip(eager, compiled): assert torch.equal(a, b)
