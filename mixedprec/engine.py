@@ -389,7 +389,7 @@ def _nonfinite_weights(engines:list, limit:int=5) -> str:
     if not bad: return ''
     return (f" The weights themselves are no longer finite: {', '.join(bad[:limit])}{f' and {len(bad) - limit} more' if len(bad) > limit else ''}. "
             f"An optimizer step wrote inf/NaN into them (in half-precision weights without fp32 masters, Adam's eps underflows), so the "
-            f"overflows are its consequence, not the data's: keep fp32 masters, or train in bf16.")
+            f"non-finite losses and grads that follow are its consequence, not the data's: keep fp32 masters, or train in bf16.")
 
 def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=True) -> torch.Tensor:
     "`loss.float()` times `scaler`'s scale (a tensor on the loss's device); each engine notes whether `loss` is finite and sets its fp32 params' grads aside"

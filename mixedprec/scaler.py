@@ -123,7 +123,10 @@ class LossScaler:
             params = tuple(name_params() or ()) if code in (1, 3) and name_params is not None else ()
             self._book(code, reason, before, after, int(noskip), norm if has_norm and code in (0, 3) else None, params or None)
             msg = self.hopeless() if raises else None
-            if msg: raise ScalingError(msg + (f" Params with non-finite grads: {', '.join(params)}." if params else '') + (diagnose() if diagnose else ''))
+            if not msg: continue
+            msg += f" Params with non-finite grads: {', '.join(params)}." if params else ''
+            cause = diagnose().strip() if diagnose else ''          # e.g. weights already inf/NaN: then that is the news, not the data
+            raise ScalingError(f"{cause} What the loss scaler saw: {msg}" if cause else msg)
 
     def _book(self, code, reason, before, after, noskip, norm, params):
         "Write one step into the books: counters, history, a message"
