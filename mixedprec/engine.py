@@ -14,9 +14,9 @@ from itertools import chain
 from typing import Callable, NamedTuple
 import torch
 from . import ops
-from .ops import sgd_step_, adam_step_, backend, l2norm, scale_check_
+from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
-from .master import MasterParams
+from .master import MasterParams, clip_grads_
 from .convert import masters_for
 from .distributed import agree
 
@@ -162,11 +162,7 @@ def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Te
 # %% ../nbs/14_engine.ipynb #e000000f
 def _clip(group:list, max_norm:float) -> torch.Tensor:
     "Clip the master grads of every `MasterParams` in `group` by their global L2 norm (`clip_grad_norm_`'s rule); the norm, read nowhere"
-    if len(group) == 1: return group[0].clip_(max_norm)
-    grads = [g for m in group for g in m.master_grads()]
-    norm = l2norm(grads, impl=group[0].impl)
-    if grads: scale_check_(grads, grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0), impl=group[0].impl)
-    return norm
+    return clip_grads_([g for m in group for g in m.master_grads()], max_norm, group[0].impl)
 
 def _check_state_shapes(opt_sd:dict, groups:list, what:str):
     "Raise, naming the first one, when a torch optimizer state dict does not fit the param `groups`"
