@@ -181,6 +181,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.engine._fastai_groups': ('engine.html#_fastai_groups', 'mixedprec/engine.py'),
                                   'mixedprec.engine._nonfinite_weights': ('engine.html#_nonfinite_weights', 'mixedprec/engine.py'),
                                   'mixedprec.engine._step_count': ('engine.html#_step_count', 'mixedprec/engine.py'),
+                                  'mixedprec.engine._swap_in': ('engine.html#_swap_in', 'mixedprec/engine.py'),
                                   'mixedprec.engine._torch_groups': ('engine.html#_torch_groups', 'mixedprec/engine.py'),
                                   'mixedprec.engine.fastai_plan': ('engine.html#fastai_plan', 'mixedprec/engine.py'),
                                   'mixedprec.engine.fused_group_step': ('engine.html#fused_group_step', 'mixedprec/engine.py'),

@@ -177,6 +177,13 @@ def _check_state_shapes(opt_sd:dict, groups:list, what:str):
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
                 raise ValueError(f"{what}: the optimizer state {k!r} of param {n} has shape {tuple(v.shape)}, the param has {tuple(p.shape)}: it comes from another model; nothing was loaded")
 
+def _swap_in(optimizer, masters_of:dict, names:dict, impl:str) -> MasterParams:
+    "Lay out the masters of a torch `optimizer`'s groups (`masters_of`: half param -> fp32 master) and swap them in, moving its state onto them"
+    masters = MasterParams([list(g['params']) for g in optimizer.param_groups], masters_of, names=names, impl=impl)
+    masters.move_state_to_masters(optimizer.state)
+    for g, mg in zip(optimizer.param_groups, masters.groups): g['params'] = mg
+    return masters
+
 class StepEngine:
     "The step protocol under every front end: scale the loss; unscale, check and agree into one decision; step or skip; clear grads; save and load"
     def __init__(self,
@@ -196,15 +203,13 @@ class StepEngine:
         self.scalers, self._skip = set(), None    # the scalers that advanced on this engine's grads; the decision as read on the host
         own = optimizer.step                      # what `step()` meant before a front end handed it to the engine
         self._own = own if not isinstance(getattr(own, '__self__', None), StepEngine) else None
+        self._layouts_followed, self._own_layout_due = False, True   # masters laid out as the params yet; state in the optimizer's own layout
         self.choose()
 
     @classmethod
     def wrap(cls, optimizer, masters_of:dict, names:dict=None, **kwargs):
         "An engine for a torch `optimizer` built on model params: swap in the masters from `masters_of` (half param -> fp32 master), its state kept"
-        masters = MasterParams([list(g['params']) for g in optimizer.param_groups], masters_of, names=names, impl=kwargs.get('impl'))
-        masters.move_state_to_masters(optimizer.state)
-        for g, mg in zip(optimizer.param_groups, masters.groups): g['params'] = mg
-        return cls(optimizer, masters, **kwargs)
+        return cls(optimizer, _swap_in(optimizer, masters_of, names, kwargs.get('impl')), **kwargs)
 
     def __repr__(self):
         plan = self.plan.name + (' (skip decided on the device)' if self.on_device else '') if self.plan else 'its own step'
@@ -270,6 +275,7 @@ class StepEngine:
             from torch.optim.optimizer import _global_optimizer_pre_hooks
             for h in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()): h(opt, (opt,), {})
         fused_opt_step(opt, self.plan, self.masters, found, self.impl)
+        self._own_layout_due = True               # the kernels keep the state in their layout (fastai's step counts as tensors)
         if hooks:
             from torch.optim.optimizer import _global_optimizer_post_hooks
             for h in chain(opt._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()): h(opt, (opt,), {})
@@ -277,7 +283,7 @@ class StepEngine:
     def _own_step(self, closure=None):
         "The optimizer's own step (as it was before a front end replaced it), then the master copy, also after an exception"
         opt = self.optimizer
-        if self.recognised is not None and self.recognised.own_layout is not None: self.recognised.own_layout(opt.state)
+        if self._own_layout_due: self.own_layout()
         restore = self.masters.hold_gradless(opt.state) if self.masters.flat else None
         own = self._own or partial(type(opt).step, opt)
         if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
@@ -300,6 +306,7 @@ class StepEngine:
     def own_layout(self):
         "Give the optimizer's state the layout its own step expects (fastai's int step counts), when the optimizer leaves the engine"
         if self.recognised is not None and self.recognised.own_layout is not None: self.recognised.own_layout(self.optimizer.state)
+        self._own_layout_due = False
 
     def zero_grad(self, set_to_none:bool=True):
         "Drop (or zero) the grads of the model's params and of the masters; the next unscale starts afresh"
@@ -329,10 +336,7 @@ class StepEngine:
         self.masters.move_state_to_model(opt.state)
         for g, mg in zip(opt.param_groups, self.masters.model_groups): g['params'] = mg
         type(opt).add_param_group(opt, {**group, 'params': params})
-        names = self.masters.names
-        self.masters = MasterParams([list(g['params']) for g in opt.param_groups], masters_of, names=names, impl=self.masters.impl)
-        self.masters.move_state_to_masters(opt.state)
-        for g, mg in zip(opt.param_groups, self.masters.groups): g['params'] = mg
+        self.masters = _swap_in(opt, masters_of, self.masters.names, self.masters.impl)
         self.choose()
 
     def masters_state(self) -> list:
@@ -403,7 +407,7 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     inv = scaler.tensors(device)[1]
     flags, loss_bad = [], torch.zeros((), dtype=torch.bool, device=device)
     for e in engines:
-        if not getattr(e, '_layouts_followed', False): e.follow_layouts()     # once: a model laid out anew after the front end took it
+        if not e._layouts_followed: e.follow_layouts()        # once: a model laid out anew after the front end took it
         if e.fresh: e.choose()
         flags.append(e.masters.grads_to_masters(inv, accumulate=not e.fresh).to(device))
         if e.loss_finite is not None: loss_bad = loss_bad | ~e.loss_finite.to(device)
