@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
 from .convert import convert_model, masters_for, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into
+from .master import check_store
 
 # %% ../nbs/17_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -104,7 +105,7 @@ def _autocast_forward(model, dtype):
 # %% ../nbs/17_amp.ipynb #8e25d7f3
 def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", cast_model_type=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, num_losses:int=1, min_loss_scale:float=None, max_loss_scale:float=2.**24,
-               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None):
+               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None, masters:str='fp32'):
     "Prepare `models` and `optimizers` for mixed precision at `opt_level`; returns them in the shapes they came in"
     global _state
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
@@ -121,6 +122,10 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         if hasattr(o, '_mixedprec_engine'): raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
     if not (isinstance(num_losses, int) and num_losses >= 1): raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
+    check_store(masters, props['dtype'])
+    if masters != 'fp32':                                        # bf16 masters in place of O2's fp32 ones (or of O3's none)
+        if props['cast_model_type'] not in HALF_DTYPES: raise ValueError(f"masters={masters!r} keeps the masters in the bf16 weights: it needs a bf16 model, opt_level 'O2' or 'O3' with half_dtype='bf16'")
+        props['master_weights'] = True
     dynamic = props['loss_scale'] == 'dynamic'
     kw = dict(min_scale=min_loss_scale) if min_loss_scale is not None else {}
     scalers = [LossScaler(min(2.**16, max_loss_scale) if dynamic else props['loss_scale'], dynamic=dynamic, max_noskip=max_noskip,
@@ -129,18 +134,18 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
                           **kw) for _ in range(num_losses)]
     state = _state = AmpState(props, scalers, enabled, verbosity)
     if not enabled: return models if optimizers is None else (models, optimizers)
-    masters = {}
+    converted = {}
     for m in model_list:
         if props['cast_model_type'] in HALF_DTYPES:
             keep = (_BatchNorm,) if props['keep_batchnorm_fp32'] else ()
-            masters.update(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True, masters=props['master_weights']).masters)
+            converted.update(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True, masters=props['master_weights']).masters)
         elif props['autocast']: _autocast_forward(m, props['dtype'])
         _initialized.add(m)
     names = {p: n for m in model_list for n, p in m.named_parameters()}
     for o in opt_list:
         masters_of = {}
-        if props['master_weights']: masters_of = {**masters, **masters_for(p for g in o.param_groups for p in g['params'] if p not in masters)}
-        e = StepEngine.wrap(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT)
+        if props['master_weights']: masters_of = {**converted, **masters_for(p for g in o.param_groups for p in g['params'] if p not in converted)}
+        e = StepEngine.wrap(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters)
         e.amp, e.masters_of = state, masters_of
         o._mixedprec_engine = e
         o.step, o.zero_grad, o.add_param_group = (types.MethodType(f, o) for f in (_step, _zero_grad, _add_param_group))

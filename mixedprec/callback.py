@@ -22,7 +22,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note
-from .master import MasterParams
+from .master import MasterParams, check_store, master_value, set_master_, bf16_master
 from .engine import StepEngine, steps_to_ints
 from .ops import warn_once
 
@@ -87,12 +87,14 @@ class MixedPrecision(Callback):
         table:bool=False,             # add the loss scale and the epoch's skipped steps to fastai's progress table
         decide:str=None,              # where the skip is decided: 'cuda', 'always' or 'never' (default: `mixedprec.engine.settings`)
         impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
+        masters:str='fp32',           # bf16 only: 'split' keeps the exact master as the bf16 weight + an int16 half, 'none' rounds stochastically
         **kwargs):                    # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size (and GradScaler's names)
         loss_scale, max_noskip, kwargs = _gradscaler_names(loss_scale, max_noskip, kwargs)
         bad = [k for k in kwargs if k not in _SCALER_KWARGS]
         if bad: raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are {list(_SCALER_KWARGS)} "
                                 f"(and GradScaler's {[*_GRADSCALER_NAMES, 'backoff_factor']})")
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
+        self.master_store = check_store(masters, dtype, flat_master)
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
         self.dtype, self.clip, self.flat_master, self.keep_fp32, self.check_loss = check_half_dtype(dtype), clip, flat_master, keep, check_loss
@@ -144,7 +146,8 @@ class MixedPrecision(Callback):
         held = [p for g in opt.param_lists for p in g]
         if self.engine is not None and self.engine.optimizer is opt and {id(p) for p in held} == {id(p) for p in self.masters.master_params}: return
         names = {p: n for n, p in self.learn.model.named_parameters()}
-        masters = MasterParams(opt.param_lists, self.conversion.masters, flat=self.flat_master, key=_opt_state_key(opt), names=names, impl=self.impl)
+        masters = MasterParams(opt.param_lists, self.conversion.masters, flat=self.flat_master, key=_opt_state_key(opt), names=names, impl=self.impl,
+                               store=getattr(self, 'master_store', 'fp32'))
         for state in _state_dicts(opt): masters.move_state_to_masters(state)
         opt.param_lists = [list(g) for g in masters.groups]
         self.engine = StepEngine(opt, masters, self.scaler, self.clip, decide=self.decide, impl=self.impl)
@@ -270,7 +273,7 @@ class MixedPrecision(Callback):
         "The scaler state and the fp32 masters, one per model param"
         masters = self.conversion.masters if self.conversion else {}
         return {'scaler': self.scaler.state_dict(),
-                'masters': [masters[p].detach().clone() if p in masters else None for p in self.learn.model.parameters()]}
+                'masters': [master_value(masters[p]).clone() if p in masters else None for p in self.learn.model.parameters()]}
 
     def load_state_dict(self, sd:dict):
         "Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything changes"
@@ -285,8 +288,8 @@ class MixedPrecision(Callback):
         with torch.no_grad():
             for p, m in zip(params, saved):
                 if m is None or p not in masters: continue
-                masters[p].copy_(m.view_as(p))
-                p.copy_(m.view_as(p))
+                set_master_(masters[p], m.view_as(p))
+                if bf16_master(masters[p]) is None: p.copy_(m.view_as(p))
         return self
 
 # %% ../nbs/15_callback.ipynb #ae1c62a9

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
+from .master import bf16_master, master_value, set_master_, store_master_
 
 # %% ../nbs/12_convert.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -68,7 +69,7 @@ class ModelConversion:
         "Restore fp32 params from the masters, fp32 buffers, and remove the cast hooks"
         with torch.no_grad():
             for p, m in self.masters.items():
-                p.data = m.detach().reshape(p.shape).to(p.device, copy=True)
+                p.data = master_value(m).reshape(p.shape).to(p.device, copy=True)
                 if p.grad is not None: p.grad = None
             for mod, name in self.buffers: setattr(mod, name, getattr(mod, name).float())
         for h in self.hooks: h.remove()
@@ -82,9 +83,28 @@ class ModelConversion:
         with torch.no_grad():
             for p, m in list(self.masters.items()):
                 if m.device == p.device: continue
-                self.masters[p] = nn.Parameter(m.detach().reshape(p.shape).to(p.device, copy=True), requires_grad=p.requires_grad)
+                bm = bf16_master(m)
+                self.masters[p] = nn.Parameter(master_value(m).reshape(p.shape).to(p.device, copy=True), requires_grad=p.requires_grad)
+                if bm is not None: store_master_(p, self.masters[p], bm.kind)      # kept as it was: in the (moved) bf16 param
                 moved = True
         return moved
+
+    def __getstate__(self) -> dict:
+        "Pickle (`copy.deepcopy`, fastai's `export`) with the masters kept in bf16 params as fp32 values and where they lived"
+        state = dict(self.__dict__)
+        stores = {i: bm.kind for i, m in enumerate(self.masters.values()) if (bm := bf16_master(m)) is not None}
+        if stores:
+            state['masters'] = {p: (nn.Parameter(master_value(m).clone(), requires_grad=m.requires_grad) if i in stores else m)
+                                for i, (p, m) in enumerate(self.masters.items())}
+        state['_stores'] = stores
+        return state
+
+    def __setstate__(self, state:dict):
+        "Unpickle, keeping bf16 masters where they lived"
+        stores = state.pop('_stores', {})
+        self.__dict__.update(state)
+        for i, (p, m) in enumerate(self.masters.items()):
+            if i in stores: store_master_(p, m, stores[i])
 
 # %% ../nbs/12_convert.ipynb #1ece372d
 _NATIVE_MIXED = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -126,7 +146,7 @@ class SaveMasters:
     def __call__(self, module, state_dict, prefix, local_metadata):
         masters = self.conversion.masters
         for name, p in module.named_parameters(remove_duplicate=False):
-            if p in masters and prefix + name in state_dict: state_dict[prefix + name] = masters[p].detach().reshape(p.shape)
+            if p in masters and prefix + name in state_dict: state_dict[prefix + name] = master_value(masters[p]).reshape(p.shape)
 
 class LoadMasters:
     "`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into their fp32 masters"
@@ -139,9 +159,10 @@ class LoadMasters:
             if v.shape != t.shape:                  # torch would copy every tensor that fits before it raises: nothing is loaded instead
                 raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the checkpoint holds {tuple(v.shape)}, "
                                    f"the model {tuple(t.shape)}. It comes from another model; nothing was loaded")
-            if t in masters and v.is_floating_point(): todo.append((masters[t], v))
-        with torch.no_grad():
-            for m, v in todo: m.copy_(v.reshape(m.shape))
+            if t in masters and v.is_floating_point(): todo.append((masters[t], v, prefix + name))
+        for m, v, key in todo:
+            set_master_(m, v)
+            if (bm := bf16_master(m)) is not None: state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
 
 def _kept_modules(model, keep):
     "Ids of every module inside a module of a `keep` type"

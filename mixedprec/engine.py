@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
-from .master import MasterParams, clip_grads_
+from .master import MasterParams, clip_grads_, master_value, set_master_, bf16_master
 from .convert import masters_for
 from .distributed import agree
 
@@ -128,8 +128,10 @@ def _step_count(st, p):
 
 def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:torch.Tensor, lr:float, weight_decay=0., decoupled:bool=False,
                      momentum:float=0., dampening:float=0., nesterov:bool=False, betas:tuple=(0.9, 0.999), eps:float=1e-8,
-                     keep_buffer:bool=None, names:dict=TORCH_STATE, impl:str=None):
-    "One param group's fused 'sgd' or 'adam' step over fp32 `params` with grads, keeping their state in `state` under `names`; `weight_decay` may be a function of the param"
+                     keep_buffer:bool=None, names:dict=TORCH_STATE, impl:str=None, bf16_of:dict=None, seeds_for:Callable=None):
+    "One param group's fused 'sgd' or 'adam' step over fp32 `params` with grads, keeping their state in `state` under `names`; `weight_decay` may be a function of the param. Masters in `bf16_of` live in their bf16 params (split, or rounded with `seeds_for(masters)`)"
+    bf16_of = bf16_of or {}
+    where = lambda p: bf16_of[id(p)].kind if id(p) in bf16_of else 'copy' if id(p) in half_of else 'own'   # how the kernels reach each master
     wd_of = weight_decay if callable(weight_decay) else (lambda p: weight_decay)
     if keep_buffer is None: keep_buffer = momentum != 0             # SGD's momentum buffer: torch's only with momentum, fastai's at any momentum
     runs = {}
@@ -138,26 +140,32 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
         if kind == 'sgd':
             first = keep_buffer and st.get(names['buf']) is None
             if first: st[names['buf']] = torch.zeros_like(p)
-            key = (first and dampening != 0, id(p) in half_of, wd_of(p))   # from a zero buffer, only dampening makes the first step differ
+            key = (first and dampening != 0, where(p), wd_of(p))   # from a zero buffer, only dampening makes the first step differ
         else:
             if st.get(names['avg']) is None: st[names['avg']], st[names['sqr']] = torch.zeros_like(p), torch.zeros_like(p)
             _step_count(st, p)
-            key = (False, id(p) in half_of, wd_of(p))
+            key = (False, where(p), wd_of(p))
         runs.setdefault(key, []).append(p)
-    for (first, with_out, wd), sel in runs.items():
-        st, grads, out = [state[p] for p in sel], [p.grad for p in sel], [half_of[id(p)] for p in sel] if with_out else []
+    for (first, at, wd), sel in runs.items():
+        st, grads, out = [state[p] for p in sel], [p.grad for p in sel], [half_of[id(p)] for p in sel] if at == 'copy' else []
+        params, kw = sel, dict(impl=impl)
+        if at in ('split', 'none'):
+            params = [bf16_of[id(p)].param for p in sel]
+            kw.update(lows=[bf16_of[id(p)].low for p in sel]) if at == 'split' else kw.update(seeds=seeds_for(sel))
         if kind == 'sgd':
-            sgd_step_(grads, sel, [s[names['buf']] for s in st] if keep_buffer else [], out, found_inf, 1., lr, momentum, dampening, wd, nesterov,
-                      first_run=first, decoupled=decoupled, impl=impl)
+            sgd_step_(grads, params, [s[names['buf']] for s in st] if keep_buffer else [], out, found_inf, 1., lr, momentum, dampening, wd, nesterov,
+                      first_run=first, decoupled=decoupled, **kw)
         else:
-            adam_step_(grads, sel, [s[names['avg']] for s in st], [s[names['sqr']] for s in st], out, found_inf, [s['step'] for s in st], 1.,
-                       lr, betas[0], betas[1], eps, wd, decoupled, impl=impl)
+            adam_step_(grads, params, [s[names['avg']] for s in st], [s[names['sqr']] for s in st], out, found_inf, [s['step'] for s in st], 1.,
+                       lr, betas[0], betas[1], eps, wd, decoupled, **kw)
 
 def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Tensor, impl:str=None):
     "Step `opt` (recognised as `plan`) over per-param `masters` with the fused kernels, writing the half params; a no-op on the device where `found_inf` is set"
     for params, kw in plan.groups(opt):
         ps = [p for p in params if p.grad is not None]
-        if ps: fused_group_step(plan.kind, ps, opt.state, masters._half_of, found_inf, names=plan.names, impl=impl, **kw)
+        if ps: fused_group_step(plan.kind, ps, opt.state, masters._half_of, found_inf, names=plan.names, impl=impl, bf16_of=masters._bf16_of,
+                                seeds_for=masters.rounding_seeds, **kw)
+    if masters.store == 'none': masters.rounds += 1
 
 # %% ../nbs/14_engine.ipynb #e000000f
 def _clip(group:list, max_norm:float) -> torch.Tensor:
@@ -177,9 +185,9 @@ def _check_state_shapes(opt_sd:dict, groups:list, what:str):
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
                 raise ValueError(f"{what}: the optimizer state {k!r} of param {n} has shape {tuple(v.shape)}, the param has {tuple(p.shape)}: it comes from another model; nothing was loaded")
 
-def _swap_in(optimizer, masters_of:dict, names:dict, impl:str) -> MasterParams:
+def _swap_in(optimizer, masters_of:dict, names:dict, impl:str, store:str='fp32') -> MasterParams:
     "Lay out the masters of a torch `optimizer`'s groups (`masters_of`: half param -> fp32 master) and swap them in, moving its state onto them"
-    masters = MasterParams([list(g['params']) for g in optimizer.param_groups], masters_of, names=names, impl=impl)
+    masters = MasterParams([list(g['params']) for g in optimizer.param_groups], masters_of, names=names, impl=impl, store=store)
     masters.move_state_to_masters(optimizer.state)
     for g, mg in zip(optimizer.param_groups, masters.groups): g['params'] = mg
     return masters
@@ -207,9 +215,9 @@ class StepEngine:
         self.choose()
 
     @classmethod
-    def wrap(cls, optimizer, masters_of:dict, names:dict=None, **kwargs):
-        "An engine for a torch `optimizer` built on model params: swap in the masters from `masters_of` (half param -> fp32 master), its state kept"
-        return cls(optimizer, _swap_in(optimizer, masters_of, names, kwargs.get('impl')), **kwargs)
+    def wrap(cls, optimizer, masters_of:dict, names:dict=None, store:str='fp32', **kwargs):
+        "An engine for a torch `optimizer` built on model params: swap in the masters from `masters_of` (half param -> fp32 master, kept as `store` says), its state kept"
+        return cls(optimizer, _swap_in(optimizer, masters_of, names, kwargs.get('impl'), store), **kwargs)
 
     def __repr__(self):
         plan = self.plan.name + (' (skip decided on the device)' if self.on_device else '') if self.plan else 'its own step'
@@ -287,9 +295,11 @@ class StepEngine:
         restore = self.masters.hold_gradless(opt.state) if self.masters.flat else None
         own = self._own or partial(type(opt).step, opt)
         if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
+        self.masters.materialize()                # bf16 masters without an fp32 copy get one for the length of the step
         try: return own(closure) if closure is not None else own()
         finally:
             if restore is not None: restore()
+            self.masters.release()
             self.masters.masters_to_model()
 
     def _check_scaled(self):
@@ -336,12 +346,12 @@ class StepEngine:
         self.masters.move_state_to_model(opt.state)
         for g, mg in zip(opt.param_groups, self.masters.model_groups): g['params'] = mg
         type(opt).add_param_group(opt, {**group, 'params': params})
-        self.masters = _swap_in(opt, masters_of, self.masters.names, self.masters.impl)
+        self.masters = _swap_in(opt, masters_of, self.masters.names, self.masters.impl, self.masters.store)
         self.choose()
 
     def masters_state(self) -> list:
         "A copy of each half param's fp32 master, in the layout's order"
-        return [m.detach().clone() for _, m, _ in self.masters.pairs]
+        return [master_value(m).clone() for _, m, _ in self.masters.pairs]
 
     def check_masters(self, saved:list, what:str='the state_dict'):
         "Raise, naming the first misfit, unless `saved` holds a floating tensor of each master's shape"
@@ -359,7 +369,8 @@ class StepEngine:
         "Copy checked masters (`check_masters`) into the masters and, rounded, into the half params"
         with torch.no_grad():
             for (p, m, _), v in zip(self.masters.pairs, saved):
-                m.copy_(v.reshape(m.shape)); p.copy_(v.reshape(p.shape))
+                set_master_(m, v)
+                if bf16_master(m) is None: p.copy_(v.reshape(p.shape))      # an fp32 master: round into the param (a bf16 master is the param)
 
     def check_optimizer_state(self, opt_sd:dict, what:str='the state_dict'):
         "Raise, naming the first misfit, unless a torch optimizer state dict fits this optimizer's masters"
@@ -383,7 +394,7 @@ def _nonfinite_weights(engines:list, limit:int=5) -> str:
     for e in engines:
         ms, state = e.masters, e.optimizer.state
         for w in (p for g in ms.groups for p in g):
-            what = (['weights'] if not torch.isfinite(w.detach()).all() else []) + \
+            what = (['weights'] if not torch.isfinite(master_value(w)).all() else []) + \
                    [k for k, v in state.get(w, {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
             if what: bad.append(f"{ms.names.get(ms._half_of.get(id(w), w), tuple(w.shape))} ({', '.join(what)})")
     if not bad: return ''

@@ -10,6 +10,7 @@ import torch
 from .scaler import LossScaler, ScalingError
 from .convert import masters_for
 from .engine import StepEngine
+from .master import check_store
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
@@ -32,6 +33,7 @@ class FP16_Optimizer:
         verbose:bool=True,                    # print the ingested param groups, and each change of scale
         decide:str=None,                      # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
+        masters:str='fp32',                   # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
     ):
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
@@ -41,8 +43,10 @@ class FP16_Optimizer:
         self.scaler = _dynamic_scaler(dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale, dynamic=False)
         self.scaler.verbose = verbose
         self.scaler.advice = "With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow kept in fp32."
+        halves = {p.dtype for g in init_optimizer.param_groups for p in g['params'] if p.dtype != torch.float32}
+        check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         self.masters_of = masters_for(p for g in init_optimizer.param_groups for p in g['params'])
-        self.engine = StepEngine.wrap(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl,
+        self.engine = StepEngine.wrap(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
 

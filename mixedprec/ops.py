@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'FIX', 'scale_check_ref_', 'set_impl', 'find_cuda_home', 'cpu_flags', 'cpu_isa',
            'default_cache', 'unsafe', 'build_extension', 'Kernels', 'warn_once', 'backend', 'scale_check_',
-           'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'sgd_step_ref_', 'adam_step_ref_',
-           'sgd_step_', 'adam_step_']
+           'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref',
+           'rounding_bits_ref', 'round_stochastic_ref', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
 
 # %% ../nbs/10_ops.ipynb #8848a001
 import functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
@@ -374,6 +374,52 @@ def l2norm(tensors:list, per_tensor:bool=False, impl:str=None):
     total, each = ext.l2norm(tensors)
     return (total, each) if per_tensor else total
 
+# %% ../nbs/10_ops.ipynb #bf160002
+_U32 = 0xFFFFFFFF
+
+def _bits(x:torch.Tensor) -> torch.Tensor:
+    "The raw bits of fp32 `x` as non-negative int64"
+    return x.contiguous().view(torch.int32).to(torch.int64) & _U32
+
+def _float(u:torch.Tensor) -> torch.Tensor:
+    "fp32 from raw bits held in int64 (taken modulo 2^32)"
+    u = u & _U32
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
+
+def split_bf16_ref(x:torch.Tensor) -> tuple:
+    "fp32 `x` as its nearest bf16 (ties away from zero) and the int16 remainder that makes it exact: `join_bf16_ref(*split_bf16_ref(x))` is `x`"
+    u = _bits(x.float())
+    hi = ((u + 0x8000) >> 16) & 0xFFFF
+    lo = ((u - (hi << 16) + 0x8000) & _U32) - 0x8000             # in [-0x8000, 0x7fff]
+    as16 = lambda v: torch.where(v >= 2**15, v - 2**16, v).to(torch.int16)
+    return as16(hi).view(torch.bfloat16).reshape(x.shape), as16(lo).reshape(x.shape)
+
+def join_bf16_ref(hi:torch.Tensor, lo:torch.Tensor) -> torch.Tensor:
+    "The exact fp32 master from a bf16 high half and its int16 low half"
+    u = ((hi.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + lo.contiguous().to(torch.int64)
+    return _float(u).reshape(hi.shape)
+
+def _lowbias32(x):
+    "Wellons' 32-bit integer hash on non-negative int64 holding 32 bits"
+    x = x ^ (x >> 16); x = (x * 0x7feb352d) & _U32
+    x = x ^ (x >> 15); x = (x * 0x846ca68b) & _U32
+    return x ^ (x >> 16)
+
+def rounding_bits_ref(seed:int, n:int, device=None) -> torch.Tensor:
+    "The 16 random bits (as int64) that stochastic rounding adds to elements 0..n-1 of a tensor with rounding seed `seed`"
+    seed = int(seed) & (2**64 - 1)
+    idx = torch.arange(n, dtype=torch.int64, device=device)
+    x = _lowbias32((idx & _U32) ^ (seed & _U32))
+    return _lowbias32(x ^ (seed >> 32) ^ (idx >> 32)) & 0xFFFF
+
+def round_stochastic_ref(x:torch.Tensor, seed:int) -> torch.Tensor:
+    "fp32 `x` rounded to bf16 stochastically with the bits of `rounding_bits_ref(seed)`: unbiased, and the same for the same seed; inf and NaN kept"
+    u = _bits(x.float()).reshape(-1)
+    r = rounding_bits_ref(seed, u.numel(), u.device)
+    special = (u & 0x7F800000) == 0x7F800000
+    hi = torch.where(special, (u >> 16) | torch.where((u & 0x7FFFFF) != 0, 0x40, 0), ((u + r) >> 16) & 0xFFFF)
+    return torch.where(hi >= 2**15, hi - 2**16, hi).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
+
 # %% ../nbs/10_ops.ipynb #b2871197
 def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0., dampening=0., weight_decay=0., nesterov=False, first_run=False,
                   decoupled=False):
@@ -415,23 +461,55 @@ def _step_lists(grads, params, states, out):
     _same_length(grads, params, *[s for s in states if s], *([out] if out else []))
     return grads, params, states, out
 
-def _check_ref_step(grads, params, states, out):
+def _check_ref_step(grads, params, states, out, lows=None, seeds=None):
     "The checks the kernels make, for the reference steps"
-    if any(p.dtype != torch.float32 for p in params): raise ValueError("the fused optimizer steps update fp32 master params")
+    if lows is not None and seeds is not None: raise ValueError("pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
+    if lows is None and seeds is None:
+        if any(p.dtype != torch.float32 for p in params): raise ValueError("the fused optimizer steps update fp32 master params (bf16 params need `lows` or `seeds`)")
+    else:
+        if any(p.dtype != torch.bfloat16 for p in params): raise ValueError("with `lows` or `seeds` the params are bf16")
+        if out: raise ValueError("bf16 params are their own masters: pass no half copy `out` with `lows` or `seeds`")
+        _same_length(params, lows if lows is not None else seeds)
+        if lows is not None and any(l.dtype != torch.int16 or l.shape != p.shape for l, p in zip(lows, params)):
+            raise ValueError("each low half must be an int16 tensor of its param's shape")
+    if any(s.dtype != torch.float32 for st in states for s in st): raise ValueError("optimizer state must be fp32")
     _check_lists(grads, params, *[s for s in states if s], *([out] if out else []))
 
+def _on_masters_ref(params, lows, seeds, found_inf, run):
+    "Run a reference step `run(fp32 masters)` on `params`, or on the fp32 masters joined from bf16 `params` and `lows` (or converted, with `seeds`), then split or round them back"
+    if lows is None and seeds is None: return run(params)
+    if bool(found_inf): return
+    with torch.no_grad():
+        masters = [join_bf16_ref(p, l) for p, l in zip(params, lows)] if lows is not None else [p.float() for p in params]
+        run(masters)
+        for i, (p, m) in enumerate(zip(params, masters)):
+            if lows is not None: hi, lo = split_bf16_ref(m); p.copy_(hi); lows[i].copy_(lo)
+            else: p.copy_(round_stochastic_ref(m, seeds[i]))
+
+def _bf16_args(params, lows, seeds, g):
+    "The `lows` and `seeds` arguments of one fused launch over the params at `g`"
+    if seeds is None: return (_pick(lows, g) if lows is not None else []), None
+    return [], torch.tensor([int(seeds[i]) for i in g], dtype=torch.int64).to(params[0].device)     # int64 seeds: the kernels read their bits as uint64
+
+def _launches(grads, out):
+    "Index groups of one fused launch each: one per (grad dtype, out dtype)"
+    return _groups(grads, out) if out else _groups(grads)
+
 def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, momentum:float=0., dampening:float=0., weight_decay:float=0.,
-              nesterov:bool=False, first_run:bool=False, decoupled:bool=False, impl:str=None):
-    "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, writing the half copy into `out`; a no-op when `found_inf` is set"
+              nesterov:bool=False, first_run:bool=False, decoupled:bool=False, lows:list=None, seeds:list=None, impl:str=None):
+    "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`); a no-op when `found_inf` is set"
     grads, params, (bufs,), out = _step_lists(grads, params, [bufs], out)
+    lows = list(lows) if lows is not None else None
     if not params: return
     ext = _ext_for(params[0], impl)
     if ext is None:
-        _check_ref_step(grads, params, [bufs], out)
-        return sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled)
-    for g in _groups(grads, out) if out else [range(len(params))]:
+        _check_ref_step(grads, params, [bufs], out, lows, seeds)
+        return _on_masters_ref(params, lows, seeds, found_inf, lambda ms: sgd_step_ref_(grads, ms, bufs, out, found_inf, inv_scale, lr, momentum, dampening,
+                                                                                         weight_decay, nesterov, first_run, decoupled))
+    for g in _launches(grads, out):
         ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [], found_inf, float(inv_scale),
-                     float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run), bool(decoupled))
+                     float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run), bool(decoupled),
+                     *_bf16_args(params, lows, seeds, g))
 
 def _advance(step, steps, found_inf):
     "Add 1 to the step count(s) unless `found_inf` is set, on their device (no host read of a device flag)"
@@ -447,9 +525,10 @@ def _check_steps(steps, params):
         if s.device != p.device: raise ValueError(f"a step count must be on its param's device ({p.device}), got {s.device}")
 
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
-               eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, impl:str=None):
-    "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, writing the half copy into `out`; a no-op when `found_inf` is set"
+               eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None, impl:str=None):
+    "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`); a no-op when `found_inf` is set"
     grads, params, (exp_avgs, exp_avg_sqs), out = _step_lists(grads, params, [exp_avgs, exp_avg_sqs], out)
+    lows = list(lows) if lows is not None else None
     if not params: return
     steps = [step] * len(params) if isinstance(step, torch.Tensor) else list(step)    # one count for all, or one per param
     _same_length(params, steps)
@@ -457,11 +536,13 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
         raise ValueError("a list of step counts holds one per param; for one count shared by all params pass that tensor itself")
     ext = _ext_for(params[0], impl)
     if ext is None:
-        _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out)
+        _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out, lows, seeds)
         _check_steps(steps, params)
-        adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled)
+        _on_masters_ref(params, lows, seeds, found_inf, lambda ms: adam_step_ref_(grads, ms, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr,
+                                                                                  beta1, beta2, eps, weight_decay, decoupled))
     else:
-        for g in _groups(grads, out) if out else [range(len(params))]:
+        for g in _launches(grads, out):
             ext.adam_step(_pick(grads, g), _pick(params, g), _pick(exp_avgs, g), _pick(exp_avg_sqs, g), _pick(out, g) if out else [], found_inf,
-                          _pick(steps, g), float(inv_scale), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled))
+                          _pick(steps, g), float(inv_scale), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+                          *_bf16_args(params, lows, seeds, g))
     _advance(step, steps, found_inf)                        # after the update, which used count + 1: a refused call changes nothing

@@ -30,9 +30,15 @@ def test_every_op_passes_opcheck(kernels, device):
     opcheck(k['scale_add_check_'], (g16, [torch.zeros_like(m) for m in m32], 0.5, None))
     opcheck(k['l2norm'], (m32,))
     out = [torch.empty_like(g) for g in g16]
-    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False))
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None))
     opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], out, flag,
-                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True))
+                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, [], None))
+    hi, lo = zip(*[ops.split_bf16_ref(m) for m in m32])                       # bf16 masters: split, and stochastic rounding
+    seeds = torch.arange(len(m32), dtype=torch.int64, device=device)
+    for lows, sd in (([l.clone() for l in lo], None), ([], seeds)):
+        opcheck(k['sgd_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [], flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, lows, sd))
+        opcheck(k['adam_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], [], flag,
+                                  [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, lows, sd))
 
 def test_the_ops_live_in_the_builds_namespace(kernels):
     assert kernels.namespace.startswith('mixedprec_') and hasattr(torch.ops, kernels.namespace)

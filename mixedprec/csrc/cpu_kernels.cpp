@@ -12,6 +12,7 @@
 #include <cmath>
 #include <vector>
 #include "messages.h"
+#include "bf16_bits.h"
 
 namespace mixedprec {
 
@@ -164,61 +165,103 @@ template <typename O> static void copy_out(const float* p, O* o, int64_t n) {
   for (; i < n; ++i) o[i] = static_cast<O>(p[i]);
 }
 
+// Where the kernels find each master: an fp32 tensor (with an optional half model copy written in the same pass), or a bf16
+// model param that is its own master, with its int16 low halves (split) or rounded stochastically (bf16_bits.h).
+struct MasterStore {
+  const std::vector<at::Tensor>& params;
+  const std::vector<at::Tensor>& out;        // the half model copy of fp32 masters, or empty
+  const std::vector<at::Tensor>& lows;       // split: the int16 low halves of bf16 params
+  const int64_t* seeds;                      // stochastic rounding: one seed per tensor (bf16 params without lows)
+  bool bf16() const { return !params.empty() && params[0].scalar_type() == at::kBFloat16; }
+};
+
+constexpr int64_t kBlock = 1024;              // elements of a bf16 master materialised in fp32 at a time (a multiple of kStep)
+
+// Run `update(p, begin, n)` on fp32 masters over each span of tensor `s.tensor`: on the master itself (then write the half
+// copy), or on a block-sized fp32 buffer joined from a bf16 master and split (or rounded) back after the update.
+template <typename Update>
+static void on_masters(const MasterStore& st, const Span& s, Update update) {
+  const int64_t t = s.tensor;
+  if (!st.bf16()) {
+    float* p = st.params[t].data_ptr<float>() + s.begin;
+    update(p, s.begin, s.end - s.begin);
+    if (!st.out.empty()) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_out", [&] {
+        copy_out(p, st.out[t].data_ptr<scalar_t>() + s.begin, s.end - s.begin);
+      });
+    }
+    return;
+  }
+  uint16_t* hi = reinterpret_cast<uint16_t*>(st.params[t].data_ptr<at::BFloat16>());
+  int16_t* lo = st.lows.empty() ? nullptr : st.lows[t].data_ptr<int16_t>();
+  const uint64_t seed = st.seeds ? (uint64_t)st.seeds[t] : 0;
+  float buf[kBlock];
+  for (int64_t b = s.begin; b < s.end; b += kBlock) {
+    const int64_t n = std::min(kBlock, s.end - b);
+    if (lo) for (int64_t i = 0; i < n; ++i) buf[i] = join_bf16(hi[b + i], lo[b + i]);
+    else for (int64_t i = 0; i < n; ++i) buf[i] = bits_float((uint32_t)hi[b + i] << 16);
+    update(buf, b, n);
+    if (lo) for (int64_t i = 0; i < n; ++i) split_bf16(buf[i], hi[b + i], lo[b + i]);
+    else for (int64_t i = 0; i < n; ++i) hi[b + i] = round_stochastic(buf[i], rounding_bits(seed, (uint64_t)(b + i)));
+  }
+}
+
+static const int64_t* seeds_of(const std::optional<at::Tensor>& seeds) {
+  return seeds.has_value() && seeds->defined() ? seeds->data_ptr<int64_t>() : nullptr;
+}
+
 // SGD on fp32 masters from (half) grads times `inv_scale`, as torch.optim.SGD computes it (L2 weight decay), or with
 // decoupled weight decay (`decoupled`: the param times 1 - lr*wd first, as fastai's SGD); writes the half model copy in the same pass. Does nothing when `found_inf` is set.
 void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                   const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-                  double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled) {
+                  double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled,
+                  const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
   require_cpu(params, "sgd_step");
   if (found_inf.item<bool>()) return;
   auto spans = spans_of(params);
+  const MasterStore store{params, out, lows, seeds_of(seeds)};
   const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening;
   const float wd = decoupled ? 0.0f : (float)weight_decay, decay = decoupled ? 1.0 - lr * weight_decay : 1.0f;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       const Span& s = spans[k];
-      float* p = params[s.tensor].data_ptr<float>() + s.begin;
-      float* m = !bufs.empty() ? bufs[s.tensor].data_ptr<float>() + s.begin : nullptr;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_sgd", [&] {
-        const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + s.begin;
-        int64_t i = 0;
-        const int64_t n = s.end - s.begin;
-        if constexpr (vectorizable<scalar_t>) {
-          const Vec visc(isc), vwd(wd), vmom(mom), vdamp(damp), vlr(flr), vdecay(decay);
-          for (; i + kStep <= n; i += kStep) {
-            Vec gv[2];
-            VecIO<scalar_t>::load(g + i, gv[0], gv[1]);
-            for (int h = 0; h < 2; ++h) {
-              float* ph = p + i + h * Vec::size();
-              Vec pv = Vec::loadu(ph), gi = gv[h] * visc;
-              if (wd != 0) gi = gi + vwd * pv;
-              if (m) {
-                float* mh = m + i + h * Vec::size();
-                Vec mv = first_run ? gi : Vec::loadu(mh) * vmom + vdamp * gi;
-                mv.store(mh);
-                gi = nesterov ? gi + vmom * mv : mv;
+        on_masters(store, s, [&](float* p, int64_t begin, int64_t n) {
+          const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + begin;
+          float* m = !bufs.empty() ? bufs[s.tensor].data_ptr<float>() + begin : nullptr;
+          int64_t i = 0;
+          if constexpr (vectorizable<scalar_t>) {
+            const Vec visc(isc), vwd(wd), vmom(mom), vdamp(damp), vlr(flr), vdecay(decay);
+            for (; i + kStep <= n; i += kStep) {
+              Vec gv[2];
+              VecIO<scalar_t>::load(g + i, gv[0], gv[1]);
+              for (int h = 0; h < 2; ++h) {
+                float* ph = p + i + h * Vec::size();
+                Vec pv = Vec::loadu(ph), gi = gv[h] * visc;
+                if (wd != 0) gi = gi + vwd * pv;
+                if (m) {
+                  float* mh = m + i + h * Vec::size();
+                  Vec mv = first_run ? gi : Vec::loadu(mh) * vmom + vdamp * gi;
+                  mv.store(mh);
+                  gi = nesterov ? gi + vmom * mv : mv;
+                }
+                if (decoupled) pv = pv * vdecay;
+                (pv - vlr * gi).store(ph);
               }
-              if (decoupled) pv = pv * vdecay;
-              (pv - vlr * gi).store(ph);
             }
           }
-        }
-        for (; i < n; ++i) {
-          float gi = static_cast<float>(g[i]) * isc;
-          if (wd != 0) gi = gi + wd * p[i];
-          if (m) {
-            m[i] = first_run ? gi : m[i] * mom + damp * gi;
-            gi = nesterov ? gi + mom * m[i] : m[i];
+          for (; i < n; ++i) {
+            float gi = static_cast<float>(g[i]) * isc;
+            if (wd != 0) gi = gi + wd * p[i];
+            if (m) {
+              m[i] = first_run ? gi : m[i] * mom + damp * gi;
+              gi = nesterov ? gi + mom * m[i] : m[i];
+            }
+            if (decoupled) p[i] = p[i] * decay;
+            p[i] = p[i] - flr * gi;
           }
-          if (decoupled) p[i] = p[i] * decay;
-          p[i] = p[i] - flr * gi;
-        }
-      });
-      if (!out.empty()) {
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out[s.tensor].scalar_type(), "mixedprec_sgd_out", [&] {
-          copy_out(p, out[s.tensor].data_ptr<scalar_t>() + s.begin, s.end - s.begin);
         });
-      }
+      });
     }
   });
 }
@@ -228,7 +271,7 @@ void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Te
 void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
                    const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
                    const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, bool decoupled) {
+                   double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
   require_cpu(params, "adam_step");
   if (found_inf.item<bool>()) return;
   std::vector<float> step_size(params.size()), bc2_sqrt(params.size());
@@ -238,52 +281,48 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
     bc2_sqrt[i] = std::sqrt(1.0 - std::pow(beta2, t));
   }
   auto spans = spans_of(params);
+  const MasterStore store{params, out, lows, seeds_of(seeds)};
   const float isc = inv_scale, b1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
   const float decay = decoupled ? 1.0 - lr * weight_decay : 1.0f, l2 = decoupled ? 0.0f : (float)weight_decay;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       const Span& s = spans[k];
-      float* p = params[s.tensor].data_ptr<float>() + s.begin;
-      float* m = exp_avgs[s.tensor].data_ptr<float>() + s.begin;
-      float* v = exp_avg_sqs[s.tensor].data_ptr<float>() + s.begin;
       const float ss = step_size[s.tensor], bc = bc2_sqrt[s.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_adam", [&] {
-        const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + s.begin;
-        int64_t i = 0;
-        const int64_t n = s.end - s.begin;
-        if constexpr (vectorizable<scalar_t>) {
-          const Vec visc(isc), vdecay(decay), vl2(l2), vb1(b1), vb2(b2), vomb2(omb2), vbc(bc), veps(fe), vss(ss);
-          for (; i + kStep <= n; i += kStep) {
-            Vec gv[2];
-            VecIO<scalar_t>::load(g + i, gv[0], gv[1]);
-            for (int h = 0; h < 2; ++h) {
-              const int64_t o = i + h * Vec::size();
-              Vec pv = Vec::loadu(p + o), mv = Vec::loadu(m + o), vv = Vec::loadu(v + o), gi = gv[h] * visc;
-              if (decoupled) pv = pv * vdecay;
-              else if (l2 != 0) gi = gi + vl2 * pv;
-              mv = mv + vb1 * (gi - mv);
-              vv = vv * vb2 + vomb2 * gi * gi;
-              Vec denom = vv.sqrt() / vbc + veps;
-              pv = pv - vss * (mv / denom);
-              pv.store(p + o); mv.store(m + o); vv.store(v + o);
+        on_masters(store, s, [&](float* p, int64_t begin, int64_t n) {
+          const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + begin;
+          float* m = exp_avgs[s.tensor].data_ptr<float>() + begin;
+          float* v = exp_avg_sqs[s.tensor].data_ptr<float>() + begin;
+          int64_t i = 0;
+          if constexpr (vectorizable<scalar_t>) {
+            const Vec visc(isc), vdecay(decay), vl2(l2), vb1(b1), vb2(b2), vomb2(omb2), vbc(bc), veps(fe), vss(ss);
+            for (; i + kStep <= n; i += kStep) {
+              Vec gv[2];
+              VecIO<scalar_t>::load(g + i, gv[0], gv[1]);
+              for (int h = 0; h < 2; ++h) {
+                const int64_t o = i + h * Vec::size();
+                Vec pv = Vec::loadu(p + o), mv = Vec::loadu(m + o), vv = Vec::loadu(v + o), gi = gv[h] * visc;
+                if (decoupled) pv = pv * vdecay;
+                else if (l2 != 0) gi = gi + vl2 * pv;
+                mv = mv + vb1 * (gi - mv);
+                vv = vv * vb2 + vomb2 * gi * gi;
+                Vec denom = vv.sqrt() / vbc + veps;
+                pv = pv - vss * (mv / denom);
+                pv.store(p + o); mv.store(m + o); vv.store(v + o);
+              }
             }
           }
-        }
-        for (; i < n; ++i) {
-          float gi = static_cast<float>(g[i]) * isc;
-          if (decoupled) p[i] = p[i] * decay;
-          else if (l2 != 0) gi = gi + l2 * p[i];
-          m[i] = m[i] + b1 * (gi - m[i]);
-          v[i] = v[i] * b2 + omb2 * gi * gi;
-          float denom = std::sqrt(v[i]) / bc + fe;
-          p[i] = p[i] - ss * (m[i] / denom);
-        }
-      });
-      if (!out.empty()) {
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out[s.tensor].scalar_type(), "mixedprec_adam_out", [&] {
-          copy_out(p, out[s.tensor].data_ptr<scalar_t>() + s.begin, s.end - s.begin);
+          for (; i < n; ++i) {
+            float gi = static_cast<float>(g[i]) * isc;
+            if (decoupled) p[i] = p[i] * decay;
+            else if (l2 != 0) gi = gi + l2 * p[i];
+            m[i] = m[i] + b1 * (gi - m[i]);
+            v[i] = v[i] * b2 + omb2 * gi * gi;
+            float denom = std::sqrt(v[i]) / bc + fe;
+            p[i] = p[i] - ss * (m[i] / denom);
+          }
         });
-      }
+      });
     }
   });
 }

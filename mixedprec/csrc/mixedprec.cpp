@@ -13,18 +13,20 @@ namespace mixedprec {
 at::Tensor scale_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
 at::Tensor scale_add_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
 std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>&);
-void sgd_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                  const at::Tensor&, double, double, double, double, double, bool, bool, bool);
-void adam_step_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                   const std::vector<at::Tensor>&, const at::Tensor&, const std::vector<at::Tensor>&, double, double, double, double, double, double, bool);
+using TV = std::vector<at::Tensor>;
+using Seeds = std::optional<at::Tensor>;
+void sgd_step_cpu(const TV&, const TV&, const TV&, const TV&, const at::Tensor&, double, double, double, double, double, bool, bool, bool,
+                  const TV&, const Seeds&);
+void adam_step_cpu(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
+                   double, bool, const TV&, const Seeds&);
 #ifdef WITH_CUDA
 at::Tensor scale_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 at::Tensor scale_add_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 std::vector<at::Tensor> l2norm_cuda(const std::vector<at::Tensor>&);
-void sgd_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                   const at::Tensor&, double, double, double, double, double, bool, bool, bool);
-void adam_step_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                    const std::vector<at::Tensor>&, const at::Tensor&, const std::vector<at::Tensor>&, double, double, double, double, double, double, bool);
+void sgd_step_cuda(const TV&, const TV&, const TV&, const TV&, const at::Tensor&, double, double, double, double, double, bool, bool, bool,
+                   const TV&, const Seeds&);
+void adam_step_cuda(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
+                    double, bool, const TV&, const Seeds&);
 #endif
 
 using TL = at::TensorList;
@@ -42,13 +44,36 @@ static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::
   }
 }
 
+// The masters are fp32 params (with an optional half copy `out`), or bf16 params that are their own masters: split, with
+// their int16 low halves in `lows`, or rounded stochastically with one int64 seed per param in `seeds` (bf16_bits.h).
 static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
-                             const std::vector<const std::vector<at::Tensor>*>& states, const std::vector<at::Tensor>& out, const char* op) {
+                             const std::vector<const std::vector<at::Tensor>*>& states, const std::vector<at::Tensor>& out,
+                             const std::vector<at::Tensor>& lows, const Seeds& seeds, const char* op) {
   check_pairs(grads, params, op);
   for (auto st : states) check_pairs(params, *st, op);          // state lists the step uses: as long as params
   if (!out.empty()) check_pairs(params, out, op);
-  for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK_VALUE(params[i].scalar_type() == at::kFloat, msg(op, ": the fused optimizer steps update fp32 master params, tensor ", i, " is ", params[i].scalar_type()));
+  const bool has_seeds = seeds.has_value() && seeds->defined();
+  const bool bf16 = !lows.empty() || has_seeds;
+  TORCH_CHECK_VALUE(lows.empty() || !has_seeds, msg(op, ": pass either the low halves of split masters or stochastic-rounding seeds, not both"));
+  TORCH_CHECK_VALUE(!bf16 || out.empty(), msg(op, ": bf16 params are their own masters: pass no half copy `out` with `lows` or `seeds`"));
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!bf16) {
+      TORCH_CHECK_VALUE(params[i].scalar_type() == at::kFloat, msg(op, ": the fused optimizer steps update fp32 master params, tensor ", i, " is ",
+                        params[i].scalar_type(), " (bf16 params need `lows` or `seeds`)"));
+    } else {
+      TORCH_CHECK_VALUE(params[i].scalar_type() == at::kBFloat16, msg(op, ": with `lows` or `seeds` the params are bf16, tensor ", i, " is ", params[i].scalar_type()));
+    }
+  }
+  if (!lows.empty()) {
+    TORCH_CHECK_VALUE(lows.size() == params.size(), msg(op, ": one low half per param, got ", lows.size(), " for ", params.size(), " params"));
+    for (size_t i = 0; i < lows.size(); ++i)
+      TORCH_CHECK_VALUE(lows[i].scalar_type() == at::kShort && lows[i].numel() == params[i].numel() && lows[i].strides() == params[i].strides(),
+                        msg(op, ": low half ", i, " must be an int16 tensor laid out as its param"));
+  }
+  if (has_seeds)
+    TORCH_CHECK_VALUE(seeds->scalar_type() == at::kLong && seeds->dim() == 1 && seeds->numel() == (int64_t)params.size() && seeds->is_contiguous() &&
+                      (params.empty() || seeds->device() == params[0].device()),
+                      msg(op, ": `seeds` must be a 1-d int64 tensor with one seed per param, on the params' device"));
   for (auto st : states)
     for (size_t i = 0; i < st->size(); ++i) TORCH_CHECK_VALUE((*st)[i].scalar_type() == at::kFloat, msg(op, ": optimizer state must be fp32 (tensor ", i, ")"));
 }
@@ -104,32 +129,35 @@ std::tuple<at::Tensor, at::Tensor> l2norm_op(TL ts_) {
 
 template <bool Cuda>
 void sgd_step_op(TL grads_, TL params_, TL bufs_, TL out_, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled) {
-  auto grads = grads_.vec(), params = params_.vec(), bufs = bufs_.vec(), out = out_.vec();
+                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled, TL lows_, const Seeds& seeds) {
+  auto grads = grads_.vec(), params = params_.vec(), bufs = bufs_.vec(), out = out_.vec(), lows = lows_.vec();
   check_step_pairs(grads, params, !bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
-                   out, "sgd_step_");
-  one_device({&grads, &params, &bufs, &out}, "sgd_step_", Cuda);
+                   out, lows, seeds, "sgd_step_");
+  one_device({&grads, &params, &bufs, &out, &lows}, "sgd_step_", Cuda);
 #ifdef WITH_CUDA
-  if constexpr (Cuda) return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled);
+  if constexpr (Cuda) return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run,
+                                           decoupled, lows, seeds);
 #endif
-  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled);
+  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled, lows, seeds);
 }
 
 template <bool Cuda>
 void adam_step_op(TL grads_, TL params_, TL exp_avgs_, TL exp_avg_sqs_, TL out_, const at::Tensor& found_inf, TL steps_, double inv_scale,
-                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled) {
+                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled, TL lows_, const Seeds& seeds) {
   auto grads = grads_.vec(), params = params_.vec(), exp_avgs = exp_avgs_.vec(), exp_avg_sqs = exp_avg_sqs_.vec(), out = out_.vec(), steps = steps_.vec();
-  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, "adam_step_");
+  auto lows = lows_.vec();
+  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, lows, seeds, "adam_step_");
   TORCH_CHECK_VALUE(steps.size() == params.size(), msg("adam_step_: one step count per param, got ", steps.size(), " for ", params.size(), " params"));
   for (size_t i = 0; i < steps.size(); ++i)
     TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == params[i].device(),
                       msg("adam_step_: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
                       "), got ", steps[i].scalar_type(), " on ", steps[i].device()));
-  one_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &out}, "adam_step_", Cuda);
+  one_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &out, &lows}, "adam_step_", Cuda);
 #ifdef WITH_CUDA
-  if constexpr (Cuda) return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
+  if constexpr (Cuda) return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay,
+                                            decoupled, lows, seeds);
 #endif
-  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled);
+  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, lows, seeds);
 }
 
 }  // namespace mixedprec
@@ -139,9 +167,10 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("scale_add_check_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor? scale_tensor=None) -> Tensor");
   m.def("l2norm(Tensor[] tensors) -> (Tensor, Tensor)");
   m.def("sgd_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor(c!)[] out, Tensor found_inf, float inv_scale, float lr, "
-        "float momentum, float dampening, float weight_decay, bool nesterov, bool first_run, bool decoupled) -> ()");
+        "float momentum, float dampening, float weight_decay, bool nesterov, bool first_run, bool decoupled, Tensor(d!)[] lows, Tensor? seeds) -> ()");
   m.def("adam_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] out, Tensor found_inf, "
-        "Tensor[] steps, float inv_scale, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
+        "Tensor[] steps, float inv_scale, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor(e!)[] lows, "
+        "Tensor? seeds) -> ()");
 }
 
 #define MIXEDPREC_IMPLS(KEY, CUDA)                                                  \
