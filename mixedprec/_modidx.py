@@ -276,6 +276,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master._concat_state': ('master.html#_concat_state', 'mixedprec/master.py'),
                                   'mixedprec.master._dense': ('master.html#_dense', 'mixedprec/master.py'),
                                   'mixedprec.master._like': ('master.html#_like', 'mixedprec/master.py'),
+                                  'mixedprec.master._mix': ('master.html#_mix', 'mixedprec/master.py'),
                                   'mixedprec.master._stand_in': ('master.html#_stand_in', 'mixedprec/master.py'),
                                   'mixedprec.master._state_stride': ('master.html#_state_stride', 'mixedprec/master.py'),
                                   'mixedprec.master.bf16_master': ('master.html#bf16_master', 'mixedprec/master.py'),

@@ -137,12 +137,14 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
     runs = {}
     for p in params:
         st = state[p]
+        like = bf16_of[id(p)].param if id(p) in bf16_of else p            # new state is laid out as the tensor the kernels step
+        zeros = lambda: torch.zeros_like(like, dtype=torch.float32)
         if kind == 'sgd':
             first = keep_buffer and st.get(names['buf']) is None
-            if first: st[names['buf']] = torch.zeros_like(p)
+            if first: st[names['buf']] = zeros()
             key = (first and dampening != 0, where(p), wd_of(p))   # from a zero buffer, only dampening makes the first step differ
         else:
-            if st.get(names['avg']) is None: st[names['avg']], st[names['sqr']] = torch.zeros_like(p), torch.zeros_like(p)
+            if st.get(names['avg']) is None: st[names['avg']], st[names['sqr']] = zeros(), zeros()
             _step_count(st, p)
             key = (False, where(p), wd_of(p))
         runs.setdefault(key, []).append(p)
@@ -164,8 +166,7 @@ def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Te
     for params, kw in plan.groups(opt):
         ps = [p for p in params if p.grad is not None]
         if ps: fused_group_step(plan.kind, ps, opt.state, masters._half_of, found_inf, names=plan.names, impl=impl, bf16_of=masters._bf16_of,
-                                seeds_for=masters.rounding_seeds, **kw)
-    if masters.store == 'none': masters.rounds += 1
+                                seeds_for=partial(masters.rounding_seeds, state=opt.state), **kw)
 
 # %% ../nbs/14_engine.ipynb #e000000f
 def _clip(group:list, max_norm:float) -> torch.Tensor:
@@ -299,7 +300,7 @@ class StepEngine:
         try: return own(closure) if closure is not None else own()
         finally:
             if restore is not None: restore()
-            self.masters.release()
+            self.masters.release(opt.state)
             self.masters.masters_to_model()
 
     def _check_scaled(self):

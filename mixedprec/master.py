@@ -49,8 +49,9 @@ class Bf16Master:
     def __repr__(self): return f"Bf16Master({self.kind}, {tuple(self.param.shape)})"
 
     def value(self) -> torch.Tensor:
-        "The master's fp32 value, as a new tensor"
-        return join_bf16_ref(self.param.detach(), self.low) if self.low is not None else self.param.detach().float()
+        "The master's fp32 value, as a new tensor laid out in memory as the param"
+        v = join_bf16_ref(self.param.detach(), self.low) if self.low is not None else self.param.detach().float()
+        return v if v.stride() == self.param.stride() else torch.empty_like(self.param, dtype=torch.float32).copy_(v)
 
     def set_(self, v:torch.Tensor):
         "Make `v` the master: split exactly into the param and its low half, or (without one) rounded to nearest into the param"
@@ -94,6 +95,15 @@ def store_master_(p:torch.Tensor, m:torch.Tensor, store:str):
     m.bf16_master.set_(value)
     m.data = _stand_in(p.shape, p.device)
 
+def _mix(*xs) -> int:
+    "A 63-bit hash of ints (splitmix64's finaliser over each), for rounding seeds"
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = ((h ^ (x % 2**64)) * 0xBF58476D1CE4E5B9) % 2**64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) % 2**64
+        h ^= h >> 31
+    return h % 2**63
+
 def _state_stride(states, m, p):
     "The memory layout of a bf16 master's low half, or of its optimizer state (what must follow its param's)"
     bm = bf16_master(m)
@@ -123,7 +133,7 @@ class MasterParams:
         if store not in STORES: raise ValueError(f"masters must be one of {STORES}, not {store!r}")
         if flat and store != 'fp32': raise ValueError(f"flat masters are fp32 tensors: masters={store!r} keeps one master per param, so pass flat=False")
         self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
-        self.rounding_seed, self.rounds = torch.initial_seed() % 2**62, 0     # stochastic rounding: the same seed and steps give the same weights
+        self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
         self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
         self._flat_of, self._stash, self._gradless = {}, {}, set()    # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
         for group in groups:
@@ -178,21 +188,26 @@ class MasterParams:
         store = f", masters={self.store!r}" if self.store != 'fp32' else ''
         return f"MasterParams({len(self.pairs)} half params, {len(self.own)} fp32 params, flat={self.flat}, {len(self.groups)} groups{store})"
 
-    def rounding_seeds(self, masters:list) -> list:
-        "This step's stochastic-rounding seed of each of `masters` (new every step, the same for the same seed and step count)"
-        base = (self.rounding_seed * 0x9E3779B97F4A7C15 + self.rounds * 0xBF58476D1CE4E5B9) % 2**63
-        return [(base + 0x632BE59BD9B4E019 * self._index_of[id(m)]) % 2**63 for m in masters]
+    def rounding_seeds(self, masters:list, state:dict) -> list:
+        "This step's stochastic-rounding seed of each of `masters`, counting its roundings in its optimizer `state` (so checkpoints carry the stream)"
+        res = []
+        for m in masters:
+            st = state[m]
+            if 'rounding_seed' not in st: st['rounding_seed'], st['rounding_step'] = _mix(self.rounding_seed, self._index_of[id(m)]), 0
+            res.append(_mix(st['rounding_seed'], st['rounding_step']))
+            st['rounding_step'] += 1
+        return res
 
     def materialize(self):
         "Give every master without an fp32 copy its fp32 value as data, for an optimizer's own step; `release` puts them back"
         self._materialized = [(s, m) for _, m, _ in self.pairs if (s := bf16_master(m)) is not None]
         for s, m in self._materialized: m.data = s.value()
 
-    def release(self):
-        "After `materialize` and a step: store each master again in its bf16 param (split exactly, or rounded stochastically with this step's seeds)"
+    def release(self, state:dict):
+        "After `materialize` and a step: store each master again in its bf16 param (split exactly, or rounded stochastically with this step's seeds, counted in `state`)"
         from mixedprec.ops import round_stochastic_ref
         live, self._materialized = getattr(self, '_materialized', []), []
-        seeds = iter(self.rounding_seeds([m for s, m in live if s.low is None]))
+        seeds = iter(self.rounding_seeds([m for s, m in live if s.low is None], state))
         for s, m in live:
             if s.low is not None: s.set_(m.data)
             else:

@@ -488,6 +488,7 @@ def _on_masters_ref(params, lows, seeds, found_inf, run):
 
 def _bf16_args(params, lows, seeds, g):
     "The `lows` and `seeds` arguments of one fused launch over the params at `g`"
+    if lows is not None and seeds is not None: raise ValueError("pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
     if seeds is None: return (_pick(lows, g) if lows is not None else []), None
     return [], torch.tensor([int(seeds[i]) for i in g], dtype=torch.int64).to(params[0].device)     # int64 seeds: the kernels read their bits as uint64
 

@@ -1,0 +1,351 @@
+"""bf16 masters without an fp32 copy (issue 19): 'split' (the bf16 weight plus an int16 low half: the exact fp32 master) and
+'none' (stochastic rounding), against fp32 masters, in the kernels and through the three front ends"""
+import copy, io, pickle
+import pytest, torch
+from torch import nn
+from mixedprec import ops, amp
+from mixedprec.ops import split_bf16_ref, join_bf16_ref, round_stochastic_ref, rounding_bits_ref, sgd_step_, adam_step_
+from mixedprec.master import MasterParams, master_value, bf16_master, check_store
+from mixedprec.convert import convert_model
+from mixedprec.engine import StepEngine, settings
+from mixedprec.scaler import LossScaler
+from mixedprec.fp16_optimizer import FP16_Optimizer
+from helpers import synth_learner, masters_of
+
+DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
+CHUNK = 1 << 16
+bits16 = lambda t: t.view(torch.int16)
+
+def nearest_ties_away(x):
+    "The bf16 nearest to fp32 `x`, ties away from zero, computed in float64 from the two bf16 neighbours"
+    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    down = ((u >> 16) << 16)
+    up = down + 0x10000
+    f = lambda v: torch.where(v >= 2**31, v - 2**32, v).to(torch.int32).view(torch.float32).double()
+    d_down, d_up = (x.double() - f(down)).abs(), (f(up) - x.double()).abs()
+    return torch.where(d_up <= d_down, f(up), f(down)).float().bfloat16()
+
+# ---- the bits ----
+
+def test_split_is_exact_and_its_weight_is_the_nearest_bf16_ties_away():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-60, 60, (200_000,), generator=g).float())
+    ties = (torch.randn(1000, generator=g).bfloat16().float().view(torch.int32) | 0x8000).view(torch.float32)   # low half exactly 0x8000
+    x = torch.cat([x, ties, torch.tensor([0., -0., 1e-45, -1e-45, 3e38, -3e38, float('inf'), -float('inf')])])
+    hi, lo = split_bf16_ref(x)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.int16 and hi.shape == lo.shape == x.shape
+    assert torch.equal(join_bf16_ref(hi, lo).view(torch.int32), x.view(torch.int32))
+    assert torch.equal(bits16(hi), bits16(nearest_ties_away(x)))
+    differs = bits16(hi) != bits16(x.bfloat16())                 # torch rounds ties to even: the only difference
+    assert differs.any() and ((x.view(torch.int32) & 0xFFFF) == 0x8000)[differs].all()
+    nan = torch.tensor([float('nan')])
+    assert torch.isnan(join_bf16_ref(*split_bf16_ref(nan))).all()
+
+def test_stochastic_rounding_is_unbiased_reproducible_and_lands_on_a_neighbour():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, generator=g) * 10
+    draws = torch.stack([round_stochastic_ref(x, seed).float() for seed in range(3000)])
+    down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)   # truncation, toward zero
+    up = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
+    assert ((draws == down) | (draws == up)).all()
+    ulp = (up - down).abs()
+    assert ((draws.mean(0) - x).abs() < 0.05 * ulp).all()       # the mean is the value; round-to-nearest is off by up to half an ulp
+    assert torch.equal(bits16(round_stochastic_ref(x, 5)), bits16(round_stochastic_ref(x, 5)))
+    assert not torch.equal(bits16(round_stochastic_ref(x, 5)), bits16(round_stochastic_ref(x, 6)))
+    exact = torch.randn(100, generator=g).bfloat16()
+    assert torch.equal(round_stochastic_ref(exact.float(), 3), exact)  # a bf16 value stays itself
+    special = torch.tensor([float('inf'), -float('inf'), float('nan')])
+    r = round_stochastic_ref(special, 0).float()
+    assert r[0] == float('inf') and r[1] == -float('inf') and torch.isnan(r[2])
+    bits = rounding_bits_ref(9, 1 << 16)
+    assert bits.min() >= 0 and bits.max() < 1 << 16 and abs(bits.float().mean().item() / 65535 - 0.5) < 0.01
+
+# ---- the kernels against the references ----
+
+SIZES = [1, 7, 1023, 1025, CHUNK + 3, 300]
+
+def _run_bf16(kind, mode, impl, device, steps=6, skip_at=2, momentum=0.9, nesterov=False, decoupled=False, wd=0.01, grad_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(3)
+    masters = [torch.randn(n, generator=g) for n in SIZES]
+    if mode == 'split':
+        params, lows = map(list, zip(*[split_bf16_ref(m) for m in masters]))
+        params, lows = [p.to(device) for p in params], [l.to(device) for l in lows]
+    else: params, lows = [m.bfloat16().to(device) for m in masters], None
+    st1, st2 = [torch.zeros(n, device=device) for n in SIZES], [torch.zeros(n, device=device) for n in SIZES]
+    step = [torch.zeros((), device=device) for _ in SIZES]
+    for i in range(steps):
+        grads = [(torch.randn(n, generator=g) * 8).to(grad_dtype).to(device) for n in SIZES]
+        kw = dict(lows=lows) if mode == 'split' else dict(seeds=[1000 * i + j for j in range(len(SIZES))])
+        flag = torch.tensor(i == skip_at, device=device)
+        if kind == 'adam': adam_step_(grads, params, st1, st2, [], flag, step, 0.125, 1e-2, weight_decay=wd, decoupled=decoupled, impl=impl, **kw)
+        else: sgd_step_(grads, params, st1, [], flag, 0.125, 1e-2, momentum, 0., wd, nesterov, first_run=i == 0, decoupled=decoupled, impl=impl, **kw)
+    return params, lows or [], st1, st2, step
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ['split', 'none'])
+@pytest.mark.parametrize("kind,kw", [('adam', {}), ('adam', dict(decoupled=True, wd=0.1)), ('sgd', {}), ('sgd', dict(nesterov=True)),
+                                     ('sgd', dict(momentum=0., decoupled=True)), ('adam', dict(grad_dtype=torch.float32))])
+def test_bf16_master_steps_match_their_reference_bit_for_bit(device, mode, kind, kw):
+    ref, fused = (_run_bf16(kind, mode, impl, device, **kw) for impl in ('ref', 'fused'))
+    for a, b in zip(ref, fused):
+        for x, y in zip(a, b):
+            assert torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x, y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
+
+@pytest.mark.parametrize("kind", ['adam', 'sgd'])
+def test_split_steps_equal_fp32_master_steps_bit_for_bit(kind):
+    params, lows, *_ = _run_bf16(kind, 'split', 'fused', 'cpu', steps=40, skip_at=7)
+    g = torch.Generator().manual_seed(3)
+    masters = [torch.randn(n, generator=g) for n in SIZES]
+    st1, st2, step, out = [torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES], [torch.zeros(()) for _ in SIZES], [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
+    for i in range(40):
+        grads = [(torch.randn(n, generator=g) * 8).bfloat16() for n in SIZES]
+        flag = torch.tensor(i == 7)
+        if kind == 'adam': adam_step_(grads, masters, st1, st2, out, flag, step, 0.125, 1e-2, weight_decay=0.01, decoupled=False, impl='fused')
+        else: sgd_step_(grads, masters, st1, out, flag, 0.125, 1e-2, 0.9, 0., 0.01, False, first_run=i == 0, impl='fused')
+    for p, l, m in zip(params, lows, masters): assert torch.equal(join_bf16_ref(p, l).view(torch.int32), m.view(torch.int32))
+
+def test_stochastic_rounding_does_not_depend_on_threads():
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1); one = _run_bf16('adam', 'none', 'fused', 'cpu')[0]
+        torch.set_num_threads(2); two = _run_bf16('adam', 'none', 'fused', 'cpu')[0]
+    finally: torch.set_num_threads(old)
+    for a, b in zip(one, two): assert torch.equal(bits16(a), bits16(b))
+
+def test_bad_bf16_master_input_says_what_to_do():
+    f, t = torch.tensor(False), lambda *s, **k: torch.zeros(*s, **k)
+    for impl in ('ref', 'fused'):
+        with pytest.raises(ValueError, match='bf16'): sgd_step_([t(3)], [t(3)], [], [], f, 1., 0.1, lows=[t(3, dtype=torch.int16)], impl=impl)
+        with pytest.raises(ValueError, match='no half copy'):
+            sgd_step_([t(3)], [t(3, dtype=torch.bfloat16)], [], [t(3, dtype=torch.bfloat16)], f, 1., 0.1, seeds=[1], impl=impl)
+        with pytest.raises(ValueError, match='not both'):
+            sgd_step_([t(3)], [t(3, dtype=torch.bfloat16)], [], [], f, 1., 0.1, lows=[t(3, dtype=torch.int16)], seeds=[1], impl=impl)
+        with pytest.raises(ValueError, match='int16'): sgd_step_([t(3)], [t(3, dtype=torch.bfloat16)], [], [], f, 1., 0.1, lows=[t(3)], impl=impl)
+        with pytest.raises(ValueError, match='bf16 params need'): sgd_step_([t(3)], [t(3, dtype=torch.bfloat16)], [], [], f, 1., 0.1, impl=impl)
+
+# ---- the step engine ----
+
+def digits_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 10))
+
+def digits(n=512, seed=0):
+    "scikit-learn's digits, scaled: a real task that ships with a package"
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x, y = torch.tensor(d.data[:n], dtype=torch.float32) / 16, torch.tensor(d.target[:n])
+    return x, y
+
+def _engine(store, opt_cls=torch.optim.AdamW, seed=0, impl=None, **opt_kw):
+    model = digits_mlp(seed)
+    conv = convert_model(model, torch.bfloat16)
+    opt = opt_cls(model.parameters(), lr=opt_kw.pop('lr', 3e-3), **opt_kw)
+    return model, StepEngine.wrap(opt, conv.masters, store=store, scaler=LossScaler(1., dynamic=False), impl=impl), conv
+
+@pytest.mark.parametrize("opt_cls,kw", [(torch.optim.AdamW, dict(weight_decay=0.01)), (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+                                        (torch.optim.RMSprop, dict(lr=1e-3))])    # RMSprop: the optimizer's own step
+def test_split_masters_equal_fp32_masters_given_the_same_grads_over_300_steps(opt_cls, kw):
+    # The split run trains the model; the fp32-master run gets the same grads each step (the forward sees the nearest bf16
+    # with ties away from zero in the split run, torch's ties-to-even in the fp32 one: they differ at exact ties only)
+    x, y = digits()
+    m_split, e_split, _ = _engine('split', opt_cls, **kw)
+    m_fp32, e_fp32, _ = _engine('fp32', opt_cls, **kw)
+    assert (e_split.plan is None) == (opt_cls is torch.optim.RMSprop)
+    for i in range(300):
+        idx = torch.arange(i * 32, i * 32 + 32) % len(x)
+        loss = nn.functional.cross_entropy(m_split(x[idx].bfloat16()).float(), y[idx])
+        e_split.scale(loss).backward()
+        for p, q in zip(m_split.parameters(), m_fp32.parameters()): q.grad = p.grad.clone()
+        e_fp32.fresh = False                                     # its grads were set by hand, not by a scaled backward
+        for e in (e_split, e_fp32): e.unscale(); e.step(); e.zero_grad()
+        if i % 50 == 49 or i == 299:
+            for a, b in zip(e_split.masters_state(), e_fp32.masters_state()): assert torch.equal(a.view(torch.int32), b.view(torch.int32)), i
+    for p, q in zip(m_split.parameters(), m_fp32.parameters()):
+        same = bits16(p.detach()) == bits16(q.detach())
+        assert same.float().mean() > 0.999                        # the weights differ only where the master sits on a tie
+
+def _train(store, steps=150, seed=0, opt_cls=torch.optim.AdamW, **kw):
+    x, y = digits()
+    model, e, conv = _engine(store, opt_cls, seed=seed, **kw)
+    torch.manual_seed(100 + seed)
+    for i in range(steps):
+        idx = torch.randint(0, len(x), (32,))
+        e.scale(nn.functional.cross_entropy(model(x[idx].bfloat16()).float(), y[idx])).backward()
+        e.unscale(); e.step(); e.zero_grad()
+    with torch.no_grad(): acc = (model(x.bfloat16()).float().argmax(1) == y).float().mean().item()
+    return model, e, acc
+
+def test_stochastic_rounding_is_reproducible_by_seed():
+    a, b, c = (_train('none', steps=40, seed=s)[0] for s in (0, 0, 1))
+    assert all(torch.equal(bits16(p.detach()), bits16(q.detach())) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(bits16(p.detach()), bits16(q.detach())) for p, q in zip(a.parameters(), c.parameters()))
+
+def test_every_mode_learns_digits_as_fp32_masters_do():
+    accs = {store: _train(store, steps=200)[2] for store in ('fp32', 'split', 'none')}
+    assert accs['fp32'] > 0.9
+    for store in ('split', 'none'): assert accs[store] > accs['fp32'] - 0.05, accs
+
+def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_split_or_stochastic_rounding():
+    # w starts at 256 (one bf16 ulp there is 2), the target is 250: each SGD step moves w by about 0.01, which rounds away
+    def run(store, steps=600):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.full((1000,), 256.))
+        model = nn.Module(); model.w = w
+        if store == 'plain':                                     # bf16 weights and no masters: O3, torch's own rounding
+            w.data = w.data.bfloat16()
+            opt = torch.optim.SGD([w], lr=1e-3)
+            for _ in range(steps):
+                w.grad = 2 * (w.detach() - 250); opt.step()
+            return w.detach().float().mean().item()
+        conv = convert_model(model, torch.bfloat16)
+        e = StepEngine.wrap(torch.optim.SGD([w], lr=1e-3), conv.masters, store=store, scaler=LossScaler(1., dynamic=False))
+        for _ in range(steps):
+            e.scale((w.float() - 250).pow(2).sum()).backward(); e.unscale(); e.step(); e.zero_grad()
+        return master_value(e.masters.pairs[0][1]).mean().item(), w.detach().float().mean().item()
+    assert run('plain') == 256.
+    fp32, _ = run('fp32')
+    assert 251.5 < fp32 < 252.5                                    # 6 * 0.998**600 = 1.8 from the target, as in fp32
+    master, weight = run('split')
+    assert master == fp32 and abs(weight - fp32) <= 1
+    master, weight = run('none')
+    assert abs(weight - fp32) < 0.1                               # on average over the 1000 weights
+
+def test_bf16_masters_keep_no_fp32_copy_of_the_weights():
+    model, e, conv = _engine('split')
+    for p, m, _ in e.masters.pairs:
+        assert m.untyped_storage().nbytes() == 4 and bf16_master(m).low.dtype == torch.int16 and bf16_master(m).param is p
+    model, e, conv = _engine('none')
+    assert all(m.untyped_storage().nbytes() == 4 and bf16_master(m).low is None for _, m, _ in e.masters.pairs)
+    x, y = digits()
+    e.scale(nn.functional.cross_entropy(model(x[:8].bfloat16()).float(), y[:8])).backward(); e.unscale(); e.step(); e.zero_grad()
+    assert all(m.grad is None for _, m, _ in e.masters.pairs)    # the fp32 grads live from the unscale to the step only
+    with pytest.raises(RuntimeError, match='more than one element'):
+        with torch.no_grad(): e.masters.pairs[0][1].add_(1)      # writing the stand-in raises instead of training nothing
+
+def test_wrong_settings_say_what_to_do():
+    with pytest.raises(ValueError, match="one of"): check_store('bf16', torch.bfloat16)
+    with pytest.raises(ValueError, match="fp16 needs fp32 masters"): check_store('split', torch.float16)
+    with pytest.raises(ValueError, match="flat_master=False"): check_store('none', torch.bfloat16, flat=True)
+    model = nn.Linear(3, 3).half()
+    with pytest.raises(ValueError, match="fp16 needs fp32 masters"): FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), masters='split', verbose=False)
+    with pytest.raises(ValueError, match="O2' or 'O3'"): amp.initialize(nn.Linear(3, 3), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1),
+                                                                   opt_level='O1', half_dtype='bf16', masters='split', verbosity=0)
+    learn = synth_learner()
+    with pytest.raises(ValueError, match="fp16 needs fp32 masters"): learn.to_fp16(masters='split')
+
+# ---- the three front ends ----
+
+@pytest.mark.parametrize("store", ['split', 'none'])
+def test_fastai_to_bf16_with_bf16_masters_trains_like_fp32_masters(store):
+    ref = synth_learner(); ref.to_bf16(); ref.fit(3, 1e-2)
+    learn = synth_learner(); learn.to_bf16(masters=store); learn.fit(3, 1e-2)
+    assert 'split' not in repr(ref.mixed_precision.masters) and f"masters={store!r}" in repr(learn.mixed_precision.masters)
+    assert learn.mixed_precision.engine.plan is not None           # fastai's Adam, fused
+    if store == 'split':
+        for a, b in zip(masters_of(ref), masters_of(learn)): torch.testing.assert_close(master_value(b), master_value(a), rtol=1e-2, atol=1e-2)
+    else: assert learn.validate()[0] < 1.5 * ref.validate()[0]     # rounding noise moves small weights; the fit is as good
+    assert len(learn.mixed_precision.history) == len(ref.mixed_precision.history) == 18
+    learn.to_fp32()                                                 # back to fp32 weights: the exact masters
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+
+def test_fastai_save_and_load_round_trip_split_masters_exactly_and_into_fp32(tmp_path):
+    learn = synth_learner(path=tmp_path); learn.to_bf16(masters='split'); learn.fit(2, 1e-2)
+    saved = [master_value(m).clone() for m in masters_of(learn)]
+    learn.save('split')
+    other = synth_learner(path=tmp_path, seed=7); other.to_bf16(masters='split'); other.fit(1, 1e-2)
+    other.load('split')
+    for a, b in zip(saved, masters_of(other)): assert torch.equal(a, master_value(b))
+    other.fit(1, 1e-2)                                              # and it trains on from there
+    plain = synth_learner(path=tmp_path, seed=7); plain.create_opt(); plain.load('split')
+    for a, p in zip(saved, plain.model.parameters()): assert torch.equal(a, p.detach())
+    fp32m = synth_learner(path=tmp_path, seed=7); fp32m.to_bf16(); fp32m.load('split')
+    for a, b in zip(saved, masters_of(fp32m)): assert torch.equal(a, master_value(b))
+
+def test_fastai_copies_keep_bf16_masters():
+    learn = synth_learner(); learn.to_bf16(masters='split'); learn.fit(1, 1e-2)
+    conv = learn.mixed_precision.conversion
+    saved = [master_value(m).clone() for m in conv.masters.values()]
+    clone = pickle.loads(pickle.dumps(conv))
+    for a, (p, m) in zip([v for v in saved], clone.masters.items()):
+        assert bf16_master(m) is not None and bf16_master(m).param is p
+    assert [torch.equal(a, master_value(m)) for a, m in zip(saved, clone.masters.values())].count(True) == len(clone.masters)
+
+@pytest.mark.parametrize("store", ['split', 'none'])
+def test_amp_o2_bf16_with_bf16_masters(store):
+    def run(masters):
+        model = digits_mlp(0); opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, opt = amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', masters=masters, verbosity=0)
+        x, y = digits()
+        torch.manual_seed(5)
+        for _ in range(60):
+            idx = torch.randint(0, len(x), (32,))
+            with amp.scale_loss(nn.functional.cross_entropy(model(x[idx]).float(), y[idx]), opt) as sl: sl.backward()
+            opt.step(); opt.zero_grad()
+        return model, opt
+    (m1, o1), (m2, o2) = run('fp32'), run(store)
+    assert opt_masters_store(o2) == store
+    for a, b in zip(o1._mixedprec_engine.masters_state(), o2._mixedprec_engine.masters_state()): torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+    sd = amp.state_dict()                                           # the masters of the last initialize, as fp32 values
+    assert all(t.dtype == torch.float32 for t in sd['masters'][0])
+    amp.load_state_dict(sd)
+    for a, b in zip(sd['masters'][0], o2._mixedprec_engine.masters_state()):
+        if store == 'split': assert torch.equal(a, b)
+        else: assert torch.equal(a.bfloat16().float(), b)          # without a low half, a loaded master is its nearest bf16
+
+def opt_masters_store(opt): return opt._mixedprec_engine.masters.store
+
+@pytest.mark.parametrize("store", ['split', 'none'])
+def test_fp16_optimizer_with_bf16_masters_round_trips_its_state_dict(store):
+    def make(seed=0):
+        model = digits_mlp(seed).bfloat16()
+        return model, FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), masters=store, verbose=False)
+    x, y = digits()
+    def train(model, opt, steps, start=0):
+        for i in range(start, start + steps):
+            idx = torch.arange(i * 16, i * 16 + 16) % len(x)
+            opt.backward(nn.functional.cross_entropy(model(x[idx].bfloat16()).float(), y[idx])); opt.step(); opt.zero_grad()
+    m1, o1 = make(); train(m1, o1, 30)
+    buf = io.BytesIO(); torch.save(o1.state_dict(), buf)
+    weights = [p.detach().clone() for p in m1.parameters()]
+    train(m1, o1, 20, 30)
+    m2, o2 = make(seed=3); buf.seek(0); o2.load_state_dict(torch.load(buf, weights_only=False))
+    for p, w in zip(m2.parameters(), weights): assert torch.equal(bits16(p.detach()), bits16(w))     # the load set the model's weights too
+    train(m2, o2, 20, 30)                                           # resumed: the same 20 steps give the same weights (SR's stream is in the state)
+    for a, b in zip(o1.engine.masters_state(), o2.engine.masters_state()): assert torch.equal(a, b)
+
+def test_split_masters_follow_channels_last():
+    from fastai.vision.all import Learner
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from torch.utils.data import TensorDataset
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3, 8, 8), torch.randint(0, 2, (64,))
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
+    def learner():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+        learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), cbs=[]); learn.logger = lambda *a, **k: None
+        learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
+        return learn
+    a = learner(); a.to_bf16(masters='split'); a.fit(1, 1e-2)
+    b = learner(); b.to_bf16(masters='split'); b.to_channelslast(); b.fit(1, 1e-2)
+    conv_w = b.model[0].weight
+    assert conv_w.is_contiguous(memory_format=torch.channels_last)
+    assert bf16_master(b.mixed_precision.conversion.masters[conv_w]).low.stride() == conv_w.stride()
+    for p, q in zip(masters_of(a), masters_of(b)): torch.testing.assert_close(master_value(p), master_value(q), rtol=2e-2, atol=2e-2)
+
+def test_overflow_diagnostics_are_the_same_in_every_mode():
+    names = {}
+    for store in ('fp32', 'split', 'none'):
+        model, e, _ = _engine(store)
+        e.scaler = LossScaler(2.**8, dynamic=True)
+        x, y = digits()
+        for i in range(3):
+            loss = nn.functional.cross_entropy(model(x[:16].bfloat16()).float(), y[:16])
+            e.scale(loss).backward()
+            if i == 1: model[0].weight.grad[0, 0] = float('inf')
+            e.unscale(); e.step(); e.zero_grad()
+        h = e.scaler.history
+        names[store] = ([r.skipped for r in h], [r.params for r in h], e.scaler.scale)
+    assert names['fp32'] == names['split'] == names['none']
+    assert names['fp32'][0] == [False, True, False]
