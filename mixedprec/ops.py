@@ -409,8 +409,8 @@ def rounding_bits_ref(seed:int, n:int, device=None) -> torch.Tensor:
     "The 16 random bits (as int64) that stochastic rounding adds to elements 0..n-1 of a tensor with rounding seed `seed`"
     seed = int(seed) & (2**64 - 1)
     idx = torch.arange(n, dtype=torch.int64, device=device)
-    x = _lowbias32((idx & _U32) ^ (seed & _U32))
-    return _lowbias32(x ^ (seed >> 32) ^ (idx >> 32)) & 0xFFFF
+    x = ((((idx & _U32) ^ (seed & _U32)) * 0x9e3779b9) + ((seed >> 32) ^ (idx >> 32))) & _U32
+    return _lowbias32(x) & 0xFFFF
 
 def round_stochastic_ref(x:torch.Tensor, seed:int) -> torch.Tensor:
     "fp32 `x` rounded to bf16 stochastically with the bits of `rounding_bits_ref(seed)`: unbiased, and the same for the same seed; inf and NaN kept"

@@ -56,9 +56,10 @@ MIXEDPREC_HD uint32_t lowbias32(uint32_t x) {
   return x;
 }
 
-// 16 random bits for element `index` of a tensor whose rounding seed is `seed`.
+// 16 random bits for element `index` of a tensor whose rounding seed is `seed`: one multiply by the golden ratio, then the
+// hash (one round of it: the step's cost stays that of an fp32-master step).
 MIXEDPREC_HD uint32_t rounding_bits(uint64_t seed, uint64_t index) {
-  return lowbias32(lowbias32((uint32_t)index ^ (uint32_t)seed) ^ (uint32_t)(seed >> 32) ^ (uint32_t)(index >> 32)) & 0xffffu;
+  return lowbias32(((uint32_t)index ^ (uint32_t)seed) * 0x9e3779b9u + ((uint32_t)(seed >> 32) ^ (uint32_t)(index >> 32))) & 0xffffu;
 }
 
 // x rounded to bf16 (raw bits) stochastically with the 16 random bits `r`; inf stays inf and NaN stays NaN.

@@ -1,0 +1,220 @@
+"""bf16 training with fp32 masters, split masters ("16+16") and stochastic rounding (no masters): memory, step time and
+accuracy, side by side in one run. Prints markdown tables (the README's and nbs/03_bf16_masters.ipynb's).
+
+    python bench/bf16_masters.py memory   [--layers 8 --width 1024]    # bytes per param and peak memory of a training step (~100M params)
+    python bench/bf16_masters.py speed    [--threads 1,2]              # the fused AdamW step alone, ~100M params
+    python bench/bf16_masters.py accuracy [--seeds 3]                  # digits CNN and a transformer on a synthetic task
+
+Memory is the process's peak resident set (VmHWM, reset after setup) on the CPU, or torch.cuda.max_memory_allocated on a GPU;
+each configuration runs in its own process, with glibc returning freed blocks at once (MALLOC_MMAP_THRESHOLD_).
+"""
+import argparse, json, os, statistics, subprocess, sys, time
+import torch
+from torch import nn
+
+CONFIGS = {                                  # name -> (amp opt_level, masters) or None for plain fp32
+    'fp32 (no mixed precision)': None,
+    'bf16, fp32 masters (O2)': ('O2', 'fp32'),
+    "bf16, split masters (masters='split')": ('O2', 'split'),
+    "bf16, stochastic rounding (masters='none')": ('O2', 'none'),
+    'bf16, no masters (O3, round to nearest)': ('O3', 'fp32'),
+}
+
+def cpu_name() -> str:
+    "The CPU's model name and its bf16 units"
+    try: name = next(l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name'))
+    except (OSError, StopIteration): name = 'unknown CPU'
+    flags = open('/proc/cpuinfo').read()
+    units = [f for f in ('avx512_bf16', 'amx_bf16', 'avx512_fp16', 'amx_fp16') if f in flags]
+    return f"{name} ({', '.join(units) or 'no bf16 units'}), {torch.get_num_threads()} threads"
+
+def transformer(layers, width, vocab=1000):
+    "A pre-norm transformer encoder language model: about 12*width**2 params per layer"
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, width)
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(width, width // 64, 4 * width, dropout=0., batch_first=True, norm_first=True), layers,
+                                             enable_nested_tensor=False)
+            self.head = nn.Linear(width, vocab)
+        def forward(self, ids): return self.head(self.enc(self.emb(ids)))
+    return LM()
+
+def _unique_bytes(tensors) -> int:
+    seen, n = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() in seen: continue
+        seen.add(s.data_ptr()); n += s.nbytes()
+    return n
+
+def persistent_bytes(model, opt) -> dict:
+    "Bytes held between steps: the model's weights, the masters (fp32, or int16 low halves), the optimizer state, grad buffers"
+    from mixedprec.master import bf16_master
+    params = list(model.parameters())
+    e = getattr(opt, '_mixedprec_engine', None)
+    masters, grads = [], [p.grad for p in params if p.grad is not None]
+    if e is not None:
+        for p, m, g in e.masters.pairs:
+            bm = bf16_master(m)
+            masters.append(bm.low if bm is not None and bm.low is not None else m if bm is None else torch.empty(0))
+            if g is not None: grads.append(g)
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return dict(weights=_unique_bytes(params), masters=_unique_bytes(masters), state=_unique_bytes(state), grads=_unique_bytes(grads))
+
+def _vm(key) -> float:
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(key)) / 1024
+
+def memory_worker(config, layers, width, steps, bs, seq):
+    from mixedprec import amp
+    torch.manual_seed(0)
+    model = transformer(layers, width)
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    how = CONFIGS[config]
+    if how is not None: model, opt = amp.initialize(model, opt, opt_level=how[0], half_dtype='bf16', masters=how[1], verbosity=0)
+    ids = torch.randint(0, 1000, (bs, seq))
+    def step():
+        loss = nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+        if how is None: loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as sl: sl.backward()
+        opt.step(); opt.zero_grad()
+    step()                                                       # the state exists from here
+    held = persistent_bytes(model, opt)
+    if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats()
+    with open('/proc/self/clear_refs', 'w') as f: f.write('5')   # the peak resident set restarts from here
+    before, times = _vm('VmRSS'), []
+    for _ in range(steps):
+        t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
+    peak = _vm('VmHWM')
+    return dict(config=config, params=n, **{k: v / n for k, v in held.items()}, rss_before=before, peak=peak, step=statistics.median(times))
+
+def memory(a):
+    rows = []
+    env = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '131072'}
+    for config in CONFIGS:
+        out = subprocess.run([sys.executable, __file__, '_memory_worker', config, str(a.layers), str(a.width), str(a.steps), str(a.bs), str(a.seq)],
+                             capture_output=True, text=True, env=env)
+        if out.returncode: print(out.stderr[-3000:], file=sys.stderr); raise SystemExit(f"{config} failed")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = rows[1]
+    print(f"\ntransformer LM, {a.layers} layers, width {a.width}: {rows[0]['params'] / 1e6:.0f}M params; batch {a.bs} x {a.seq} tokens; AdamW; "
+          f"torch {torch.__version__}; {cpu_name()}\n")
+    print("| configuration | weights | masters | optimizer state | grads kept | bytes/param in all | peak memory of a step | step time vs fp32 masters |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        total = r['weights'] + r['masters'] + r['state'] + r['grads']
+        print(f"| {r['config']} | {r['weights']:.1f} | {r['masters']:.1f} | {r['state']:.1f} | {r['grads']:.1f} | {total:.1f} | "
+              f"{r['peak'] / 1024:.2f} GiB | {r['step'] / base['step']:.2f}x |")
+    print(f"\n(bytes per param; 'grads kept' are buffers held from one step to the next; peak = resident set during {a.steps} steps, "
+          f"including about {rows[0]['rss_before'] / 1024 - (rows[0]['weights'] + rows[0]['state']) * rows[0]['params'] / 2**30:.1f} GiB of Python, torch and data)")
+
+def speed(a):
+    from mixedprec import ops
+    shapes = [(4096, 4096)] * 5 + [(4096,)] * 5 + [(1024, 1024)] * 15
+    g = [torch.randn(s).float() * 1e-3 for s in shapes]
+    print(f"\nthe fused AdamW step alone (unscaled fp32 grads in, as the engine passes them), {sum(t.numel() for t in g) / 1e6:.0f}M params in {len(shapes)} "
+          f"tensors; best of {a.repeat}; torch {torch.__version__}; {cpu_name().rsplit(',', 1)[0]}\n")
+    print("| threads | fp32 masters + bf16 copy | split (bf16 + int16) | stochastic rounding (bf16) |")
+    print("|---|---|---|---|")
+    flag = torch.zeros((), dtype=torch.bool)
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        res = {}
+        for mode in ('fp32', 'split', 'none'):
+            torch.manual_seed(0)
+            m = [torch.randn(s) for s in shapes]
+            st = [[torch.zeros(s) for s in shapes] for _ in range(2)]
+            steps = [torch.zeros(()) for _ in shapes]
+            if mode == 'fp32': params, kw, out = m, {}, [t.bfloat16() for t in m]
+            elif mode == 'split':
+                params, lows = map(list, zip(*[ops.split_bf16_ref(t) for t in m])); kw, out = dict(lows=lows), []
+            else: params, kw, out = [t.bfloat16() for t in m], dict(seeds=list(range(len(shapes)))), []
+            def run(): ops.adam_step_(g, params, st[0], st[1], out, flag, steps, 1., 1e-4, weight_decay=0.01, impl='fused', **kw)
+            run()
+            best = float('inf')
+            for _ in range(a.repeat):
+                t = time.perf_counter(); run(); best = min(best, time.perf_counter() - t)
+            res[mode] = best
+        print(f"| {threads} | 1.00 ({res['fp32'] * 1e3:.0f} ms) | {res['split'] / res['fp32']:.2f} | {res['none'] / res['fp32']:.2f} |")
+
+def digits_data():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x, y = torch.tensor(d.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16, torch.tensor(d.target)
+    idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return (x[idx[:1400]], y[idx[:1400]]), (x[idx[1400:]], y[idx[1400:]])
+
+def digits_cnn():
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(256, 10))
+
+def sort_data(n, seq=16, vocab=32, seed=0):
+    "The synthetic text task: read a sequence of tokens, write it sorted"
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n, seq), generator=g)
+    return x, x.sort(1).values
+
+def sort_model(vocab=32, width=128, seq=16):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos = nn.Embedding(vocab, width), nn.Parameter(torch.randn(seq, width) * 0.02)
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0., batch_first=True, norm_first=True), 3,
+                                             enable_nested_tensor=False)
+            self.head = nn.Linear(width, vocab)
+        def forward(self, x): return self.head(self.enc(self.emb(x) + self.pos.to(self.emb.weight.dtype)))
+    return M()
+
+def train_task(task, config, seed, epochs):
+    from mixedprec import amp
+    torch.manual_seed(seed)
+    if task == 'digits CNN':
+        (xt, yt), (xv, yv) = digits_data()
+        model, lr, bs, flat = digits_cnn(), 2e-3, 64, False
+    else:
+        (xt, yt), (xv, yv) = sort_data(4096, seed=0), sort_data(512, seed=1)
+        model, lr, bs, flat = sort_model(), 1e-3, 64, True
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    how = CONFIGS[config]
+    if how is not None: model, opt = amp.initialize(model, opt, opt_level=how[0], half_dtype='bf16', masters=how[1], verbosity=0)
+    loss_of = lambda out, y: nn.functional.cross_entropy(out.float().flatten(0, 1) if flat else out.float(), y.flatten() if flat else y)
+    for ep in range(epochs):
+        model.train()
+        for idx in torch.randperm(len(xt), generator=torch.Generator().manual_seed(seed * 1000 + ep)).split(bs):
+            loss = loss_of(model(xt[idx]), yt[idx])
+            if how is None: loss.backward()
+            else:
+                with amp.scale_loss(loss, opt) as sl: sl.backward()
+            opt.step(); opt.zero_grad()
+    model.eval()
+    with torch.no_grad(): pred = model(xv).float().argmax(-1)
+    return (pred == yv).float().mean().item()
+
+def accuracy(a):
+    tasks = {'digits CNN': a.epochs_digits, 'transformer, sort 16 tokens': a.epochs_sort}
+    print(f"\nvalidation accuracy, mean and spread (min-max) over seeds {list(range(a.seeds))}; AdamW; torch {torch.__version__}; {cpu_name()}\n")
+    print(f"| configuration | {' | '.join(f'{t} ({e} epochs)' for t, e in tasks.items())} |")
+    print(f"|---|{'---|' * len(tasks)}")
+    from mixedprec import amp
+    for config in CONFIGS:
+        cells = []
+        for task, epochs in tasks.items():
+            accs = [train_task(task, config, s, epochs) for s in range(a.seeds)]
+            cells.append(f"{100 * statistics.mean(accs):.1f}% ({100 * min(accs):.1f}-{100 * max(accs):.1f})")
+        print(f"| {config} | {' | '.join(cells)} |", flush=True)
+
+if __name__ == '__main__':
+    if len(sys.argv) > 1 and sys.argv[1] == '_memory_worker':
+        c, layers, width, steps, bs, seq = sys.argv[2:]
+        print(json.dumps(memory_worker(c, int(layers), int(width), int(steps), int(bs), int(seq))))
+        raise SystemExit
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('what', choices=['memory', 'speed', 'accuracy'])
+    ap.add_argument('--layers', type=int, default=8); ap.add_argument('--width', type=int, default=1024)
+    ap.add_argument('--steps', type=int, default=3); ap.add_argument('--bs', type=int, default=4); ap.add_argument('--seq', type=int, default=64)
+    ap.add_argument('--repeat', type=int, default=5); ap.add_argument('--threads', type=lambda s: [int(x) for x in s.split(',')], default=[1, 2])
+    ap.add_argument('--seeds', type=int, default=3); ap.add_argument('--epochs-digits', type=int, default=8); ap.add_argument('--epochs-sort', type=int, default=15)
+    a = ap.parse_args()
+    {'memory': memory, 'speed': speed, 'accuracy': accuracy}[a.what](a)
