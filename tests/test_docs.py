@@ -18,7 +18,7 @@ def test_index_holds_the_readmes_quick_start_and_usage():
             assert part.strip() in md, f"nbs/index.ipynb lacks this part of the README's {title!r} section:\n{part[:300]}"
 
 def test_the_user_chapters_keep_their_outputs():
-    for p in [ROOT / 'nbs' / f for f in ('index.ipynb', '01_recipes.ipynb', '02_when_things_go_wrong.ipynb')]:
+    for p in [ROOT / 'nbs' / f for f in ('index.ipynb', '01_recipes.ipynb', '02_when_things_go_wrong.ipynb', '03_bf16_masters.ipynb')]:
         cells = [c for c in json.loads(p.read_text())['cells'] if c['cell_type'] == 'code' and not ''.join(c['source']).lstrip().startswith('#|')]
         shown = [c for c in cells if c.get('outputs')]
         assert shown or not cells, f"{p.name}: no code cell keeps its output; run .ci/run_notebooks.py {p.relative_to(ROOT)}"
