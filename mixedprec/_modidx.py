@@ -282,6 +282,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master.bf16_master': ('master.html#bf16_master', 'mixedprec/master.py'),
                                   'mixedprec.master.check_store': ('master.html#check_store', 'mixedprec/master.py'),
                                   'mixedprec.master.clip_grads_': ('master.html#clip_grads_', 'mixedprec/master.py'),
+                                  'mixedprec.master.load_master_': ('master.html#load_master_', 'mixedprec/master.py'),
                                   'mixedprec.master.master_value': ('master.html#master_value', 'mixedprec/master.py'),
                                   'mixedprec.master.set_master_': ('master.html#set_master_', 'mixedprec/master.py'),
                                   'mixedprec.master.store_master_': ('master.html#store_master_', 'mixedprec/master.py')},

@@ -22,7 +22,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note
-from .master import MasterParams, check_store, master_value, set_master_, bf16_master
+from .master import MasterParams, check_store, master_value, load_master_
 from .engine import StepEngine, steps_to_ints
 from .ops import warn_once
 
@@ -288,8 +288,7 @@ class MixedPrecision(Callback):
         with torch.no_grad():
             for p, m in zip(params, saved):
                 if m is None or p not in masters: continue
-                set_master_(masters[p], m.view_as(p))
-                if bf16_master(masters[p]) is None: p.copy_(m.view_as(p))
+                load_master_(p, masters[p], m.view_as(p))
         return self
 
 # %% ../nbs/15_callback.ipynb #ae1c62a9

@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
-from .master import MasterParams, clip_grads_, master_value, set_master_, bf16_master
+from .master import MasterParams, clip_grads_, master_value, load_master_
 from .convert import masters_for
 from .distributed import agree
 
@@ -370,8 +370,7 @@ class StepEngine:
         "Copy checked masters (`check_masters`) into the masters and, rounded, into the half params"
         with torch.no_grad():
             for (p, m, _), v in zip(self.masters.pairs, saved):
-                set_master_(m, v)
-                if bf16_master(m) is None: p.copy_(v.reshape(p.shape))      # an fp32 master: round into the param (a bf16 master is the param)
+                load_master_(p, m, v)
 
     def check_optimizer_state(self, opt_sd:dict, what:str='the state_dict'):
         "Raise, naming the first misfit, unless a torch optimizer state dict fits this optimizer's masters"

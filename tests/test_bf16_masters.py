@@ -376,3 +376,13 @@ def test_split_masters_train_a_transformer_exactly_as_fp32_masters_with_the_same
     (l1, m1), (l2, m2) = run('fp32'), run('split')
     assert l1 == l2 and l2[-1] < l2[0] * 0.8
     for a, b in zip(m1, m2): assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+def test_stochastic_rounding_under_an_optimizers_own_step_is_reproducible_and_learns():
+    def run(seed):
+        model, e, acc = _train('none', steps=60, seed=seed, opt_cls=torch.optim.RMSprop, lr=1e-3)
+        assert e.plan is None                                    # RMSprop: its own step, on fp32 masters made for the step
+        assert all(m.untyped_storage().nbytes() == 4 for _, m, _ in e.masters.pairs)
+        return model, acc
+    (a, acc), (b, _) = run(0), run(0)
+    assert acc > 0.8
+    assert all(torch.equal(bits16(p.detach()), bits16(q.detach())) for p, q in zip(a.parameters(), b.parameters()))
