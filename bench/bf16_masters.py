@@ -68,12 +68,13 @@ def _vm(key) -> float:
 def memory_worker(config, layers, width, steps, bs, seq):
     from mixedprec import amp
     torch.manual_seed(0)
-    model = transformer(layers, width)
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    model = transformer(layers, width).to(device)
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     how = CONFIGS[config]
     if how is not None: model, opt = amp.initialize(model, opt, opt_level=how[0], half_dtype='bf16', masters=how[1], verbosity=0)
-    ids = torch.randint(0, 1000, (bs, seq))
+    ids = torch.randint(0, 1000, (bs, seq), device=device)
     def step():
         loss = nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
         if how is None: loss.backward()
@@ -82,12 +83,14 @@ def memory_worker(config, layers, width, steps, bs, seq):
         opt.step(); opt.zero_grad()
     step()                                                       # the state exists from here
     held = persistent_bytes(model, opt)
-    if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats()
+    if device == 'cuda': torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     with open('/proc/self/clear_refs', 'w') as f: f.write('5')   # the peak resident set restarts from here
     before, times = _vm('VmRSS'), []
     for _ in range(steps):
-        t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
-    peak = _vm('VmHWM')
+        t = time.perf_counter(); step()
+        if device == 'cuda': torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == 'cuda' else _vm('VmHWM')
     return dict(config=config, params=n, **{k: v / n for k, v in held.items()}, rss_before=before, peak=peak, step=statistics.median(times))
 
 def memory(a):
@@ -99,8 +102,9 @@ def memory(a):
         if out.returncode: print(out.stderr[-3000:], file=sys.stderr); raise SystemExit(f"{config} failed")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = rows[1]
+    where = f"GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else cpu_name()
     print(f"\ntransformer LM, {a.layers} layers, width {a.width}: {rows[0]['params'] / 1e6:.0f}M params; batch {a.bs} x {a.seq} tokens; AdamW; "
-          f"torch {torch.__version__}; {cpu_name()}\n")
+          f"torch {torch.__version__}; {where}\n")
     print("| configuration | weights | masters | optimizer state | grads kept | bytes/param in all | peak memory of a step | step time vs fp32 masters |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

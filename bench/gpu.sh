@@ -18,8 +18,9 @@ step "build" $PYTHON -c "
 import time, torch; from mixedprec import ops
 t = time.time(); ext = ops.build_extension(cuda=True)
 print(f'torch {torch.__version__}, {torch.cuda.get_device_name()}: CUDA kernels built or loaded in {time.time() - t:.0f}s, has_cuda={ext.has_cuda()}')"
-step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py -k cuda -q -p no:cacheprovider -rfE --tb=short
+step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py tests/test_custom_ops.py tests/test_bf16_masters.py -k cuda -q -p no:cacheprovider -rfE --tb=short
 step "kernel benchmark" $PYTHON bench/kernels.py --device cuda --repeat 10
+step "bf16 masters memory" $PYTHON bench/bf16_masters.py memory
 step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 60 --max-seconds 10 --sync-sites \
     --configs "fp32,mixedprec fp16,fastai fp16,mixedprec bf16,fastai bf16,torch fp32,mixedprec amp O2 fp16,torch amp fp16"
 if [ "${PROFILE:-0}" = 1 ]; then    # PROFILE=1: where the device time goes in the fastai loop, mixedprec's bf16 against fastai's
