@@ -312,7 +312,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.ops._groups': ('ops.html#_groups', 'mixedprec/ops.py'),
                                'mixedprec.ops._launches': ('ops.html#_launches', 'mixedprec/ops.py'),
                                'mixedprec.ops._load_built': ('ops.html#_load_built', 'mixedprec/ops.py'),
-                               'mixedprec.ops._lowbias32': ('ops.html#_lowbias32', 'mixedprec/ops.py'),
                                'mixedprec.ops._on_masters_ref': ('ops.html#_on_masters_ref', 'mixedprec/ops.py'),
                                'mixedprec.ops._openmp_flags': ('ops.html#_openmp_flags', 'mixedprec/ops.py'),
                                'mixedprec.ops._pick': ('ops.html#_pick', 'mixedprec/ops.py'),

@@ -399,18 +399,13 @@ def join_bf16_ref(hi:torch.Tensor, lo:torch.Tensor) -> torch.Tensor:
     u = ((hi.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + lo.contiguous().to(torch.int64)
     return _float(u).reshape(hi.shape)
 
-def _lowbias32(x):
-    "Wellons' 32-bit integer hash on non-negative int64 holding 32 bits"
-    x = x ^ (x >> 16); x = (x * 0x7feb352d) & _U32
-    x = x ^ (x >> 15); x = (x * 0x846ca68b) & _U32
-    return x ^ (x >> 16)
-
 def rounding_bits_ref(seed:int, n:int, device=None) -> torch.Tensor:
     "The 16 random bits (as int64) that stochastic rounding adds to elements 0..n-1 of a tensor with rounding seed `seed`"
     seed = int(seed) & (2**64 - 1)
     idx = torch.arange(n, dtype=torch.int64, device=device)
     x = ((((idx & _U32) ^ (seed & _U32)) * 0x9e3779b9) + ((seed >> 32) ^ (idx >> 32))) & _U32
-    return _lowbias32(x) & 0xFFFF
+    x = ((x ^ (x >> 15)) * 0x2c1b3c6d) & _U32
+    return x >> 16
 
 def round_stochastic_ref(x:torch.Tensor, seed:int) -> torch.Tensor:
     "fp32 `x` rounded to bf16 stochastically with the bits of `rounding_bits_ref(seed)`: unbiased, and the same for the same seed; inf and NaN kept"

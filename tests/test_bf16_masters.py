@@ -208,7 +208,7 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
     master, weight = run('split')
     assert master == fp32 and abs(weight - fp32) <= 1
     master, weight = run('none')
-    assert abs(weight - fp32) < 0.1                               # on average over the 1000 weights
+    assert abs(weight - fp32) < 0.2      # the mean of 1000 weights: its rounding noise has a std of about 0.05 (6 seeds: -0.11 to +0.03)
 
 def test_bf16_masters_keep_no_fp32_copy_of_the_weights():
     model, e, conv = _engine('split')

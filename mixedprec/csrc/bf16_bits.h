@@ -50,16 +50,16 @@ MIXEDPREC_HD void split_bf16(float x, uint16_t& hi, int16_t& lo) {
   lo = (int16_t)(int32_t)(u - (h << 16));
 }
 
-// A 32-bit integer hash (Wellons' "lowbias32"): good avalanche for counters.
-MIXEDPREC_HD uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
-  return x;
+// The high 16 bits of a multiply-xorshift-multiply mix of x (two multiplies in all with the caller's: the step costs what
+// an fp32-master step costs; the high bits of a product depend on every bit below them).
+MIXEDPREC_HD uint32_t rounding_mix(uint32_t x) {
+  x ^= x >> 15; x *= 0x2c1b3c6du;
+  return x >> 16;
 }
 
-// 16 random bits for element `index` of a tensor whose rounding seed is `seed`: one multiply by the golden ratio, then the
-// hash (one round of it: the step's cost stays that of an fp32-master step).
+// 16 random bits for element `index` of a tensor whose rounding seed is `seed`.
 MIXEDPREC_HD uint32_t rounding_bits(uint64_t seed, uint64_t index) {
-  return lowbias32(((uint32_t)index ^ (uint32_t)seed) * 0x9e3779b9u + ((uint32_t)(seed >> 32) ^ (uint32_t)(index >> 32))) & 0xffffu;
+  return rounding_mix(((uint32_t)index ^ (uint32_t)seed) * 0x9e3779b9u + ((uint32_t)(seed >> 32) ^ (uint32_t)(index >> 32)));
 }
 
 // x rounded to bf16 (raw bits) stochastically with the 16 random bits `r`; inf stays inf and NaN stays NaN.

@@ -183,7 +183,7 @@ constexpr int64_t kBlock = 1024;              // elements of a bf16 master mater
 static void round_block_stochastic(const float* __restrict buf, uint16_t* __restrict out, int64_t n, uint64_t seed, uint64_t first) {
   const uint32_t s_lo = (uint32_t)seed, s_hi = (uint32_t)(seed >> 32) ^ (uint32_t)(first >> 32), base = (uint32_t)first;
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t r = lowbias32(((base + (uint32_t)i) ^ s_lo) * 0x9e3779b9u + s_hi) & 0xffffu;
+    const uint32_t r = rounding_mix(((base + (uint32_t)i) ^ s_lo) * 0x9e3779b9u + s_hi);
     const uint32_t u = float_bits(buf[i]);
     const bool special = (u & 0x7f800000u) == 0x7f800000u;
     const uint32_t kept = (u >> 16) | ((u & 0x007fffffu) ? 0x0040u : 0u);
