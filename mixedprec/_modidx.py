@@ -297,6 +297,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.ops.Kernels.sgd_step': ('ops.html#kernels.sgd_step', 'mixedprec/ops.py'),
                                'mixedprec.ops._advance': ('ops.html#_advance', 'mixedprec/ops.py'),
                                'mixedprec.ops._bf16_args': ('ops.html#_bf16_args', 'mixedprec/ops.py'),
+                               'mixedprec.ops._bf16_lists': ('ops.html#_bf16_lists', 'mixedprec/ops.py'),
                                'mixedprec.ops._bits': ('ops.html#_bits', 'mixedprec/ops.py'),
                                'mixedprec.ops._build_env': ('ops.html#_build_env', 'mixedprec/ops.py'),
                                'mixedprec.ops._build_in': ('ops.html#_build_in', 'mixedprec/ops.py'),

@@ -458,7 +458,6 @@ def _step_lists(grads, params, states, out):
 
 def _check_ref_step(grads, params, states, out, lows=None, seeds=None):
     "The checks the kernels make, for the reference steps"
-    if lows is not None and seeds is not None: raise ValueError("pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
     if lows is None and seeds is None:
         if any(p.dtype != torch.float32 for p in params): raise ValueError("the fused optimizer steps update fp32 master params (bf16 params need `lows` or `seeds`)")
     else:
@@ -481,9 +480,13 @@ def _on_masters_ref(params, lows, seeds, found_inf, run):
             if lows is not None: hi, lo = split_bf16_ref(m); p.copy_(hi); lows[i].copy_(lo)
             else: p.copy_(round_stochastic_ref(m, seeds[i]))
 
+def _bf16_lists(lows, seeds):
+    "`lows` as a list (or None), refusing both bf16 master layouts at once"
+    if lows is not None and seeds is not None: raise ValueError("pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
+    return list(lows) if lows is not None else None
+
 def _bf16_args(params, lows, seeds, g):
     "The `lows` and `seeds` arguments of one fused launch over the params at `g`"
-    if lows is not None and seeds is not None: raise ValueError("pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
     if seeds is None: return (_pick(lows, g) if lows is not None else []), None
     return [], torch.tensor([int(seeds[i]) for i in g], dtype=torch.int64).to(params[0].device)     # int64 seeds: the kernels read their bits as uint64
 
@@ -495,7 +498,7 @@ def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, mo
               nesterov:bool=False, first_run:bool=False, decoupled:bool=False, lows:list=None, seeds:list=None, impl:str=None):
     "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`); a no-op when `found_inf` is set"
     grads, params, (bufs,), out = _step_lists(grads, params, [bufs], out)
-    lows = list(lows) if lows is not None else None
+    lows = _bf16_lists(lows, seeds)
     if not params: return
     ext = _ext_for(params[0], impl)
     if ext is None:
@@ -524,7 +527,7 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
                eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None, impl:str=None):
     "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`); a no-op when `found_inf` is set"
     grads, params, (exp_avgs, exp_avg_sqs), out = _step_lists(grads, params, [exp_avgs, exp_avg_sqs], out)
-    lows = list(lows) if lows is not None else None
+    lows = _bf16_lists(lows, seeds)
     if not params: return
     steps = [step] * len(params) if isinstance(step, torch.Tensor) else list(step)    # one count for all, or one per param
     _same_length(params, steps)
