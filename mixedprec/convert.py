@@ -84,6 +84,7 @@ class ModelConversion:
             for p, m in list(self.masters.items()):
                 if m.device == p.device: continue
                 bm = bf16_master(m)
+                if bm is not None and bm.low is not None: bm.low = bm.low.to(p.device)   # the param moved with the model; its low half follows
                 self.masters[p] = nn.Parameter(master_value(m).reshape(p.shape).to(p.device, copy=True), requires_grad=p.requires_grad)
                 if bm is not None: store_master_(p, self.masters[p], bm.kind)      # kept as it was: in the (moved) bf16 param
                 moved = True

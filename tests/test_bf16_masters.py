@@ -386,3 +386,11 @@ def test_stochastic_rounding_under_an_optimizers_own_step_is_reproducible_and_le
     (a, acc), (b, _) = run(0), run(0)
     assert acc > 0.8
     assert all(torch.equal(bits16(p.detach()), bits16(q.detach())) for p, q in zip(a.parameters(), b.parameters()))
+
+@pytest.mark.cuda
+def test_fastai_split_masters_follow_the_model_to_the_gpu():
+    ref = synth_learner(); ref.to_bf16(masters='split'); ref.fit(1, 1e-2)
+    learn = synth_learner(); learn.dls.to('cuda'); learn.to_bf16(masters='split'); learn.fit(1, 1e-2)   # fastai moves the model at fit
+    for m in learn.mixed_precision.conversion.masters.values():
+        assert bf16_master(m).low.device.type == 'cuda' and bf16_master(m).param.device.type == 'cuda'
+    for a, b in zip(masters_of(ref), masters_of(learn)): torch.testing.assert_close(master_value(b).cpu(), master_value(a), rtol=2e-2, atol=2e-2)
