@@ -20,13 +20,10 @@ CONFIGS = {                                  # name -> (amp opt_level, masters) 
     'bf16, no masters (O3, round to nearest)': ('O3', 'fp32'),
 }
 
-def cpu_name() -> str:
-    "The CPU's model name and its bf16 units"
-    try: name = next(l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name'))
-    except (OSError, StopIteration): name = 'unknown CPU'
-    flags = open('/proc/cpuinfo').read()
-    units = [f for f in ('avx512_bf16', 'amx_bf16', 'avx512_fp16', 'amx_fp16') if f in flags]
-    return f"{name} ({', '.join(units) or 'no bf16 units'}), {torch.get_num_threads()} threads"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import cpu_name as cpu_units                        # the CPU's model name and its half-precision units
+
+def cpu_name() -> str: return f"{cpu_units()}, {torch.get_num_threads()} threads"
 
 def transformer(layers, width, vocab=1000):
     "A pre-norm transformer encoder language model: about 12*width**2 params per layer"
@@ -119,7 +116,7 @@ def speed(a):
     shapes = [(4096, 4096)] * 5 + [(4096,)] * 5 + [(1024, 1024)] * 15
     g = [torch.randn(s).float() * 1e-3 for s in shapes]
     print(f"\nthe fused AdamW step alone (unscaled fp32 grads in, as the engine passes them), {sum(t.numel() for t in g) / 1e6:.0f}M params in {len(shapes)} "
-          f"tensors; best of {a.repeat}; torch {torch.__version__}; {cpu_name().rsplit(',', 1)[0]}\n")
+          f"tensors; best of {a.repeat}; torch {torch.__version__}; {cpu_units()}\n")
     print("| threads | fp32 masters + bf16 copy | split (bf16 + int16) | stochastic rounding (bf16) |")
     print("|---|---|---|---|")
     flag = torch.zeros((), dtype=torch.bool)

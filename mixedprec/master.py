@@ -93,9 +93,7 @@ def store_master_(p:torch.Tensor, m:torch.Tensor, store:str):
     value = master_value(m).clone()
     if store == 'fp32':
         m.data = value.reshape(p.shape).to(p.device); del m.bf16_master; return
-    if p.dtype != torch.bfloat16:
-        raise ValueError(f"masters={store!r} keeps the master in a bf16 weight, and this param is {p.dtype}: use it with bf16 (`to_bf16`, half_dtype=torch.bfloat16), "
-                         f"or keep fp32 masters (masters='fp32')")
+    check_store(store, p.dtype)
     low = torch.empty_like(p, dtype=torch.int16) if store == 'split' else None       # laid out as the param
     m.bf16_master = Bf16Master(p, low)
     m.bf16_master.set_(value)

@@ -50,23 +50,26 @@ MIXEDPREC_HD void split_bf16(float x, uint16_t& hi, int16_t& lo) {
   lo = (int16_t)(int32_t)(u - (h << 16));
 }
 
-// The high 16 bits of a multiply-xorshift-multiply mix of x (two multiplies in all with the caller's: the step costs what
-// an fp32-master step costs; the high bits of a product depend on every bit below them).
-MIXEDPREC_HD uint32_t rounding_mix(uint32_t x) {
+// 16 random bits from the low half of an element's index and a 64-bit key (the seed's low half, and its high half xor
+// the index's): a Weyl step, then a multiply-xorshift mix whose high bits depend on every bit below them. Two multiplies
+// in all, so the step costs what an fp32-master step costs; 32-bit lanes, so the CPU loop vectorises.
+MIXEDPREC_HD uint32_t rounding_bits32(uint32_t index_lo, uint32_t key_lo, uint32_t key_hi) {
+  uint32_t x = (index_lo ^ key_lo) * 0x9e3779b9u + key_hi;
   x ^= x >> 15; x *= 0x2c1b3c6du;
   return x >> 16;
 }
 
 // 16 random bits for element `index` of a tensor whose rounding seed is `seed`.
 MIXEDPREC_HD uint32_t rounding_bits(uint64_t seed, uint64_t index) {
-  return rounding_mix(((uint32_t)index ^ (uint32_t)seed) * 0x9e3779b9u + ((uint32_t)(seed >> 32) ^ (uint32_t)(index >> 32)));
+  return rounding_bits32((uint32_t)index, (uint32_t)seed, (uint32_t)(seed >> 32) ^ (uint32_t)(index >> 32));
 }
 
-// x rounded to bf16 (raw bits) stochastically with the 16 random bits `r`; inf stays inf and NaN stays NaN.
+// x rounded to bf16 (raw bits) stochastically with the 16 random bits `r`; inf stays inf and NaN stays NaN (no branch).
 MIXEDPREC_HD uint16_t round_stochastic(float x, uint32_t r) {
   const uint32_t u = float_bits(x);
-  if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)((u >> 16) | ((u & 0x007fffffu) ? 0x0040u : 0u));
-  return (uint16_t)((u + r) >> 16);
+  const bool special = (u & 0x7f800000u) == 0x7f800000u;
+  const uint32_t kept = (u >> 16) | ((u & 0x007fffffu) ? 0x0040u : 0u);
+  return (uint16_t)(special ? kept : (u + r) >> 16);
 }
 
 }  // namespace mixedprec

@@ -177,18 +177,12 @@ struct MasterStore {
 
 constexpr int64_t kBlock = 1024;              // elements of a bf16 master materialised in fp32 at a time (a multiple of kStep)
 
-// Stochastic rounding of a block of n <= kBlock elements starting at element `first` of its tensor: rounding_bits and
-// round_stochastic (bf16_bits.h) written for the compiler to vectorise: 32-bit lanes (a block never crosses a multiple of
-// 2^32 elements, so the index's high half is one number), no branch.
+// Stochastic rounding of a block of n <= kBlock elements starting at element `first` of its tensor, as rounding_bits and
+// round_stochastic (bf16_bits.h) compute it, with the key taken out of the loop: a block never crosses a multiple of 2^32
+// elements, so the index's high half is one number and the loop vectorises in 32-bit lanes.
 static void round_block_stochastic(const float* __restrict buf, uint16_t* __restrict out, int64_t n, uint64_t seed, uint64_t first) {
-  const uint32_t s_lo = (uint32_t)seed, s_hi = (uint32_t)(seed >> 32) ^ (uint32_t)(first >> 32), base = (uint32_t)first;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t r = rounding_mix(((base + (uint32_t)i) ^ s_lo) * 0x9e3779b9u + s_hi);
-    const uint32_t u = float_bits(buf[i]);
-    const bool special = (u & 0x7f800000u) == 0x7f800000u;
-    const uint32_t kept = (u >> 16) | ((u & 0x007fffffu) ? 0x0040u : 0u);
-    out[i] = (uint16_t)(special ? kept : (u + r) >> 16);
-  }
+  const uint32_t key_lo = (uint32_t)seed, key_hi = (uint32_t)(seed >> 32) ^ (uint32_t)(first >> 32), base = (uint32_t)first;
+  for (int64_t i = 0; i < n; ++i) out[i] = round_stochastic(buf[i], rounding_bits32(base + (uint32_t)i, key_lo, key_hi));
 }
 
 // Run `update(p, begin, n)` on fp32 masters over each span of tensor `s.tensor`: on the master itself (then write the half
