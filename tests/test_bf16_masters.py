@@ -394,3 +394,33 @@ def test_fastai_split_masters_follow_the_model_to_the_gpu():
     for m in learn.mixed_precision.conversion.masters.values():
         assert bf16_master(m).low.device.type == 'cuda' and bf16_master(m).param.device.type == 'cuda'
     for a, b in zip(masters_of(ref), masters_of(learn)): torch.testing.assert_close(master_value(b).cpu(), master_value(a), rtol=2e-2, atol=2e-2)
+
+def test_split_masters_with_a_scheduler_and_step_hooks_match_fp32_masters():
+    def run(masters):
+        model = digits_mlp(0); opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, opt = amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', masters=masters, verbosity=0)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=40)
+        calls = []
+        opt.register_step_post_hook(lambda o, a, k: calls.append(o.param_groups[0]['lr']))
+        x, y = digits()
+        for i in range(40):
+            idx = torch.arange(i * 16, i * 16 + 16) % len(x)
+            with amp.scale_loss(nn.functional.cross_entropy(model(x[idx]).float(), y[idx]), opt) as sl: sl.backward()
+            opt.step(); opt.zero_grad(); sched.step()
+        return calls, opt._mixedprec_engine.masters_state()
+    (c1, m1), (c2, m2) = run('fp32'), run('split')
+    assert c1 == c2 and len(c1) == 40                              # the hook ran every step, with the same schedule
+    for a, b in zip(m1, m2): torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+def test_an_interrupted_fit_with_split_masters_leaves_a_usable_learner():
+    from fastai.callback.core import Callback
+    class Interrupt(Callback):
+        def after_step(self):
+            if self.train_iter == 3: raise KeyboardInterrupt
+    learn = synth_learner(); learn.to_bf16(masters='split')
+    with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2, cbs=Interrupt())
+    masters = [master_value(m).clone() for m in learn.mixed_precision.conversion.masters.values()]
+    for p, m in zip(learn.mixed_precision.conversion.masters, masters): assert torch.equal(bits16(p.detach()), bits16(split_bf16_ref(m)[0]))
+    learn.fit(1, 1e-2)                                              # trains on
+    learn.to_fp32()
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
