@@ -90,6 +90,14 @@ def _add_param_group(self, param_group:dict):
     e = self._mixedprec_engine
     e.add_param_group(param_group, e.masters_of, make_masters=e.amp.props['master_weights'])
 
+def _state_dict(self) -> dict:
+    "`optimizer.state_dict()` of sharded masters: the state of every rank, gathered (every rank must call it)"
+    with self._mixedprec_engine.consolidated(): return type(self).state_dict(self)
+
+def _load_state_dict(self, sd:dict):
+    "`optimizer.load_state_dict()` of sharded masters: every rank loads the whole state and keeps its shard's"
+    with self._mixedprec_engine.consolidated(gather=False): type(self).load_state_dict(self, sd)
+
 class AutocastForward:
     "`model.forward` under `torch.autocast` for `dtype` on the params' device, with fp32 outputs (O1); copies and pickles of the model keep it, bound to the copy"
     def __init__(self, model, dtype): self.model, self.dtype = model, dtype
@@ -105,7 +113,7 @@ def _autocast_forward(model, dtype):
 # %% ../nbs/17_amp.ipynb #8e25d7f3
 def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", cast_model_type=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, num_losses:int=1, min_loss_scale:float=None, max_loss_scale:float=2.**24,
-               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None, masters:str='fp32'):
+               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None, masters:str='fp32', shard:bool=False):
     "Prepare `models` and `optimizers` for mixed precision at `opt_level`; returns them in the shapes they came in"
     global _state
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
@@ -145,10 +153,12 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     for o in opt_list:
         masters_of = {}
         if props['master_weights']: masters_of = {**converted, **masters_for(p for g in o.param_groups for p in g['params'] if p not in converted)}
-        e = StepEngine.wrap(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters)
+        if shard and not props['master_weights']: raise ValueError(f"shard=True shards the fp32 masters, and {opt_level} keeps none: use opt_level='O2'")
+        e = StepEngine.wrap(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters, shard=shard)
         e.amp, e.masters_of = state, masters_of
         o._mixedprec_engine = e
         o.step, o.zero_grad, o.add_param_group = (types.MethodType(f, o) for f in (_step, _zero_grad, _add_param_group))
+        if shard: o.state_dict, o.load_state_dict = types.MethodType(_state_dict, o), types.MethodType(_load_state_dict, o)
         state.engines.append(e)
     if verbosity: print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale {props['loss_scale']}, {num_losses} scaler(s)")
     return models if optimizers is None else (models, optimizers)
@@ -195,7 +205,9 @@ def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 masters of every optimizer"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
-    sd['masters'] = [e.masters_state() for e in _state.engines]
+    sd['masters'] = []
+    for e in _state.engines:
+        with e.consolidated(): sd['masters'].append(e.masters_state())     # sharded: gathered from every rank
     return sd
 
 def load_state_dict(sd:dict):
@@ -208,4 +220,5 @@ def load_state_dict(sd:dict):
     for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.check_masters(ms, f"the state_dict (optimizer {i})")
     for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
     for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])
-    for e, ms in zip(_state.engines, saved): e.load_masters(ms)
+    for e, ms in zip(_state.engines, saved):
+        with e.consolidated(gather=False): e.load_masters(ms)

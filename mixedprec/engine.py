@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['DECIDE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'settings', 'FusedPlan', 'torch_plan', 'steps_to_ints',
-           'fastai_plan', 'fused_plan', 'fuses', 'fused_group_step', 'fused_opt_step', 'StepEngine', 'scale_into',
-           'unscale_into']
+           'fastai_plan', 'fused_plan', 'fuses', 'fused_group_step', 'fused_opt_step', 'shards_for', 'StepEngine',
+           'scale_into', 'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 from contextlib import contextmanager
@@ -18,7 +18,7 @@ from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
 from .master import MasterParams, clip_grads_, master_value, load_master_
 from .convert import masters_for
-from .distributed import agree
+from .distributed import agree, sum_over_ranks, Shards
 
 # %% ../nbs/14_engine.ipynb #e0000007
 DECIDE = ['cuda']                                  # where a front end decides the skip unless told: 'cuda', 'always' or 'never'
@@ -170,8 +170,14 @@ def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Te
 
 # %% ../nbs/14_engine.ipynb #e000000f
 def _clip(group:list, max_norm:float) -> torch.Tensor:
-    "Clip the master grads of every `MasterParams` in `group` by their global L2 norm (`clip_grad_norm_`'s rule); the norm, read nowhere"
-    return clip_grads_([g for m in group for g in m.master_grads()], max_norm, group[0].impl)
+    "Clip the master grads of every `MasterParams` in `group` by their global L2 norm (`clip_grad_norm_`'s rule: the norm of the per-tensor norms); the norm, read nowhere"
+    slots = [m for ms in group for m in ms.master_params]         # one slot per master on every rank, sharded or not: the same vector
+    where = [i for i, m in enumerate(slots) if m.grad is not None]
+    grads = [slots[i].grad for i in where]
+    each = torch.zeros(len(slots), dtype=torch.float32, device=group[0].device())
+    if grads: each[torch.tensor(where, device=each.device)] = ops.l2norm(grads, per_tensor=True, impl=group[0].impl)[1].to(each.device)
+    if any(ms.shards is not None for ms in group): each = sum_over_ranks(each)   # each slot is filled on its owner only: the sum is exact
+    return clip_grads_(grads, max_norm, group[0].impl, norm=torch.linalg.vector_norm(each))
 
 def _check_state_shapes(opt_sd:dict, groups:list, what:str):
     "Raise, naming the first one, when a torch optimizer state dict does not fit the param `groups`"
@@ -186,10 +192,17 @@ def _check_state_shapes(opt_sd:dict, groups:list, what:str):
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
                 raise ValueError(f"{what}: the optimizer state {k!r} of param {n} has shape {tuple(v.shape)}, the param has {tuple(p.shape)}: it comes from another model; nothing was loaded")
 
-def _swap_in(optimizer, masters_of:dict, names:dict, impl:str, store:str='fp32') -> MasterParams:
-    "Lay out the masters of a torch `optimizer`'s groups (`masters_of`: half param -> fp32 master) and swap them in, moving its state onto them"
-    masters = MasterParams([list(g['params']) for g in optimizer.param_groups], masters_of, names=names, impl=impl, store=store)
+def shards_for(groups:list, shard:bool) -> Shards:
+    "The `Shards` of the params in `groups` (lists of model params) when `shard` is asked for, else None"
+    if not shard: return None
+    return Shards(list({id(p): p for g in groups for p in g}.values()))
+
+def _swap_in(optimizer, masters_of:dict, names:dict, impl:str, store:str='fp32', shard:bool=False) -> MasterParams:
+    "Lay out the masters of a torch `optimizer`'s groups (`masters_of`: half param -> fp32 master) and swap them in, moving its state onto them (this rank's shard only, with `shard`)"
+    groups = [list(g['params']) for g in optimizer.param_groups]
+    masters = MasterParams(groups, masters_of, names=names, impl=impl, store=store, shards=shards_for(groups, shard))
     masters.move_state_to_masters(optimizer.state)
+    masters.drop_remote_state([optimizer.state])
     for g, mg in zip(optimizer.param_groups, masters.groups): g['params'] = mg
     return masters
 
@@ -216,9 +229,9 @@ class StepEngine:
         self.choose()
 
     @classmethod
-    def wrap(cls, optimizer, masters_of:dict, names:dict=None, store:str='fp32', **kwargs):
-        "An engine for a torch `optimizer` built on model params: swap in the masters from `masters_of` (half param -> fp32 master, kept as `store` says), its state kept"
-        return cls(optimizer, _swap_in(optimizer, masters_of, names, kwargs.get('impl'), store), **kwargs)
+    def wrap(cls, optimizer, masters_of:dict, names:dict=None, store:str='fp32', shard:bool=False, **kwargs):
+        "An engine for a torch `optimizer` built on model params: swap in the masters from `masters_of` (half param -> fp32 master, kept as `store` says; with `shard`, this rank's only), its state kept"
+        return cls(optimizer, _swap_in(optimizer, masters_of, names, kwargs.get('impl'), store, shard), **kwargs)
 
     def __repr__(self):
         plan = self.plan.name + (' (skip decided on the device)' if self.on_device else '') if self.plan else 'its own step'
@@ -265,13 +278,12 @@ class StepEngine:
             self._check_scaled()
             return None                          # nothing unscaled since the last step: a second `step()` does not repeat the first
         try:
-            if found is not None and self.on_device:
-                return self._fused(found)
-            if self.must_skip():
-                self.masters.zero_grads(); return None
-            if plan is not None and closure is None:
-                return self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
-            return self._own_step(closure)
+            if found is not None and self.on_device: res = self._fused(found)
+            elif self.must_skip(): self.masters.zero_grads(); return None
+            elif plan is not None and closure is None: res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
+            else: res = self._own_step(closure)
+            self.masters.gather_shards()           # sharded masters: each rank stepped its own; every rank gets all the half params
+            return res
         finally:
             self.last_found, self.found, self._skip, self.fresh = found, None, None, True
 
@@ -334,6 +346,7 @@ class StepEngine:
     def clip_now(self, max_norm:float, norm_type:float=2.) -> float:
         "Clip the master grads of the pending step by their global norm; a non-finite norm skips the step. Returns the norm"
         if norm_type == 2: norm = _clip([self.masters], max_norm).item()
+        elif self.masters.shards is not None: raise ValueError(f"sharded masters clip by the global L2 norm only (norm_type=2), not norm_type={norm_type}")
         else: norm = torch.nn.utils.clip_grad_norm_(self.masters.master_params, max_norm, norm_type).item()
         if not torch.isfinite(torch.tensor(norm)): self.skip_anyway()
         return norm
@@ -344,11 +357,16 @@ class StepEngine:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         if make_masters: masters_of.update(masters_for(p for p in params if p not in masters_of))
         opt = self.optimizer
+        self.masters.unshard_([opt.state])          # sharded: the new shards may give a param another owner
         self.masters.move_state_to_model(opt.state)
         for g, mg in zip(opt.param_groups, self.masters.model_groups): g['params'] = mg
         type(opt).add_param_group(opt, {**group, 'params': params})
-        self.masters = _swap_in(opt, masters_of, self.masters.names, self.masters.impl, self.masters.store)
+        self.masters = _swap_in(opt, masters_of, self.masters.names, self.masters.impl, self.masters.store, self.masters.shards is not None)
         self.choose()
+
+    def consolidated(self, gather:bool=True):
+        "A block in which this rank holds every master and all the optimizer state (sharded masters: gathered from the owners, so every rank must enter it; `gather=False`: for a load to overwrite); sharded again after"
+        return self.masters.consolidated([self.optimizer.state], gather)
 
     def masters_state(self) -> list:
         "A copy of each half param's fp32 master, in the layout's order"

@@ -34,6 +34,7 @@ class FP16_Optimizer:
         decide:str=None,                      # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
         masters:str='fp32',                   # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
+        shard:bool=False,                     # under torch.distributed: each rank keeps the fp32 masters and optimizer state of its shard only (ZeRO stage 1)
     ):
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
@@ -46,7 +47,7 @@ class FP16_Optimizer:
         halves = {p.dtype for g in init_optimizer.param_groups for p in g['params'] if p.dtype != torch.float32}
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         self.masters_of = masters_for(p for g in init_optimizer.param_groups for p in g['params'])
-        self.engine = StepEngine.wrap(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters,
+        self.engine = StepEngine.wrap(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
 
@@ -108,9 +109,10 @@ class FP16_Optimizer:
         return -1 if self.engine.must_skip() else norm
 
     def state_dict(self) -> dict:
-        "The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters"
-        return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
-                'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
+        "The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters (sharded: of every rank, gathered)"
+        with self.engine.consolidated():              # sharded masters: gathered from every rank (each rank must call this), the same on all
+            return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
+                    'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
 
     def load_state_dict(self, sd:dict):
         "Restore the scaler, the wrapped optimizer and the fp32 masters (and the half params from them); everything is checked before anything changes"
@@ -120,8 +122,9 @@ class FP16_Optimizer:
         self.engine.check_optimizer_state(sd['optimizer_state_dict'])
         self.scaler.check_state(sd['loss_scaler'])
         self.scaler.load_state_dict(sd['loss_scaler'])
-        self.optimizer.load_state_dict(sd['optimizer_state_dict'])
-        self.engine.load_masters(sd['fp32_from_fp16'])
+        with self.engine.consolidated(gather=False):  # sharded masters: every rank loads all, then keeps its shard
+            self.optimizer.load_state_dict(sd['optimizer_state_dict'])
+            self.engine.load_masters(sd['fp32_from_fp16'])
         if sd.get('overflow'): self.engine.skip_anyway()
 
     def add_param_group(self, param_group:dict):
