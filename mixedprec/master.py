@@ -194,8 +194,9 @@ class MasterParams:
 
     def _shard(self, half:list, own:list, masters:dict):
         "Keep the masters of the half params other ranks own as 4-byte stand-ins, and note the fp32 params they own"
+        ids = {id(p) for p in half}
         for i, (p, m, g) in enumerate(self.pairs):
-            if p in half and not self.shards.mine(p):
+            if id(p) in ids and not self.shards.mine(p):
                 m.data, m.grad, m.remote_master = _stand_in(p.shape, p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
                 self.pairs[i] = (p, m, None)
         self.remote_own |= {p for p in own if not self.shards.mine(p)}

@@ -127,6 +127,98 @@ def main(rank, world, port, scenario, outdir, *args):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer') else fn(rank, world, outdir)
+        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
     finally: dist.destroy_process_group()
+
+SHARD_STEPS, SHARD_INJECT = 12, {3: (-1, 'inf'), 7: (0, 'nan')}     # step: (rank that writes it into its grads, what)
+
+def deep_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 1))
+
+class Gain(nn.Module):
+    "A learnt fp32 gain on the half output"
+    def __init__(self): super().__init__(); self.gain = nn.Parameter(torch.ones(1))
+    def forward(self, x): return x.float() * self.gain
+
+def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=None, resume=False):
+    """FP16_Optimizer (sharded or not) over a half MLP and an fp32 param, clipped, with an inf and a nan written into one rank's grads
+    after the reduction; with `ddp=False` every rank trains on the whole batch (identical grads at any world size)"""
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    model = nn.Sequential(*deep_mlp(), Gain()).half()
+    gain = model[-1].gain; gain.data = gain.data.float()                  # an fp32 param (its own master), inside DDP like the rest
+    net = DDP(model) if (world > 1 and ddp) else model
+    params = [{'params': list(model.parameters())[:4]}, {'params': list(model.parameters())[4:], 'lr': 5e-3}]
+    inner = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3) if opt_name == 'adam' else torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    opt = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**10, scale_window=3), verbose=False, shard=shard)
+    start = 0
+    if resume:
+        ck = torch.load(os.path.join(outdir, 'sharded.pt'), weights_only=False)
+        model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt']); start = ck['step'] + 1
+    clipped = []
+    for step in range(start, SHARD_STEPS):
+        x, y = data(step)
+        x, y = (shard_rows(x, rank, world), shard_rows(y, rank, world)) if ddp else (x, y)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(net(x.half()), y)
+        opt.backward(loss, update_master_grads=False)
+        who, what = SHARD_INJECT.get(step, (None, None))
+        if who is not None and rank == who % world: list(model.parameters())[-3 if what == 'nan' else 0].grad.view(-1)[0] = float(what)
+        opt.update_master_grads()
+        clipped.append(opt.clip_master_grads(0.5))               # the global norm across the shards (-1: overflow)
+        opt.step()
+        if step == save_at:
+            sd = opt.state_dict()                                           # every rank: the shards are gathered
+            if rank == 0: torch.save(dict(opt=sd, model=model.state_dict(), step=step), os.path.join(outdir, 'sharded.pt'))
+    sd = opt.state_dict()
+    state = [sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(sd['optimizer_state_dict']['state'].items())]
+    return dict(params=[p.detach().clone() for p in model.parameters()], masters=[m.clone() for m in sd['fp32_from_fp16']], state=state,
+                scaler=opt.scaler.state_dict(), skipped=[r.skipped for r in opt.history], norms=clipped,
+                nbytes=held_bytes(opt.param_groups, opt.state))
+
+def held_bytes(groups, state) -> int:
+    "Bytes of the fp32 masters (and fp32 params) and optimizer state a rank holds (a sharded master's stand-in: 4 bytes)"
+    ps = {id(p): p for g in groups for p in g['params']}.values()
+    return sum(p.untyped_storage().nbytes() for p in ps) + sum(v.untyped_storage().nbytes() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+def shard_rows(t, rank, world):
+    "Rank `rank`'s share of the global batch's rows at `world` ranks"
+    n = len(t) // world
+    return t[rank * n:(rank + 1) * n]
+
+def sharded_peer_dies(rank, world, outdir):
+    "Sharded masters: rank 1 dies after the overflow agreement, before the step; rank 0's step gives up in the all-gather with an error naming it"
+    import time
+    from mixedprec import distributed
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    distributed.set_process_group(None, timeout=2.)
+    model = deep_mlp().half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
+    opt.backward(model(data(0)[0].half()).float().sum())
+    if rank == 1: os._exit(0)
+    t = time.monotonic()
+    try: opt.step(); res = {'error': None}
+    except RuntimeError as e: res = {'error': str(e)}
+    res['waited'] = time.monotonic() - t
+    torch.save(res, os.path.join(outdir, f'sharded_peer_dies_rank{rank}.pt'))
+    os._exit(0)
+
+def amp_sharded(rank, world, outdir, shard=True):
+    "amp O2 over DDP, sharded or not, an inf on rank 0 after the reduction; the optimizer's and amp's state dicts (gathered when sharded)"
+    from mixedprec import amp
+    model = deep_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0, shard=shard)
+    net = DDP(model)
+    for step in range(STEPS):
+        x, y = data(step)
+        loss = nn.functional.mse_loss(net(shard_rows(x, rank, world)), shard_rows(y, rank, world))
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            if step == INJECT_AT and rank == 0: model[2].weight.grad.view(-1)[0] = float('inf')
+        opt.step(); opt.zero_grad()
+    osd, asd = opt.state_dict(), amp.state_dict()
+    return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0], scaler=asd['loss_scaler0'], norms=[],
+                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())],
+                skipped=[r.skipped for r in amp.history()])

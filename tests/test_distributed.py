@@ -7,16 +7,16 @@ import dist_workers as W
 def free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
-def spawn(scenario, outdir, *args, timeout=240):
-    "Run `scenario` on 2 ranks; returns each rank's results"
-    ctx = mp.start_processes(W.main, args=(2, free_port(), scenario, str(outdir), *args), nprocs=2, join=False, start_method='spawn')
+def spawn(scenario, outdir, *args, timeout=240, world=2):
+    "Run `scenario` on `world` ranks; returns each rank's results"
+    ctx = mp.start_processes(W.main, args=(world, free_port(), scenario, str(outdir), *args), nprocs=world, join=False, start_method='spawn')
     deadline = __import__('time').monotonic() + timeout
     while not ctx.join(timeout=5):
         if __import__('time').monotonic() > deadline:
             for p in ctx.processes: p.kill()
             pytest.fail(f"{scenario} did not finish in {timeout}s")
     tag = ''.join(map(str, args))
-    return [torch.load(os.path.join(outdir, f'{scenario}{tag}_rank{r}.pt'), weights_only=False) for r in range(2)]
+    return [torch.load(os.path.join(outdir, f'{scenario}{tag}_rank{r}.pt'), weights_only=False) for r in range(world)]
 
 def identical(a, b):
     assert a['skipped'] == b['skipped'] and a['scaler'] == b['scaler']

@@ -1,0 +1,46 @@
+"Sharded fp32 masters (ZeRO stage 1) on 2 and 3 gloo ranks: bit for bit the unsharded run, and one checkpoint that loads at any world size"
+import pytest, torch
+import dist_workers as W
+import torch.multiprocessing as mp
+from test_distributed import spawn, free_port
+
+def same(a, b, keys=('params', 'masters', 'state'), since=0):
+    "Two runs' results equal bit for bit (`since`: `b` ran from the start, `a` resumed at that step)"
+    assert a['skipped'] == b['skipped'][since:] and a['norms'] == b['norms'][since:] and a['scaler'] == b['scaler']
+    for k in keys:
+        assert len(a[k]) == len(b[k]), k
+        for x, y in zip(a[k], b[k]):
+            if isinstance(x, torch.Tensor): assert torch.equal(x, y), k
+            else: assert repr(x) == repr(y), k          # the state's (name, value) lists
+
+@pytest.mark.parametrize("world,opt", [(2, 'adam'), (3, 'sgd'), (3, 'adam')])
+def test_sharded_equals_unsharded_ddp_bit_for_bit(world, opt, tmp_path):
+    sharded = spawn('sharded', tmp_path, True, opt, world=world)
+    plain = spawn('sharded', tmp_path, False, opt, world=world)
+    for r in range(world):
+        same(sharded[r], plain[r]); same(sharded[r], sharded[0])
+    assert sharded[0]['skipped'][3] and sharded[0]['skipped'][7]       # the inf and the nan, each written on one rank only
+    assert sharded[0]['norms'][3] == sharded[0]['norms'][7] == -1 and sum(n > 0.5 for n in sharded[0]['norms']) >= 3   # the clip was active
+    # each rank holds about 1/world of the masters and state: the largest shard under 1/world + the largest param
+    total, largest = plain[0]['nbytes'], 24 * 32 * 16                  # the largest param's fp32 master + Adam's two states (bytes)
+    assert all(s['nbytes'] < total / world + largest for s in sharded)
+
+def test_a_checkpoint_saved_at_2_ranks_resumes_at_1_and_3_as_the_uninterrupted_run(tmp_path):
+    whole = spawn('sharded', tmp_path, True, 'adam', False, 5, world=2)   # every rank on the whole batch: the same grads at any world size
+    one = W.sharded(0, 1, str(tmp_path), False, 'adam', False, None, True)  # a single process, unsharded
+    same(one, whole[0], keys=('params', 'masters'), since=6)
+    three = spawn('sharded', tmp_path, True, 'adam', False, None, True, world=3)
+    for r in range(3): same(three[r], whole[0], keys=('params', 'masters'), since=6)
+    assert [list(map(repr, s)) for s in one['state']] == [list(map(repr, s)) for s in whole[0]['state']] == [list(map(repr, s)) for s in three[0]['state']]
+
+def test_a_rank_that_dies_mid_step_gives_an_error_on_the_others_not_a_hang(tmp_path):
+    ctx = mp.start_processes(W.main, args=(2, free_port(), 'sharded_peer_dies', str(tmp_path)), nprocs=2, join=False, start_method='spawn')
+    for p in ctx.processes: p.join(timeout=120)
+    res = torch.load(tmp_path / 'sharded_peer_dies_rank0.pt', weights_only=False)
+    assert res['error'] and 'rank 0 of 2 waited 2 s in the all-gather of the sharded params' in res['error'] and 'set_process_group(timeout=' in res['error']
+    assert res['waited'] < 12
+
+def test_amp_sharded_equals_unsharded_and_its_state_dicts_are_whole(tmp_path):
+    sharded, plain = spawn('amp_sharded', tmp_path, True), spawn('amp_sharded', tmp_path, False)
+    for r in range(2): same(sharded[r], plain[r])
+    assert sharded[0]['skipped'][W.INJECT_AT] and len(sharded[0]['state']) == len(sharded[0]['masters']) == 8   # every param's state, from both ranks
