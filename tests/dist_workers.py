@@ -127,7 +127,7 @@ def main(rank, world, port, scenario, outdir, *args):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies') else fn(rank, world, outdir)
+        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
     finally: dist.destroy_process_group()
 
@@ -222,3 +222,36 @@ def amp_sharded(rank, world, outdir, shard=True):
     return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0], scaler=asd['loss_scaler0'], norms=[],
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())],
                 skipped=[r.skipped for r in amp.history()])
+
+def fastai_sharded(rank, world, outdir, shard=True):
+    "The fastai callback, sharded or not, under DDP (wrapped at before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank"
+    from fastai.learner import Learner
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.optimizer import Adam
+    from torch.utils.data import TensorDataset
+    from mixedprec.callback import MixedPrecision
+    xs, ys = zip(*[data(s) for s in range(STEPS)])
+    x, y = torch.cat([shard_rows(t, rank, world) for t in xs]), torch.cat([shard_rows(t, rank, world) for t in ys])
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2 * BS // world), DataLoader(TensorDataset(x, y), bs=BS))
+    class WrapDDP(Callback):
+        order = MixedPrecision.order + 1
+        def before_fit(self): self.learn.model = DDP(self.learn.model)
+        def after_fit(self): self.learn.model = self.learn.model.module
+    class Inject(Callback):
+        order = MixedPrecision.order - 1
+        def before_step(self):
+            if self.train_iter == INJECT_AT and rank == 1: self.learn.model.module[0].bias.grad[0] = float('inf')
+    learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=outdir, wd=1e-2)
+    learn.remove_cb(learn.progress); learn.logger = lambda *a: None
+    learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard)
+    learn.fit(1, cbs=[WrapDDP(), Inject()])
+    mp = learn.mixed_precision
+    learn.save(f'sharded{shard}', with_opt=True)                           # every rank: the shards are gathered, rank 0 writes
+    with mp.consolidated():
+        masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
+    held = sum(m.untyped_storage().nbytes() for m in mp.masters.master_params)
+    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
+                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in opt_sd['state']],
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held)

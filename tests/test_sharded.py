@@ -44,3 +44,19 @@ def test_amp_sharded_equals_unsharded_and_its_state_dicts_are_whole(tmp_path):
     sharded, plain = spawn('amp_sharded', tmp_path, True), spawn('amp_sharded', tmp_path, False)
     for r in range(2): same(sharded[r], plain[r])
     assert sharded[0]['skipped'][W.INJECT_AT] and len(sharded[0]['state']) == len(sharded[0]['masters']) == 8   # every param's state, from both ranks
+
+def test_fastai_sharded_equals_unsharded_and_its_checkpoint_loads_in_one_process(tmp_path):
+    sharded, plain = spawn('fastai_sharded', tmp_path, True), spawn('fastai_sharded', tmp_path, False)
+    for r in range(2): same(sharded[r], plain[r])
+    assert sharded[0]['skipped'][W.INJECT_AT] and all(s['nbytes'] < 0.7 * plain[0]['nbytes'] for s in sharded)
+    from helpers import synth_learner
+    from fastai.learner import Learner
+    from fastai.optimizer import Adam
+    from torch import nn
+    learn = Learner(synth_learner().dls, W.deep_mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=tmp_path).to_fp16()
+    learn.load('shardedTrue', with_opt=True)                               # the sharded run's checkpoint, whole, in one process
+    mp = learn.mixed_precision
+    assert mp.scaler.state_dict() == sharded[0]['scaler']
+    assert all(torch.equal(a, b) for a, b in zip(mp.state_dict()['masters'], sharded[0]['masters']))
+    st = learn.opt.state_dict()['state']
+    assert [list(map(repr, sorted(s.items()))) for s in st] == [list(map(repr, s)) for s in sharded[0]['state']]
