@@ -62,6 +62,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                        'mixedprec/callback.py'),
                                     'mixedprec.callback.MixedPrecision.before_train': ( 'callback.html#mixedprecision.before_train',
                                                                                         'mixedprec/callback.py'),
+                                    'mixedprec.callback.MixedPrecision.check_whole': ( 'callback.html#mixedprecision.check_whole',
+                                                                                       'mixedprec/callback.py'),
                                     'mixedprec.callback.MixedPrecision.consolidated': ( 'callback.html#mixedprecision.consolidated',
                                                                                         'mixedprec/callback.py'),
                                     'mixedprec.callback.MixedPrecision.follow_model_device': ( 'callback.html#mixedprecision.follow_model_device',

@@ -24,7 +24,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note
-from .master import MasterParams, check_store, master_value, load_master_
+from .master import MasterParams, check_store, master_value, load_master_, remote_master
 from .engine import StepEngine, steps_to_ints, shards_for
 from .distributed import world_size
 from .ops import warn_once
@@ -291,8 +291,15 @@ class MixedPrecision(Callback):
         return int(s) if s >= 1 and s == int(s) else s
     def _table_skipped(self): self.scaler.drain(); return self.scaler.n_skipped - self._epoch_skipped
 
+    def check_whole(self):
+        "Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would miss them"
+        if self.masters is not None and any(remote_master(m) is not None for _, m, _ in self.masters.pairs):
+            raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call `learn.save()` on every rank (it gathers "
+                               "the shards), or read the state inside `with learn.mixed_precision.consolidated():` entered on every rank")
+
     def state_dict(self) -> dict:
         "The scaler state and the fp32 masters, one per model param"
+        self.check_whole()
         masters = self.conversion.masters if self.conversion else {}
         return {'scaler': self.scaler.state_dict(),
                 'masters': [master_value(masters[p]).clone() if p in masters else None for p in self.learn.model.parameters()]}
@@ -326,6 +333,7 @@ class OptStateIO:
     def state_dict(self) -> dict:
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
         cb = self.cb; opt, masters = cb.learn.opt, cb.masters
+        cb.check_whole()
         steps_to_ints(opt.state)
         state = dict(opt.state)
         masters.move_state_to_model(state)

@@ -248,10 +248,13 @@ def fastai_sharded(rank, world, outdir, shard=True):
     learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard)
     learn.fit(1, cbs=[WrapDDP(), Inject()])
     mp = learn.mixed_precision
+    partial = None
+    try: learn.opt.state_dict()                                              # outside a gathering block: refused, not partial
+    except RuntimeError as e: partial = str(e)
     learn.save(f'sharded{shard}', with_opt=True)                           # every rank: the shards are gathered, rank 0 writes
     with mp.consolidated():
         masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
     held = sum(m.untyped_storage().nbytes() for m in mp.masters.master_params)
     return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in opt_sd['state']],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held)
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held, partial=partial)

@@ -49,6 +49,7 @@ def test_fastai_sharded_equals_unsharded_and_its_checkpoint_loads_in_one_process
     sharded, plain = spawn('fastai_sharded', tmp_path, True), spawn('fastai_sharded', tmp_path, False)
     for r in range(2): same(sharded[r], plain[r])
     assert sharded[0]['skipped'][W.INJECT_AT] and all(s['nbytes'] < 0.7 * plain[0]['nbytes'] for s in sharded)
+    assert plain[0]['partial'] is None and all('call `learn.save()` on every rank' in s['partial'] for s in sharded)
     from helpers import synth_learner
     from fastai.learner import Learner
     from fastai.optimizer import Adam
