@@ -174,8 +174,15 @@ def _clip(group:list, max_norm:float) -> torch.Tensor:
     slots = [m for ms in group for m in ms.master_params]         # one slot per master on every rank, sharded or not: the same vector
     where = [i for i, m in enumerate(slots) if m.grad is not None]
     grads = [slots[i].grad for i in where]
-    each = torch.zeros(len(slots), dtype=torch.float32, device=group[0].device())
-    if grads: each[torch.tensor(where, device=each.device)] = ops.l2norm(grads, per_tensor=True, impl=group[0].impl)[1].to(each.device)
+    device = group[0].device()
+    norms = ops.l2norm(grads, per_tensor=True, impl=group[0].impl)[1].to(device) if grads else None
+    if len(where) == len(slots) and norms is not None: each = norms                  # every master has a grad: the common case
+    else:
+        each = torch.zeros(len(slots), dtype=torch.float32, device=device)
+        if grads:
+            key, index = getattr(group[0], '_slot_index', (None, None))          # kept: a host-to-device copy per step could wait for the GPU
+            if key != (tuple(where), device): index = torch.tensor(where, device=device); group[0]._slot_index = ((tuple(where), device), index)
+            each[index] = norms
     if any(ms.shards is not None for ms in group): each = sum_over_ranks(each)   # each slot is filled on its owner only: the sum is exact
     return clip_grads_(grads, max_norm, group[0].impl, norm=torch.linalg.vector_norm(each))
 
