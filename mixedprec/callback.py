@@ -99,7 +99,7 @@ class MixedPrecision(Callback):
                                 f"(and GradScaler's {[*_GRADSCALER_NAMES, 'backoff_factor']})")
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
         self.master_store = check_store(masters, dtype, flat_master)
-        if shard and (flat_master or masters != 'fp32'): raise ValueError("shard=True shards per-param fp32 masters: pass flat_master=False and masters='fp32'")
+        if shard and masters != 'fp32': raise ValueError(f"shard=True shards fp32 masters: pass masters='fp32' (masters={masters!r} keeps them in the bf16 weights, which every rank holds)")
         self.shard = shard
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)

@@ -171,9 +171,9 @@ def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Te
 # %% ../nbs/14_engine.ipynb #e000000f
 def _clip(group:list, max_norm:float) -> torch.Tensor:
     "Clip the master grads of every `MasterParams` in `group` by their global L2 norm (`clip_grad_norm_`'s rule: the norm of the per-tensor norms); the norm, read nowhere"
-    slots = [m for ms in group for m in ms.master_params]         # one slot per master on every rank, sharded or not: the same vector
-    where = [i for i, m in enumerate(slots) if m.grad is not None]
-    grads = [slots[i].grad for i in where]
+    slots = [g for ms in group for g in ms.norm_slots()]          # one slot per model param on every rank, sharded or not, flat or not: the same vector
+    where = [i for i, g in enumerate(slots) if g is not None]
+    grads = [slots[i] for i in where]
     device = group[0].device()
     norms = ops.l2norm(grads, per_tensor=True, impl=group[0].impl)[1].to(device) if grads else None
     if len(where) == len(slots) and norms is not None: each = norms                  # every master has a grad: the common case
@@ -184,7 +184,7 @@ def _clip(group:list, max_norm:float) -> torch.Tensor:
             if key != (tuple(where), device): index = torch.tensor(where, device=device); group[0]._slot_index = ((tuple(where), device), index)
             each[index] = norms
     if any(ms.shards is not None for ms in group): each = sum_over_ranks(each)   # each slot is filled on its owner only: the sum is exact
-    return clip_grads_(grads, max_norm, group[0].impl, norm=torch.linalg.vector_norm(each))
+    return clip_grads_([g for ms in group for g in ms.master_grads()], max_norm, group[0].impl, norm=torch.linalg.vector_norm(each))
 
 def _check_state_shapes(opt_sd:dict, groups:list, what:str):
     "Raise, naming the first one, when a torch optimizer state dict does not fit the param `groups`"

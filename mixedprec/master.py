@@ -149,8 +149,8 @@ class MasterParams:
         shards:Shards=None,       # sharded masters: this rank keeps the masters (and optimizer state) of the params it owns only
     ):
         check_store(store, torch.bfloat16, flat)          # the name and the layout; each param's dtype is checked as its master is stored
-        if shards is not None and (flat or store != 'fp32'):
-            raise ValueError("sharded masters are per-param fp32 masters: pass flat_master=False and masters='fp32' with shard=True")
+        if shards is not None and store != 'fp32':
+            raise ValueError(f"sharded masters are fp32 masters: pass masters='fp32' with shard=True (masters={store!r} keeps them in the bf16 weights, which every rank holds)")
         self.shards, self.remote_own, self._remote_grads = shards, set(), []
         self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
         self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
@@ -173,10 +173,11 @@ class MasterParams:
                 self.groups.append([masters.get(p, p) for p in kept])
                 if shards is not None: self._shard(half, own, masters)
                 continue
-            subsets = {}
-            for p in half: subsets.setdefault((p.requires_grad, key(p) if key else None), []).append(p)
+            subsets = {}                                # sharded: a flat master per owner too, a stand-in on the other ranks
+            for p in half: subsets.setdefault((p.requires_grad, key(p) if key else None, shards.owner[id(p)] if shards else None), []).append(p)
             mg = []
-            for (rg, _), ps in subsets.items():
+            for (rg, _, owner), ps in subsets.items():
+                if shards is not None and owner != shards.rank: mg.append(self._remote_flat(ps, rg, owner, masters)); continue
                 fm = nn.Parameter(torch.cat([masters[p].detach().reshape(-1) for p in ps]), requires_grad=rg)
                 fm.grad = torch.zeros_like(fm)
                 self.flats.append((fm, ps, fm.grad))
@@ -192,6 +193,17 @@ class MasterParams:
             self.groups.append(mg + own)
         self._index()
 
+    def _remote_flat(self, ps:list, requires_grad:bool, owner:int, masters:dict) -> nn.Parameter:
+        "The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so freezing reaches it), and a stand-in per param"
+        fm = nn.Parameter(_stand_in((sum(p.numel() for p in ps),), ps[0].device), requires_grad=requires_grad)
+        fm.remote_master = RemoteMaster(fm, owner)
+        for p in ps:
+            m = masters[p]
+            m.data, m.grad, m.remote_master = _stand_in(p.shape, p.device), None, RemoteMaster(p, owner)
+            self._flat_of[p] = fm
+            self.pairs.append((p, m, None))
+        return fm
+
     def _shard(self, half:list, own:list, masters:dict):
         "Keep the masters of the half params other ranks own as 4-byte stand-ins, and note the fp32 params they own"
         ids = {id(p) for p in half}
@@ -205,7 +217,7 @@ class MasterParams:
         "Remove from each optimizer state dict in `states` the entries of params other ranks own"
         if self.shards is None: return
         for state in states:
-            for k in [m for p, m, _ in self.pairs if remote_master(m) is not None] + list(self.remote_own): state.pop(k, None)
+            for k in [t for p, m, _ in self.pairs if remote_master(m) is not None for t in (m, p)] + list(self.remote_own): state.pop(k, None)   # (flat: keyed by the param)
 
     def gather_shards(self):
         "After a step of this rank's shard: every rank gets the owners' new half params (and fp32 params); a no-op unsharded"
@@ -217,18 +229,26 @@ class MasterParams:
         remote = [(i, p, m) for i, (p, m, _) in enumerate(self.pairs) if remote_master(m) is not None]
         own_at = {id(p): len(self.pairs) + j for j, p in enumerate(self.own)}
         if gather and sh is not None:
-            keys = [m for p, m, _ in self.pairs] + self.own
-            mine = {i: (k.detach().cpu() if i < len(self.pairs) else None,
-                        [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n, v in st[k].items()} if k in st else None for st in states])
-                    for i, k in enumerate(keys) if (remote_master(k) is None and k not in self.remote_own)}
+            keys = [p if self.flat else m for p, m, _ in self.pairs] + self.own     # where each param's state is kept (flat: per param, while gathered)
+            per_param = [self._per_param_state(st) for st in states]
+            mine = {i: (self.pairs[i][1].detach().cpu() if i < len(self.pairs) else None,
+                        [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n, v in st[k].items()} if k in st else None for st in per_param])
+                    for i, k in enumerate(keys) if (i >= len(self.pairs) or remote_master(self.pairs[i][1]) is None) and k not in self.remote_own}
             got = {i: v for part in sh.gather_objects(mine) for i, v in part.items()}
-            for k, i in [(m, i) for i, p, m in remote] + [(p, own_at[id(p)]) for p in self.remote_own]:
+            for k, i in [(keys[i], i) for i, p, m in remote] + [(p, own_at[id(p)]) for p in self.remote_own]:
                 for st, v in zip(states, got[i][1]):
                     if v is not None: st[k] = {n: (t.to(k.device) if isinstance(t, torch.Tensor) and t.dim() > 0 else t) for n, t in v.items()}
         for i, p, m in remote:
             del m.remote_master
             m.data = got[i][0].to(p.device) if gather and sh is not None else p.detach().float()
         return [(p, m) for _, p, m in remote]
+
+    def _per_param_state(self, state:dict) -> dict:
+        "`state` with each flat master's entry split into its params' (a copy; as it is with per-param masters)"
+        if not self.flat: return state
+        state = dict(state)
+        self.move_state_to_model(state)
+        return state
 
     @contextmanager
     def consolidated(self, states:list, gather:bool=True):
@@ -247,6 +267,16 @@ class MasterParams:
         self._half_of = {id(m): p for p, m, _ in self.pairs}                               # master -> half param, every fused step
         self._bf16_of = {id(m): bf16_master(m) for p, m, _ in self.pairs if bf16_master(m) is not None}   # master -> where it lives, without an fp32 copy
         self._index_of = {id(m): i for i, (_, m, _) in enumerate(self.pairs)}
+        self._pair_of = {id(p): (m, g) for p, m, g in self.pairs}                           # half param -> its master and grad buffer
+
+    def norm_slots(self) -> list:
+        "The master grad (or None) of each model param, in the model's order: the same slots on every rank, sharded or not, flat or not, for the global norm"
+        res = []
+        for p in (p for g in self.model_groups for p in g):
+            if id(p) not in self._pair_of: res.append(p.grad); continue         # an fp32 param: its own master (None where another rank steps it)
+            m, g = self._pair_of[id(p)]
+            res.append((g if g is not None and self._flat_of[p].grad is not None else None) if self.flat else m.grad)
+        return res
 
     @property
     def master_params(self):

@@ -1,5 +1,6 @@
 "Worker processes for test_distributed.py: each runs one scenario on one rank of a 2-process gloo group on loopback"
 import os, sys, datetime
+from functools import partial
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -223,13 +224,13 @@ def amp_sharded(rank, world, outdir, shard=True):
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())],
                 skipped=[r.skipped for r in amp.history()])
 
-def fastai_sharded(rank, world, outdir, shard=True):
-    "The fastai callback, sharded or not, under DDP (wrapped at before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank"
+def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
+    "The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank"
     from fastai.learner import Learner
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
-    from fastai.optimizer import Adam
+    from fastai.optimizer import Adam, SGD
     from torch.utils.data import TensorDataset
     from mixedprec.callback import MixedPrecision
     xs, ys = zip(*[data(s) for s in range(STEPS)])
@@ -243,18 +244,19 @@ def fastai_sharded(rank, world, outdir, shard=True):
         order = MixedPrecision.order - 1
         def before_step(self):
             if self.train_iter == INJECT_AT and rank == 1: self.learn.model.module[0].bias.grad[0] = float('inf')
-    learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=outdir, wd=1e-2)
+    opt_func = Adam if opt == 'adam' else partial(SGD, mom=0.9)
+    learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=outdir, wd=1e-2)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
-    learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard)
+    learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard, flat_master=flat)
     learn.fit(1, cbs=[WrapDDP(), Inject()])
     mp = learn.mixed_precision
-    partial = None
+    refused = None
     try: learn.opt.state_dict()                                              # outside a gathering block: refused, not partial
-    except RuntimeError as e: partial = str(e)
-    learn.save(f'sharded{shard}', with_opt=True)                           # every rank: the shards are gathered, rank 0 writes
+    except RuntimeError as e: refused = str(e)
+    learn.save(f'sharded{shard}{flat}{opt}', with_opt=True)                           # every rank: the shards are gathered, rank 0 writes
     with mp.consolidated():
         masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
     held = sum(m.untyped_storage().nbytes() for m in mp.masters.master_params)
     return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in opt_sd['state']],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held, partial=partial)
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held, partial=refused)

@@ -45,19 +45,33 @@ def test_amp_sharded_equals_unsharded_and_its_state_dicts_are_whole(tmp_path):
     for r in range(2): same(sharded[r], plain[r])
     assert sharded[0]['skipped'][W.INJECT_AT] and len(sharded[0]['state']) == len(sharded[0]['masters']) == 8   # every param's state, from both ranks
 
-def test_fastai_sharded_equals_unsharded_and_its_checkpoint_loads_in_one_process(tmp_path):
-    sharded, plain = spawn('fastai_sharded', tmp_path, True), spawn('fastai_sharded', tmp_path, False)
-    for r in range(2): same(sharded[r], plain[r])
-    assert sharded[0]['skipped'][W.INJECT_AT] and all(s['nbytes'] < 0.7 * plain[0]['nbytes'] for s in sharded)
+@pytest.mark.parametrize("world,flat,opt", [(2, False, 'adam'), (3, True, 'sgd')])
+def test_fastai_sharded_equals_unsharded_and_its_checkpoint_loads_in_one_process(world, flat, opt, tmp_path):
+    sharded, plain = spawn('fastai_sharded', tmp_path, True, flat, opt, world=world), spawn('fastai_sharded', tmp_path, False, flat, opt, world=world)
+    for r in range(world): same(sharded[r], plain[r]); same(sharded[r], sharded[0])
+    assert sharded[0]['skipped'][W.INJECT_AT] and sum((n or 0) > 0.5 for n in sharded[0]['norms']) >= 2     # the inf, and the clip at work
+    total, largest = plain[0]['nbytes'], 4 * 32 * 24                   # the masters' bytes; the largest param's master
+    assert all(s['nbytes'] <= total / world + largest for s in sharded) and max(s['nbytes'] for s in sharded) < 0.7 * total, [s['nbytes'] for s in sharded]
     assert plain[0]['partial'] is None and all('call `learn.save()` on every rank' in s['partial'] for s in sharded)
     from helpers import synth_learner
     from fastai.learner import Learner
-    from fastai.optimizer import Adam
+    from fastai.optimizer import Adam, SGD
+    from functools import partial
     from torch import nn
-    learn = Learner(synth_learner().dls, W.deep_mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=tmp_path).to_fp16()
-    learn.load('shardedTrue', with_opt=True)                               # the sharded run's checkpoint, whole, in one process
+    opt_func = Adam if opt == 'adam' else partial(SGD, mom=0.9)
+    learn = Learner(synth_learner().dls, W.deep_mlp(), loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=tmp_path).to_fp16()
+    learn.load(f'shardedTrue{flat}{opt}', with_opt=True)                  # the sharded run's checkpoint, whole, in one process (per-param masters)
     mp = learn.mixed_precision
     assert mp.scaler.state_dict() == sharded[0]['scaler']
     assert all(torch.equal(a, b) for a, b in zip(mp.state_dict()['masters'], sharded[0]['masters']))
     st = learn.opt.state_dict()['state']
     assert [list(map(repr, sorted(s.items()))) for s in st] == [list(map(repr, s)) for s in sharded[0]['state']]
+
+def test_masters_kept_in_the_bf16_weights_cannot_be_sharded_and_say_what_to_pass():
+    from helpers import synth_learner
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    from torch import nn
+    with pytest.raises(ValueError, match="pass masters='fp32'"): synth_learner().to_bf16(masters='split', shard=True)
+    model = nn.Linear(4, 4).bfloat16()
+    with pytest.raises(ValueError, match="pass masters='fp32' with shard=True"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), masters='none', shard=True, verbose=False)
