@@ -26,7 +26,8 @@ from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note
 from .master import MasterParams, check_store, master_value, load_master_, remote_master
 from .engine import StepEngine, steps_to_ints, shards_for
-from .distributed import world_size
+from .distributed import world_size, rank, barrier
+from fastcore.xtras import join_path_file
 from .ops import warn_once
 
 # %% ../nbs/15_callback.ipynb #95846fd0
@@ -152,6 +153,9 @@ class MixedPrecision(Callback):
         opt = self.learn.opt
         held = [p for g in opt.param_lists for p in g]
         shard = getattr(self, 'shard', False) and world_size() > 1
+        if shard and self.flat_master and not isinstance(opt, Optimizer):
+            raise ValueError(f"sharded flat masters need fastai's own optimizer, whose state_dict is per param; {type(opt).__name__}'s is by position "
+                             f"over the flat masters, which differ with the world size: pass flat_master=False, or a fastai opt_func (Adam, SGD, ...)")
         if self.engine is not None and self.engine.optimizer is opt and {id(p) for p in held} == {id(p) for p in self.masters.master_params}:
             if (self.masters.shards is not None) == shard: return
             if not shard: raise RuntimeError("the masters are sharded across ranks and torch.distributed has gone (or has one rank): call `learn.save()`, "
@@ -168,6 +172,20 @@ class MixedPrecision(Callback):
         if isinstance(opt, Optimizer):                   # fastai's own; an OptimWrapper keeps torch's positional state_dict
             io = OptStateIO(self)
             opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict
+        else:                                            # an OptimWrapper: torch's positional state_dict, with the loss scaler beside it
+            for k in ('state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)        # an earlier attach's wrappers
+            own_sd, own_load = opt.state_dict, opt.load_state_dict
+            def state_dict():
+                "The wrapped torch optimizer's state_dict and the loss scaler (refused while other ranks hold some masters)"
+                self.check_whole(); return {**own_sd(), 'mixedprec': {'scaler': self.scaler.state_dict()}}
+            def load_state_dict(sd):
+                "The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai loads the file too); sharded, this rank keeps its shard"
+                scaler = sd.get('mixedprec', {}).get('scaler')
+                if scaler is not None: self.scaler.check_state(scaler)
+                own_load({k: v for k, v in sd.items() if k != 'mixedprec'})
+                self.masters.drop_remote_state(_state_dicts(opt))
+                if scaler is not None: self.scaler.load_state_dict(scaler)
+            opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
 
     def release_opt(self):
         "Put the model params back into `learn.opt`, with their state in its own layout, and give it back its own methods"
@@ -354,6 +372,7 @@ class OptStateIO:
         if 'mixedprec' in sd: cb.scaler.check_state(sd['mixedprec']['scaler'])
         state = {p: dict(s) for p, s in zip(params, sd['state'])}
         masters.move_state_to_masters(state)
+        masters.drop_remote_state([state])             # sharded: this rank keeps its shard's state (the masters of the others are stand-ins)
         opt.state, opt.hypers = defaultdict(dict, state), L(dict(h) for h in sd['hypers'])
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
 
@@ -396,10 +415,21 @@ def _consolidated(learn, gather:bool=True):
     cb = getattr(learn, 'mixed_precision', None)
     return cb.consolidated(gather) if isinstance(cb, MixedPrecision) else nullcontext()
 
+def _sharded(learn) -> bool:
+    "True when `learn`'s fp32 masters are sharded across ranks"
+    cb = getattr(learn, 'mixed_precision', None)
+    return isinstance(cb, MixedPrecision) and cb.masters is not None and cb.masters.shards is not None
+
 @patch
 def save(self:Learner, file, **kwargs):
-    "fastai's `save`; sharded masters are gathered first, so every rank must call it (as `SaveModelCallback` does); rank 0 writes"
-    with _consolidated(self): return fastai_save(self, file, **kwargs)
+    "fastai's `save`, written by rank 0 alone; sharded masters are gathered first, so every rank must call it (as `SaveModelCallback` does) and returns when the file is whole"
+    sharded = _sharded(self)
+    with _consolidated(self):
+        # fastai skips a rank by the RANK variable of its launchers; a group made with `init_process_group(rank=...)` has none, and every rank would write one file at once
+        if rank() == 0: file = fastai_save(self, file, **kwargs)
+        else: file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    if sharded: barrier("the wait for rank 0 to write the checkpoint")    # a load on any rank right after reads the whole file
+    return file
 
 @patch
 def load(self:Learner, file, **kwargs):
@@ -413,7 +443,7 @@ def export(self:Learner, fname='export.pkl', pickle_module=None, pickle_protocol
     kw = dict(pickle_protocol=pickle_protocol, **({'pickle_module': pickle_module} if pickle_module is not None else {}))
     if keep_mixed_precision or not isinstance(cb, MixedPrecision): return fastai_export(self, fname, **kw)
     self.remove_cb(cb)                                   # fp32 weights equal to the masters, the optimizer on them with its state
-    try: return fastai_export(self, fname, **kw)
+    try: return fastai_export(self, fname, **kw) if rank() == 0 else None      # rank 0 writes (fastai's own check reads a launcher's RANK variable)
     finally: _attach(self, cb)                           # back in mixed precision: masters made again, exactly, from the fp32 weights
 
 @patch

@@ -128,7 +128,7 @@ def main(rank, world, port, scenario, outdir, *args):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies') else fn(rank, world, outdir)
+        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
     finally: dist.destroy_process_group()
 
@@ -224,13 +224,17 @@ def amp_sharded(rank, world, outdir, shard=True):
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())],
                 skipped=[r.skipped for r in amp.history()])
 
+def fastai_opt(name):
+    "fastai's Adam, fastai's SGD with momentum, or torch's AdamW in fastai's OptimWrapper"
+    from fastai.optimizer import Adam, SGD, OptimWrapper
+    return {'adam': Adam, 'sgd': partial(SGD, mom=0.9), 'torch': partial(OptimWrapper, opt=torch.optim.AdamW)}[name]
+
 def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
     "The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank"
     from fastai.learner import Learner
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
-    from fastai.optimizer import Adam, SGD
     from torch.utils.data import TensorDataset
     from mixedprec.callback import MixedPrecision
     xs, ys = zip(*[data(s) for s in range(STEPS)])
@@ -244,7 +248,7 @@ def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
         order = MixedPrecision.order - 1
         def before_step(self):
             if self.train_iter == INJECT_AT and rank == 1: self.learn.model.module[0].bias.grad[0] = float('inf')
-    opt_func = Adam if opt == 'adam' else partial(SGD, mom=0.9)
+    opt_func = fastai_opt(opt)
     learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=outdir, wd=1e-2)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
     learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard, flat_master=flat)
@@ -253,10 +257,53 @@ def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
     refused = None
     try: learn.opt.state_dict()                                              # outside a gathering block: refused, not partial
     except RuntimeError as e: refused = str(e)
-    learn.save(f'sharded{shard}{flat}{opt}', with_opt=True)                           # every rank: the shards are gathered, rank 0 writes
+    import fastai.learner
+    writes, real_save = [], fastai.learner.save_model                         # fastai's writer: with no RANK variable, every call writes
+    fastai.learner.save_model = lambda *a, **k: (writes.append(rank), real_save(*a, **k))
+    try: file = learn.save(f'sharded{shard}{flat}{opt}', with_opt=True)            # every rank: the shards are gathered, rank 0 writes
+    finally: fastai.learner.save_model = real_save
+    # sharded: every rank can read the whole file as soon as save returns (unsharded, rank 0 may save alone: no wait)
+    whole = torch.load(file, weights_only=False)['opt']['state'] is not None if shard else None
     with mp.consolidated():
         masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
+    states = opt_sd['state'] if isinstance(opt_sd['state'], list) else [opt_sd['state'][i] for i in sorted(opt_sd['state'])]   # fastai's list, torch's dict
     held = sum(m.untyped_storage().nbytes() for m in mp.masters.master_params)
     return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
+                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in states],
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held, partial=refused, writes=len(writes), readable=whole)
+
+def fastai_distrib_ctx(rank, world, outdir, shard=True):
+    """The fastai callback under fastai's own `learn.distrib_ctx()` (HF Accelerate's DDP on gloo, the launcher's variables set as torchrun sets
+    them), sharded or not, with SaveModelCallback saving every epoch and loading the best at the end on every rank"""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from fastai.learner import Learner
+    from fastai.callback.core import Callback
+    from fastai.callback.tracker import SaveModelCallback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.optimizer import Adam
+    import fastai.distributed
+    def cpu_broadcast(self, t, rank):                                  # fastai's own moves the indices to CUDA (for NCCL): gloo takes them on the CPU
+        t = torch.tensor(t, dtype=torch.long); dist.broadcast(t, rank); return t.tolist()
+    fastai.distributed.DistributedDL._broadcast = cpu_broadcast
+    from torch.utils.data import TensorDataset
+    from mixedprec.callback import MixedPrecision
+    xs, ys = zip(*[data(s) for s in range(STEPS)])
+    x, y = torch.cat(xs), torch.cat(ys)                               # the whole data on every rank: DistributedDL gives each rank its part
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=BS), DataLoader(TensorDataset(x, y), bs=BS))
+    class Inject(Callback):
+        order = MixedPrecision.order - 1
+        def before_step(self):
+            if self.epoch == 0 and self.iter == 1 and rank == 1: next(self.learn.model.parameters()).grad.view(-1)[0] = float('inf')
+    learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=outdir, wd=1e-2)
+    learn.remove_cb(learn.progress); learn.logger = lambda *a: None
+    learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard)
+    with learn.distrib_ctx(cpu=True, sync_bn=False):
+        learn.fit(3, cbs=[Inject(), SaveModelCallback(fname=f'best{shard}', with_opt=True, every_epoch=False)])
+    mp = learn.mixed_precision
+    with mp.consolidated():
+        masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
+    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in opt_sd['state']],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held, partial=refused)
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history],
+                sharded=mp.masters.shards is not None, model_type=type(learn.model).__name__)

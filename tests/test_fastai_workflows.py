@@ -239,10 +239,21 @@ def test_optim_wrapper_checkpoint_keeps_torch_state(tmp_path):
     from functools import partial
     from fastai.optimizer import OptimWrapper
     opt_func = partial(OptimWrapper, opt=torch.optim.AdamW)
-    learn = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8)
+    learn = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8, max_noskip=2)
     learn.fit(1)
-    learn.save('ow', with_opt=True)
-    fresh = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path, seed=3).to_fp16(loss_scale=2.**8)
+    assert learn.mixed_precision.loss_scale > 2.**8                      # the scale moved: a checkpoint must carry it
+    f = learn.save('ow', with_opt=True)
+    assert torch.load(f, weights_only=True)['opt']['mixedprec']['scaler'] == learn.mixed_precision.scaler.state_dict()
+    fresh = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path, seed=3).to_fp16(loss_scale=2.**8, max_noskip=2)
     fresh.load('ow', with_opt=True)
+    assert fresh.mixed_precision.scaler.state_dict() == learn.mixed_precision.scaler.state_dict()
     fresh.fit(1); learn.fit(1)
     assert same(params(fresh), params(learn))
+    assert fresh.mixed_precision.scaler.state_dict() == learn.mixed_precision.scaler.state_dict()
+    plain = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path, seed=4)   # plain fastai fp32 loads it (torch ignores the scaler's key)
+    with warnings.catch_warnings():
+        warnings.filterwarnings('error', message='Could not load')
+        plain.load('ow', with_opt=True)
+    saved = torch.load(f, weights_only=True)['model']
+    assert all(torch.equal(plain.model.state_dict()[k], v) for k, v in saved.items()) and saved['0.weight'].dtype == torch.float32
+    assert len(plain.opt.opt.state) == 6 and all('exp_avg' in st for st in plain.opt.opt.state.values())

@@ -45,26 +45,26 @@ def test_amp_sharded_equals_unsharded_and_its_state_dicts_are_whole(tmp_path):
     for r in range(2): same(sharded[r], plain[r])
     assert sharded[0]['skipped'][W.INJECT_AT] and len(sharded[0]['state']) == len(sharded[0]['masters']) == 8   # every param's state, from both ranks
 
-@pytest.mark.parametrize("world,flat,opt", [(2, False, 'adam'), (3, True, 'sgd')])
+@pytest.mark.parametrize("world,flat,opt", [(2, False, 'adam'), (3, True, 'sgd'), (2, False, 'torch')])
 def test_fastai_sharded_equals_unsharded_and_its_checkpoint_loads_in_one_process(world, flat, opt, tmp_path):
     sharded, plain = spawn('fastai_sharded', tmp_path, True, flat, opt, world=world), spawn('fastai_sharded', tmp_path, False, flat, opt, world=world)
     for r in range(world): same(sharded[r], plain[r]); same(sharded[r], sharded[0])
     assert sharded[0]['skipped'][W.INJECT_AT] and sum((n or 0) > 0.5 for n in sharded[0]['norms']) >= 2     # the inf, and the clip at work
     total, largest = plain[0]['nbytes'], 4 * 32 * 24                   # the masters' bytes; the largest param's master
     assert all(s['nbytes'] <= total / world + largest for s in sharded) and max(s['nbytes'] for s in sharded) < 0.7 * total, [s['nbytes'] for s in sharded]
+    assert [s['writes'] for s in sharded] == [s['writes'] for s in plain] == [1] + [0] * (world - 1)   # rank 0 writes (no RANK variable here)
+    assert all(s['readable'] for s in sharded)
     assert plain[0]['partial'] is None and all('call `learn.save()` on every rank' in s['partial'] for s in sharded)
     from helpers import synth_learner
     from fastai.learner import Learner
-    from fastai.optimizer import Adam, SGD
-    from functools import partial
     from torch import nn
-    opt_func = Adam if opt == 'adam' else partial(SGD, mom=0.9)
-    learn = Learner(synth_learner().dls, W.deep_mlp(), loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=tmp_path).to_fp16()
+    learn = Learner(synth_learner().dls, W.deep_mlp(), loss_func=nn.MSELoss(), opt_func=W.fastai_opt(opt), lr=1e-2, path=tmp_path).to_fp16()
     learn.load(f'shardedTrue{flat}{opt}', with_opt=True)                  # the sharded run's checkpoint, whole, in one process (per-param masters)
     mp = learn.mixed_precision
     assert mp.scaler.state_dict() == sharded[0]['scaler']
     assert all(torch.equal(a, b) for a, b in zip(mp.state_dict()['masters'], sharded[0]['masters']))
     st = learn.opt.state_dict()['state']
+    st = st if isinstance(st, list) else [st[i] for i in sorted(st)]
     assert [list(map(repr, sorted(s.items()))) for s in st] == [list(map(repr, s)) for s in sharded[0]['state']]
 
 def test_masters_kept_in_the_bf16_weights_cannot_be_sharded_and_say_what_to_pass():
@@ -75,3 +75,19 @@ def test_masters_kept_in_the_bf16_weights_cannot_be_sharded_and_say_what_to_pass
     model = nn.Linear(4, 4).bfloat16()
     with pytest.raises(ValueError, match="pass masters='fp32' with shard=True"):
         FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), masters='none', shard=True, verbose=False)
+
+def test_sharded_flat_masters_with_a_torch_optimizer_are_refused_with_what_to_do(monkeypatch):
+    "An OptimWrapper's state_dict is by position over the flat masters, which differ with the world size: refused at the first sharded fit"
+    import mixedprec.callback as C
+    from helpers import synth_learner
+    learn = synth_learner(opt_func=W.fastai_opt('torch'))
+    monkeypatch.setattr(C, 'world_size', lambda: 2)
+    with pytest.raises(ValueError, match="pass flat_master=False, or a fastai opt_func"): learn.to_fp16(flat_master=True, shard=True)
+
+def test_fastai_distrib_ctx_with_save_model_callback_sharded_equals_unsharded(tmp_path):
+    "fastai's own distrib_ctx (Accelerate's DDP) and SaveModelCallback, which saves each better epoch and loads the best on every rank at the end"
+    sharded, plain = spawn('fastai_distrib_ctx', tmp_path, True), spawn('fastai_distrib_ctx', tmp_path, False)
+    for r in range(2): same(sharded[r], plain[r]); same(sharded[r], sharded[0])
+    assert all(s['sharded'] for s in sharded) and not plain[0]['sharded'] and sharded[0]['model_type'] == 'Sequential'   # DDP unwrapped after the fit
+    assert sharded[0]['skipped'][1] and sum(sharded[0]['skipped']) == 1                                          # the inf on rank 1, skipped by both
+    assert (tmp_path / 'models' / 'bestTrue.pth').exists()
