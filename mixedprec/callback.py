@@ -172,7 +172,7 @@ class MixedPrecision(Callback):
         if isinstance(opt, Optimizer):                   # fastai's own; an OptimWrapper keeps torch's positional state_dict
             io = OptStateIO(self)
             opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict
-        else:                                            # an OptimWrapper: torch's positional state_dict, with the loss scaler beside it
+        elif callable(getattr(opt, 'state_dict', None)): # an OptimWrapper: torch's positional state_dict, with the loss scaler beside it
             for k in ('state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)        # an earlier attach's wrappers
             own_sd, own_load = opt.state_dict, opt.load_state_dict
             def state_dict():
