@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'fastai_export', 'fastai_save', 'fastai_load', 'MixedPrecision',
-           'OptStateIO']
+           'OptStateIO', 'WrappedStateIO']
 
 # %% ../nbs/15_callback.ipynb #f6ab0a82
 import warnings
@@ -169,23 +169,10 @@ class MixedPrecision(Callback):
         masters.drop_remote_state(_state_dicts(opt))
         opt.param_lists = [list(g) for g in masters.groups]
         self.engine = StepEngine(opt, masters, self.scaler, self.clip, decide=self.decide, impl=self.impl)
-        if isinstance(opt, Optimizer):                   # fastai's own; an OptimWrapper keeps torch's positional state_dict
-            io = OptStateIO(self)
-            opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict
-        elif callable(getattr(opt, 'state_dict', None)): # an OptimWrapper: torch's positional state_dict, with the loss scaler beside it
-            for k in ('state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)        # an earlier attach's wrappers
-            own_sd, own_load = opt.state_dict, opt.load_state_dict
-            def state_dict():
-                "The wrapped torch optimizer's state_dict and the loss scaler (refused while other ranks hold some masters)"
-                self.check_whole(); return {**own_sd(), 'mixedprec': {'scaler': self.scaler.state_dict()}}
-            def load_state_dict(sd):
-                "The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai loads the file too); sharded, this rank keeps its shard"
-                scaler = sd.get('mixedprec', {}).get('scaler')
-                if scaler is not None: self.scaler.check_state(scaler)
-                own_load({k: v for k, v in sd.items() if k != 'mixedprec'})
-                self.masters.drop_remote_state(_state_dicts(opt))
-                if scaler is not None: self.scaler.load_state_dict(scaler)
-            opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
+        if isinstance(opt, Optimizer): io = OptStateIO(self)                # fastai's own: per model param
+        elif callable(getattr(opt, 'state_dict', None)): io = WrappedStateIO(self, opt)   # an OptimWrapper: torch's positional state_dict
+        else: return
+        opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict
 
     def release_opt(self):
         "Put the model params back into `learn.opt`, with their state in its own layout, and give it back its own methods"
@@ -375,6 +362,23 @@ class OptStateIO:
         masters.drop_remote_state([state])             # sharded: this rank keeps its shard's state (the masters of the others are stand-ins)
         opt.state, opt.hypers = defaultdict(dict, state), L(dict(h) for h in sd['hypers'])
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
+
+class WrappedStateIO:
+    "`state_dict`/`load_state_dict` for fastai's `OptimWrapper` over mixedprec masters: torch's positional state dict, the loss scaler beside it"
+    def __init__(self, cb, opt):
+        for k in ('state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)        # an earlier attach's wrappers
+        self.cb, self.opt, self.own_state_dict, self.own_load_state_dict = cb, opt, opt.state_dict, opt.load_state_dict
+    def state_dict(self) -> dict:
+        "The wrapped torch optimizer's state_dict and the loss scaler (refused while other ranks hold some masters)"
+        self.cb.check_whole()
+        return {**self.own_state_dict(), 'mixedprec': {'scaler': self.cb.scaler.state_dict()}}
+    def load_state_dict(self, sd:dict):
+        "The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai loads the file too); sharded, this rank keeps its shard"
+        scaler = sd.get('mixedprec', {}).get('scaler')
+        if scaler is not None: self.cb.scaler.check_state(scaler)
+        self.own_load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
+        self.cb.masters.drop_remote_state(_state_dicts(self.opt))
+        if scaler is not None: self.cb.scaler.load_state_dict(scaler)
 
 # %% ../nbs/15_callback.ipynb #adb7b617
 def _attach(learn, cb):

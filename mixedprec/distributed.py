@@ -24,8 +24,9 @@ def world_size() -> int:
     if not (dist.is_available() and dist.is_initialized()): return 1
     return dist.get_world_size(_GROUP)
 
-def _wait(work, what:str):
-    "Wait for an async collective's `work`, at most `TIMEOUT` seconds, naming this rank and `what` when the others do not join"
+def _wait(work, what:str, bounded:bool=True):
+    "Wait for an async collective's `work`, at most `TIMEOUT` seconds when `bounded` (gloo, on the CPU), naming this rank and `what` when the others do not join"
+    if not bounded or TIMEOUT is None: work.wait(); return
     try: work.wait(timeout=datetime.timedelta(seconds=TIMEOUT))
     except RuntimeError as e:
         raise RuntimeError(f"mixedprec: rank {dist.get_rank()} of {world_size()} waited {TIMEOUT:g} s in {what} and the "
@@ -79,8 +80,7 @@ class Shards:
                 if parts[self.rank]: torch.cat([p.detach().reshape(-1) for p in parts[self.rank]], out=mine[:sum(p.numel() for p in parts[self.rank])])
                 bufs = [torch.empty_like(mine) for _ in range(self.world)]
                 work = dist.all_gather(bufs, mine, group=_GROUP, async_op=True)
-                if mine.device.type == 'cpu' and TIMEOUT is not None: _wait(work, "the all-gather of the sharded params")
-                else: work.wait()
+                _wait(work, "the all-gather of the sharded params", bounded=mine.device.type == 'cpu')
                 for r, part in enumerate(parts):
                     if r == self.rank: continue
                     off = 0
@@ -100,9 +100,7 @@ def rank() -> int:
 def barrier(what:str):
     "Wait until every rank of the group is here, at most `TIMEOUT` seconds on gloo, naming `what` when one does not come"
     if world_size() == 1: return
-    work = dist.barrier(group=_GROUP, async_op=True)
-    if dist.get_backend(_GROUP) == 'gloo' and TIMEOUT is not None: _wait(work, what)
-    else: work.wait()
+    _wait(dist.barrier(group=_GROUP, async_op=True), what, bounded=dist.get_backend(_GROUP) == 'gloo')
 
 def sum_over_ranks(t:torch.Tensor) -> torch.Tensor:
     "The element-wise SUM of `t` over all ranks (in place); a no-op on a single process"

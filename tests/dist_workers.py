@@ -229,6 +229,19 @@ def fastai_opt(name):
     from fastai.optimizer import Adam, SGD, OptimWrapper
     return {'adam': Adam, 'sgd': partial(SGD, mom=0.9), 'torch': partial(OptimWrapper, opt=torch.optim.AdamW)}[name]
 
+def state_list(osd) -> list:
+    "An optimizer state dict's per-param states in order: fastai's list, or torch's dict by index"
+    return osd['state'] if isinstance(osd['state'], list) else [osd['state'][i] for i in sorted(osd['state'])]
+
+def fastai_results(learn, **extra) -> dict:
+    "What the fastai workers return: half params, whole masters and optimizer state (gathered), the scaler and the step history"
+    mp = learn.mixed_precision
+    with mp.consolidated():
+        masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
+    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
+                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in state_list(opt_sd)],
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], **extra)
+
 def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
     "The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank"
     from fastai.learner import Learner
@@ -262,15 +275,10 @@ def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
     fastai.learner.save_model = lambda *a, **k: (writes.append(rank), real_save(*a, **k))
     try: file = learn.save(f'sharded{shard}{flat}{opt}', with_opt=True)            # every rank: the shards are gathered, rank 0 writes
     finally: fastai.learner.save_model = real_save
-    # sharded: every rank can read the whole file as soon as save returns (unsharded, rank 0 may save alone: no wait)
-    whole = torch.load(file, weights_only=False)['opt']['state'] is not None if shard else None
-    with mp.consolidated():
-        masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
-    states = opt_sd['state'] if isinstance(opt_sd['state'], list) else [opt_sd['state'][i] for i in sorted(opt_sd['state'])]   # fastai's list, torch's dict
+    # sharded: every rank reads the whole file, the scaler included, as soon as save returns (unsharded, rank 0 may save alone: no wait)
+    whole = 'mixedprec' in torch.load(file, weights_only=False)['opt'] if shard else None
     held = sum(m.untyped_storage().nbytes() for m in mp.masters.master_params)
-    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
-                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in states],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], nbytes=held, partial=refused, writes=len(writes), readable=whole)
+    return fastai_results(learn, nbytes=held, partial=refused, writes=len(writes), readable=whole)
 
 def fastai_distrib_ctx(rank, world, outdir, shard=True):
     """The fastai callback under fastai's own `learn.distrib_ctx()` (HF Accelerate's DDP on gloo, the launcher's variables set as torchrun sets
@@ -300,10 +308,4 @@ def fastai_distrib_ctx(rank, world, outdir, shard=True):
     learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard)
     with learn.distrib_ctx(cpu=True, sync_bn=False):
         learn.fit(3, cbs=[Inject(), SaveModelCallback(fname=f'best{shard}', with_opt=True, every_epoch=False)])
-    mp = learn.mixed_precision
-    with mp.consolidated():
-        masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
-    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
-                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in opt_sd['state']],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history],
-                sharded=mp.masters.shards is not None, model_type=type(learn.model).__name__)
+    return fastai_results(learn, sharded=learn.mixed_precision.masters.shards is not None, model_type=type(learn.model).__name__)

@@ -63,8 +63,7 @@ def test_fastai_sharded_equals_unsharded_and_its_checkpoint_loads_in_one_process
     mp = learn.mixed_precision
     assert mp.scaler.state_dict() == sharded[0]['scaler']
     assert all(torch.equal(a, b) for a, b in zip(mp.state_dict()['masters'], sharded[0]['masters']))
-    st = learn.opt.state_dict()['state']
-    st = st if isinstance(st, list) else [st[i] for i in sorted(st)]
+    st = W.state_list(learn.opt.state_dict())
     assert [list(map(repr, sorted(s.items()))) for s in st] == [list(map(repr, s)) for s in sharded[0]['state']]
 
 def test_masters_kept_in_the_bf16_weights_cannot_be_sharded_and_say_what_to_pass():
