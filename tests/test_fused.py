@@ -202,7 +202,8 @@ def test_impl_rules(monkeypatch):
 def test_sources_ship_with_the_package():
     src = importlib.resources.files('mixedprec') / 'csrc'
     names = {p.name for p in src.iterdir()}
-    assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'multi_tensor_apply.cuh', 'scale_kernels.cu', 'l2norm_kernel.cu', 'optim_kernels.cu'} <= names
+    assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'multi_tensor.h', 'multi_tensor_apply.cuh', 'scale_kernels.h', 'scale_kernels.cu', 'l2norm_kernel.h',
+            'l2norm_kernel.cu', 'optim_kernels.h', 'optim_kernels.cu', 'bf16_bits.h', 'messages.h'} <= names
     import tomllib, pathlib
     cfg = tomllib.loads((pathlib.Path(__file__).parent.parent / 'pyproject.toml').read_text())
     assert 'csrc/*' in cfg['tool']['setuptools']['package-data']['mixedprec']

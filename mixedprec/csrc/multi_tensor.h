@@ -1,0 +1,260 @@
+// The multi-tensor machinery of the CUDA kernels, written once for two compilers. nvcc compiles it into the GPU kernels
+// (multi_tensor_apply.cuh launches them); the host compiler compiles the very same functors and launch planning into the
+// CPU emulation of the tests (tests/csrc/cuda_emulator.cpp), which runs every block and thread of a launch in a loop, so
+// that the CUDA kernels' indexing and arithmetic are checked against the pure-PyTorch references on machines without a
+// GPU. Only the launch itself, the shared-memory block sum and the intrinsics behind the arithmetic helpers differ.
+//
+// A launch works on a table, passed by value as the kernel argument (it must stay under the 4 KB kernel-argument limit):
+// the addresses of up to kMaxTensors tensors of each list (and, for ops that need one, of a per-tensor fp32 scalar such
+// as Adam's step count), and a block -> (tensor, chunk) map of up to kMaxBlocks blocks. The host starts a new table when
+// either fills up, carrying a tensor whose chunks span two launches over. The design follows the public description of
+// NVIDIA apex's multi_tensor_apply; this is an independent implementation.
+//
+// Within a chunk, a block's threads take packs of kPack consecutive elements, one vector access per list each, where
+// every list's address is aligned alike for it (pack_head); the ragged ends, and lists aligned differently (views into
+// flat buffers at other offsets), go element by element. The emulation's pack accesses check their alignment, which a
+// CPU would not, so a pack that the GPU would fault on fails the tests here.
+#pragma once
+#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+#include "bf16_bits.h"
+#include "messages.h"
+
+#ifdef __CUDACC__
+#define MIXEDPREC_UNROLL _Pragma("unroll")
+#else
+#define MIXEDPREC_UNROLL
+#endif
+#ifndef MIXEDPREC_COUNT_ACCESS                 // the emulation counts pack and element accesses (tests only)
+#define MIXEDPREC_COUNT_ACCESS(width)
+#endif
+
+namespace mixedprec {
+
+constexpr int kBlockSize = 512;                // threads per block on the GPU
+constexpr int64_t kCudaChunk = 2048 * 32;      // elements per block
+constexpr int kPack = 4;                       // elements per vector access: 16 bytes of fp32, 8 of a half type
+static_assert(kCudaChunk % kPack == 0, "a chunk must hold whole packs, so that every chunk starts aligned as its tensor does");
+// Tensors per table for list depth 1..5, so that the table stays under the kernel-argument limit.
+constexpr int kMaxTensorsFor[6] = {0, 110, 64, 48, 36, 30};
+constexpr int kMaxBlocks = 320;
+
+template <int Depth, bool WithScalar = false> struct TensorTable {
+  static constexpr int kDepth = Depth;
+  static constexpr int kMaxTensors = kMaxTensorsFor[Depth];
+  void* addr[Depth][kMaxTensors];
+  float* scalar[WithScalar ? kMaxTensors : 1];   // a per-tensor scalar in device memory (WithScalar only)
+  int64_t numel[kMaxTensors];
+  int global_index[kMaxTensors];            // index of the tensor in the caller's lists (for per-tensor outputs)
+  unsigned char block_tensor[kMaxBlocks];   // which table slot each block works on
+  int block_chunk[kMaxBlocks];              // which chunk of that tensor
+};
+
+// One thread of a launch: its block, its index in the block, and the block's size.
+struct Lane { int block, thread, threads; };
+
+// Plan the launches over `lists` (lists[d][i] is the i-th tensor of list d; every list has the same length and paired
+// tensors the same numel) in chunks of `chunk` elements: fill tables and call launch(table, blocks) each time one is
+// full and at the end. With WithScalar, scalars[i] is a 1-element fp32 tensor, seen by the functor as t.scalar[slot].
+template <int Depth, bool WithScalar, typename Launch>
+void plan_launches(const std::vector<std::vector<at::Tensor>>& lists, const std::vector<at::Tensor>* scalars, int64_t chunk, Launch&& launch) {
+  using Table = TensorTable<Depth, WithScalar>;
+  static_assert(sizeof(Table) <= 4000, "the tensor table must fit the 4 KB kernel-argument limit");
+  TORCH_CHECK((int)lists.size() == Depth, msg("multi_tensor_apply: expected ", Depth, " tensor lists, got ", lists.size()));
+  TORCH_CHECK(chunk > 0 && chunk % kPack == 0, msg("multi_tensor_apply: the chunk must be a positive multiple of ", kPack, ", got ", chunk));
+  const int64_t n = lists[0].size();
+  if (n == 0) return;
+  Table table;
+  int slots = 0, blocks = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t numel = lists[0][t].numel();
+    if (numel == 0) continue;
+    for (int d = 0; d < Depth; ++d) table.addr[d][slots] = lists[d][t].data_ptr();
+    if constexpr (WithScalar) table.scalar[slots] = (*scalars)[t].data_ptr<float>();
+    table.numel[slots] = numel;
+    table.global_index[slots] = (int)t;
+    ++slots;
+    const int64_t chunks = (numel + chunk - 1) / chunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+      table.block_tensor[blocks] = (unsigned char)(slots - 1);
+      table.block_chunk[blocks] = (int)c;
+      ++blocks;
+      const bool table_full = blocks == kMaxBlocks;
+      const bool slots_full = slots == Table::kMaxTensors && c == chunks - 1;
+      const bool last = t == n - 1 && c == chunks - 1;
+      if (table_full || slots_full || last) {
+        launch(table, blocks);
+        blocks = 0;
+        if (c == chunks - 1) slots = 0;
+        else {                                 // the current tensor carries over into the next table
+          for (int d = 0; d < Depth; ++d) table.addr[d][0] = table.addr[d][slots - 1];
+          if constexpr (WithScalar) table.scalar[0] = table.scalar[slots - 1];
+          table.numel[0] = table.numel[slots - 1];
+          table.global_index[0] = table.global_index[slots - 1];
+          slots = 1;
+        }
+      }
+    }
+  }
+  if (blocks > 0) launch(table, blocks);       // only when the last tensors were empty
+}
+
+// Run functor `f` on `Grid` (CudaGrid in the CUDA build, the tests' CPU emulation) over `lists`: f(lane, chunk, noop,
+// table, args...) once per thread of each planned launch; `noop` is a 0-dim int tensor that the functors may read.
+template <typename Grid, int Depth, typename Functor, typename... Args>
+void multi_tensor_apply(const at::Tensor& noop, const std::vector<std::vector<at::Tensor>>& lists, Functor f, Args... args) {
+  plan_launches<Depth, false>(lists, nullptr, Grid::chunk(), [&](const auto& table, int blocks) {
+    Grid::run(table, blocks, noop.data_ptr<int>(), f, args...);
+  });
+}
+
+// The same with one 1-element fp32 tensor per tensor of the lists (on their device), read as t.scalar[slot].
+template <typename Grid, int Depth, typename Functor, typename... Args>
+void multi_tensor_apply_with_scalars(const at::Tensor& noop, const std::vector<std::vector<at::Tensor>>& lists,
+                                     const std::vector<at::Tensor>& scalars, Functor f, Args... args) {
+  plan_launches<Depth, true>(lists, &scalars, Grid::chunk(), [&](const auto& table, int blocks) {
+    Grid::run(table, blocks, noop.data_ptr<int>(), f, args...);
+  });
+}
+
+// A block sum: each thread's f.partial(lane, chunk, noop, table) summed over its block, then f.finish(lane, table, sum, args...).
+template <typename Grid, int Depth, typename Functor, typename... Args>
+void multi_tensor_sum(const at::Tensor& noop, const std::vector<std::vector<at::Tensor>>& lists, Functor f, Args... args) {
+  plan_launches<Depth, false>(lists, nullptr, Grid::chunk(), [&](const auto& table, int blocks) {
+    Grid::run_sum(table, blocks, noop.data_ptr<int>(), f, args...);
+  });
+}
+
+// The table slot a block works on, and the element range [begin, end) of its chunk.
+template <typename Table>
+MIXEDPREC_HD int block_range(const Table& t, const Lane& lane, int64_t chunk, int64_t& begin, int64_t& end) {
+  const int slot = t.block_tensor[lane.block];
+  begin = (int64_t)t.block_chunk[lane.block] * chunk;
+  end = t.numel[slot] < begin + chunk ? t.numel[slot] : begin + chunk;
+  return slot;
+}
+
+// fp32 arithmetic rounded once per operation, as the references round it: no fused multiply-add (nvcc's intrinsics on
+// the GPU; the emulation is compiled with -ffp-contract=off), and a correctly rounded division and square root.
+MIXEDPREC_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MIXEDPREC_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+MIXEDPREC_HD float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+MIXEDPREC_HD float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+MIXEDPREC_HD float sqrt_rn(float a) {
+#ifdef __CUDA_ARCH__
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+MIXEDPREC_HD bool finite(float x) {
+#ifdef __CUDA_ARCH__
+  return isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
+template <typename T> MIXEDPREC_HD float to_float(T x) { return static_cast<float>(x); }
+
+// kPack elements of one list, laid out for a single vector access.
+template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+MIXEDPREC_HD void check_pack_aligned(const void* p, size_t bytes) {
+#ifndef __CUDA_ARCH__                          // the emulation: a GPU would fault on this access, a CPU would not
+  if (reinterpret_cast<uintptr_t>(p) % bytes)
+    throw std::logic_error(msg("mixedprec: a ", (uint64_t)bytes, "-byte pack access at a misaligned address (the GPU would fault here)"));
+#endif
+}
+
+// Elements i..i+N-1 of `p` into `out`: one vector access for a pack (N == kPack, `p + i` aligned for it), else one load.
+template <int N, typename T> MIXEDPREC_HD void load(const T* p, int64_t i, T (&out)[N]) {
+  MIXEDPREC_COUNT_ACCESS(N);
+  if constexpr (N == 1) out[0] = p[i];
+  else {
+    check_pack_aligned(p + i, sizeof(Pack<T, N>));
+    const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p + i);
+    MIXEDPREC_UNROLL for (int j = 0; j < N; ++j) out[j] = pk.v[j];
+  }
+}
+
+template <int N, typename T> MIXEDPREC_HD void store(T* p, int64_t i, const T (&in)[N]) {
+  MIXEDPREC_COUNT_ACCESS(N);
+  if constexpr (N == 1) p[i] = in[0];
+  else {
+    check_pack_aligned(p + i, sizeof(Pack<T, N>));
+    Pack<T, N> pk;
+    MIXEDPREC_UNROLL for (int j = 0; j < N; ++j) pk.v[j] = in[j];
+    *reinterpret_cast<Pack<T, N>*>(p + i) = pk;
+  }
+}
+
+// Where a list's packs start: the elements before its first address aligned for a pack (0..kPack-1), -1 if no element
+// is (an address that is not a multiple of the element size), and kAnyHead for an unused list (a null pointer).
+constexpr int kAnyHead = -2;
+template <typename T> MIXEDPREC_HD int list_head(const T* p) {
+  if (p == nullptr) return kAnyHead;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a % sizeof(T)) return -1;
+  return (int)((kPack - (a / sizeof(T)) % kPack) % kPack);
+}
+MIXEDPREC_HD int common_head(int a, int b) { return a == kAnyHead ? b : b == kAnyHead ? a : a == b ? a : -1; }
+
+// The elements before the first index at which every list can be read in packs, or -1 when no index suits them all.
+template <typename... T> MIXEDPREC_HD int pack_head(const T*... lists) {
+  int head = kAnyHead;
+  ((head = common_head(head, list_head(lists))), ...);
+  return head == kAnyHead ? 0 : head;
+}
+
+template <int N> using Width = std::integral_constant<int, N>;
+
+// The elements [begin, end) of one chunk, shared among a block's threads: body(Width<kPack>(), i) for each aligned pack
+// i..i+kPack-1, body(Width<1>(), i) for the elements before the first pack and after the last (all of them when
+// head < 0). A chunk starts at a multiple of kPack, so `head`, counted from the tensor's start, holds for every chunk.
+template <typename Body>
+MIXEDPREC_HD void walk(const Lane& lane, int64_t begin, int64_t end, int head, Body&& body) {
+  const int64_t first = head < 0 ? end : (begin + head < end ? begin + head : end);
+  const int64_t packs = (end - first) / kPack;
+  const int64_t rest = first + packs * kPack;
+  for (int64_t k = lane.thread; k < packs; k += lane.threads) body(Width<kPack>(), first + k * kPack);
+  for (int64_t i = begin + lane.thread; i < first; i += lane.threads) body(Width<1>(), i);
+  for (int64_t i = rest + lane.thread; i < end; i += lane.threads) body(Width<1>(), i);
+}
+
+MIXEDPREC_HD void atomic_add(double* p, double x) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(p, x);
+#else
+  *p += x;                                     // the emulation runs one thread at a time
+#endif
+}
+
+}  // namespace mixedprec

@@ -1,0 +1,206 @@
+// Fused SGD and Adam/AdamW steps on a multi-tensor grid (multi_tensor.h): read the (half) grads, unscale, update the
+// master and its state, write the half model copy. When the overflow flag is set every block returns at once: the skip
+// is decided on the device, with no host sync (the caller advances Adam's step counts by 1 - flag, on the device too).
+#pragma once
+#include "multi_tensor.h"
+
+namespace mixedprec {
+
+// How a functor finds each master (bf16_bits.h): an fp32 param (and its optional half copy in the `out` list), a bf16
+// param with its int16 low halves in the `out` list's place (split), or a bf16 param rounded stochastically.
+enum MasterMode { kFp32 = 0, kSplit = 1, kStochastic = 2 };
+
+// The param list's element: the fp32 master itself, or the raw bits of a bf16 param.
+template <int Mode> using ParamBits = std::conditional_t<Mode == kFp32, float, uint16_t>;
+
+// The fp32 masters of elements i..i+W-1.
+template <int Mode, int W> MIXEDPREC_HD void load_masters(const ParamBits<Mode>* p, const int16_t* lo, int64_t i, float (&x)[W]) {
+  ParamBits<Mode> bits[W];
+  load<W>(p, i, bits);
+  if constexpr (Mode == kFp32) { MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) x[j] = bits[j]; }
+  else if constexpr (Mode == kSplit) {
+    int16_t low[W];
+    load<W>(lo, i, low);
+    MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) x[j] = join_bf16(bits[j], low[j]);
+  } else { MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) x[j] = bits_float((uint32_t)bits[j] << 16); }
+}
+
+// Store the fp32 masters x of elements i..i+W-1 (and their half copy `o`, when given), split or rounded per Mode.
+template <int Mode, int W, typename O>
+MIXEDPREC_HD void store_masters(const float (&x)[W], ParamBits<Mode>* p, int16_t* lo, O* o, uint64_t seed, int64_t i) {
+  if constexpr (Mode == kFp32) {
+    store<W>(p, i, x);
+    if (o) {
+      O half[W];
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) half[j] = static_cast<O>(x[j]);
+      store<W>(o, i, half);
+    }
+  } else {
+    uint16_t hi[W];
+    if constexpr (Mode == kSplit) {
+      int16_t low[W];
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) split_bf16(x[j], hi[j], low[j]);
+      store<W>(lo, i, low);
+    } else {
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) hi[j] = round_stochastic(x[j], rounding_bits(seed, (uint64_t)(i + j)));
+    }
+    store<W>(p, i, hi);
+  }
+}
+
+// The lists of one tensor of a step: grads, params, optimizer state (up to two), low halves or half copy.
+template <typename G, typename O, int Mode> struct StepLists {
+  const G* g; ParamBits<Mode>* p; float* s0; float* s1; int16_t* lo; O* o; uint64_t seed;
+  template <typename Table>
+  MIXEDPREC_HD StepLists(const Table& t, int slot, int states, bool has_s0, bool has_out, const int64_t* seeds)
+      : g(static_cast<const G*>(t.addr[0][slot])), p(static_cast<ParamBits<Mode>*>(t.addr[1][slot])),
+        s0(has_s0 ? static_cast<float*>(t.addr[2][slot]) : nullptr), s1(states > 1 ? static_cast<float*>(t.addr[3][slot]) : nullptr),
+        lo(Mode == kSplit ? static_cast<int16_t*>(t.addr[2 + states][slot]) : nullptr),
+        o(Mode == kFp32 && has_out ? static_cast<O*>(t.addr[2 + states][slot]) : nullptr),
+        seed(Mode == kStochastic ? (uint64_t)seeds[t.global_index[slot]] : 0) {}
+  MIXEDPREC_HD int head() const { return pack_head(g, p, s0, s1, lo, o); }
+};
+
+template <typename G, typename O, int Mode> struct SgdFunctor {
+  template <typename Table>
+  MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, float lr, float momentum, float damp,
+                               float wd, float decay, bool decoupled, bool nesterov, bool first_run, bool has_buf, bool has_out,
+                               const int64_t* seeds) const {
+    if (*noop) return;
+    int64_t begin, end;
+    const int slot = block_range(t, lane, chunk, begin, end);
+    const StepLists<G, O, Mode> l(t, slot, 1, has_buf, has_out, seeds);
+    walk(lane, begin, end, l.head(), [&](auto width, int64_t i) {
+      constexpr int W = decltype(width)::value;
+      G gs[W];
+      float p0[W], m[W], p1[W];
+      load<W>(l.g, i, gs);
+      load_masters<Mode, W>(l.p, l.lo, i, p0);
+      if (l.s0 && !first_run) load<W>(l.s0, i, m);
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
+        float gi = mul_rn(to_float(gs[j]), inv_scale);
+        if (wd != 0.f) gi = add_rn(gi, mul_rn(wd, p0[j]));
+        if (l.s0) {
+          m[j] = first_run ? gi : add_rn(mul_rn(m[j], momentum), mul_rn(damp, gi));
+          gi = nesterov ? add_rn(gi, mul_rn(momentum, m[j])) : m[j];
+        }
+        const float pv = decoupled ? mul_rn(p0[j], decay) : p0[j];
+        p1[j] = sub_rn(pv, mul_rn(lr, gi));
+      }
+      if (l.s0) store<W>(l.s0, i, m);
+      store_masters<Mode, W>(p1, l.p, l.lo, l.o, l.seed, i);
+    });
+  }
+};
+
+// The scalars arrive as the host computes them (in double, rounded once to float), as the reference's Python scalars do;
+// the per-step factors come from each tensor's own step count (t.scalar[slot], beside the params) plus one; the caller
+// advances the counts afterwards, on the device, unless the flag is set.
+template <typename G, typename O, int Mode> struct AdamFunctor {
+  template <typename Table>
+  MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, double lr, double beta1, double beta2,
+                               float omb1, float b2, float omb2, float eps, float l2, float decay, bool decoupled, bool has_out,
+                               const int64_t* seeds) const {
+    if (*noop) return;
+    int64_t begin, end;
+    const int slot = block_range(t, lane, chunk, begin, end);
+    const StepLists<G, O, Mode> l(t, slot, 2, true, has_out, seeds);
+    const double s = (double)*t.scalar[slot] + 1.0;           // this step's count; the caller advances it afterwards
+    const float step_size = (float)(lr / (1.0 - pow(beta1, s)));
+    const float bc2_sqrt = (float)sqrt(1.0 - pow(beta2, s));
+    walk(lane, begin, end, l.head(), [&](auto width, int64_t i) {
+      constexpr int W = decltype(width)::value;
+      G gs[W];
+      float pv[W], m[W], v[W];
+      load<W>(l.g, i, gs);
+      load_masters<Mode, W>(l.p, l.lo, i, pv);
+      load<W>(l.s0, i, m);
+      load<W>(l.s1, i, v);
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
+        float gi = mul_rn(to_float(gs[j]), inv_scale);
+        if (decoupled) pv[j] = mul_rn(pv[j], decay);
+        else if (l2 != 0.f) gi = add_rn(gi, mul_rn(l2, pv[j]));
+        m[j] = add_rn(m[j], mul_rn(omb1, sub_rn(gi, m[j])));
+        v[j] = add_rn(mul_rn(v[j], b2), mul_rn(mul_rn(omb2, gi), gi));
+        const float denom = add_rn(div_rn(sqrt_rn(v[j]), bc2_sqrt), eps);
+        pv[j] = sub_rn(pv[j], mul_rn(step_size, div_rn(m[j], denom)));
+      }
+      store<W>(l.s0, i, m);
+      store<W>(l.s1, i, v);
+      store_masters<Mode, W>(pv, l.p, l.lo, l.o, l.seed, i);
+    });
+  }
+};
+
+// The storage mode of a call: fp32 masters, split bf16 (`lows` given) or stochastic rounding (`seeds` given).
+inline int master_mode(const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
+  return !lows.empty() ? kSplit : (seeds.has_value() && seeds->defined()) ? kStochastic : kFp32;
+}
+
+#define MIXEDPREC_MODES(MODE, ...)                                                                          \
+  switch (MODE) {                                                                                           \
+    case kSplit: { constexpr int kMode = kSplit; __VA_ARGS__(); break; }                                    \
+    case kStochastic: { constexpr int kMode = kStochastic; __VA_ARGS__(); break; }                          \
+    default: { constexpr int kMode = kFp32; __VA_ARGS__(); break; }                                         \
+  }
+
+// The overflow flag as the kernels' int no-op flag, on the params' device (a CPU flag is copied there).
+inline at::Tensor as_int_flag(const at::Tensor& found_inf, const at::Tensor& like) { return found_inf.to(like.device(), at::kInt); }
+
+template <typename Grid>
+void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
+                 const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
+                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled,
+                 const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
+  if (params.empty()) return;
+  const typename Grid::Guard guard(params[0].device());
+  auto flag = as_int_flag(found_inf, params[0]);
+  const bool has_out = !out.empty();
+  const bool has_buf = !bufs.empty();
+  const int mode = master_mode(lows, seeds);
+  const int64_t* seed_ptr = mode == kStochastic ? seeds->data_ptr<int64_t>() : nullptr;
+  const auto& m = has_buf ? bufs : params;            // an unused list when there is no momentum buffer
+  const auto& o = mode == kSplit ? lows : has_out ? out : params;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_sgd", [&] {
+    using G = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, has_out ? o[0].scalar_type() : at::kFloat, "mixedprec_sgd_out", [&] {
+      using O = scalar_t;
+      MIXEDPREC_MODES(mode, [&] {
+        multi_tensor_apply<Grid, 4>(flag, {grads, params, m, o}, SgdFunctor<G, O, kMode>(), (float)inv_scale, (float)lr, (float)momentum,
+                                    (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
+                                    decoupled ? (float)(1.0 - lr * weight_decay) : 1.f, decoupled, nesterov, first_run, has_buf, has_out, seed_ptr);
+      });
+    });
+  });
+}
+
+// `steps[i]` is tensor i's step count before this step, a 1-element fp32 tensor beside the params (torch's capturable
+// layout); the caller advances it afterwards when the step is taken. The skip is decided from `found_inf` beside the
+// params (no host sync).
+template <typename Grid>
+void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
+                  const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
+                  const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
+                  double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
+  if (params.empty()) return;
+  const typename Grid::Guard guard(params[0].device());
+  auto flag = as_int_flag(found_inf, params[0]);
+  const bool has_out = !out.empty();
+  const int mode = master_mode(lows, seeds);
+  const int64_t* seed_ptr = mode == kStochastic ? seeds->data_ptr<int64_t>() : nullptr;
+  const auto& o = mode == kSplit ? lows : has_out ? out : params;
+  const float omb1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
+  const float l2 = decoupled ? 0.f : (float)weight_decay, decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.f;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_adam", [&] {
+    using G = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, has_out ? o[0].scalar_type() : at::kFloat, "mixedprec_adam_out", [&] {
+      using O = scalar_t;
+      MIXEDPREC_MODES(mode, [&] {
+        multi_tensor_apply_with_scalars<Grid, 5>(flag, {grads, params, exp_avgs, exp_avg_sqs, o}, steps, AdamFunctor<G, O, kMode>(),
+                                                 (float)inv_scale, lr, beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out, seed_ptr);
+      });
+    });
+  });
+}
+
+}  // namespace mixedprec

@@ -1,0 +1,50 @@
+// dst = src*scale (or dst += src*scale) over many tensors, raising a flag on any non-finite input, on a multi-tensor grid
+// (multi_tensor.h): the GPU's in scale_kernels.cu, the tests' CPU emulation otherwise. The scale is a host number, or
+// (scale_ptr) a 1-element fp32 tensor beside the tensors, so that a scale the device computed needs no host read.
+#pragma once
+#include "multi_tensor.h"
+
+namespace mixedprec {
+
+template <typename S, typename D, bool Add> struct ScaleFunctor {
+  template <typename Table>
+  MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float host_scale, const float* scale_ptr, int* flag) const {
+    const float scale = scale_ptr ? *scale_ptr : host_scale;
+    int64_t begin, end;
+    const int slot = block_range(t, lane, chunk, begin, end);
+    const S* src = static_cast<const S*>(t.addr[0][slot]);
+    D* dst = static_cast<D*>(t.addr[1][slot]);
+    bool bad = false;
+    walk(lane, begin, end, pack_head(src, dst), [&](auto width, int64_t i) {
+      constexpr int W = decltype(width)::value;
+      S x[W];
+      D y[W];
+      load<W>(src, i, x);
+      if constexpr (Add) load<W>(dst, i, y);
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
+        const float v = to_float(x[j]);
+        bad |= !finite(v);
+        const float prod = mul_rn(v, scale);
+        y[j] = static_cast<D>(Add ? add_rn(to_float(y[j]), prod) : prod);
+      }
+      store<W>(dst, i, y);
+    });
+    if (bad) *flag = 1;
+  }
+};
+
+template <typename Grid, bool Add>
+at::Tensor scale_check_on(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const float* scale_ptr) {
+  if (src.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kBool));
+  auto flag = at::zeros({}, src[0].options().dtype(at::kInt));
+  const typename Grid::Guard guard(src[0].device());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src[0].scalar_type(), "mixedprec_scale_src", [&] {
+    using S = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst[0].scalar_type(), "mixedprec_scale_dst", [&] {
+      multi_tensor_apply<Grid, 2>(flag, {src, dst}, ScaleFunctor<S, scalar_t, Add>(), (float)scale, scale_ptr, flag.data_ptr<int>());
+    });
+  });
+  return flag.to(at::kBool);
+}
+
+}  // namespace mixedprec
