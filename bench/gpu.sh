@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one command (under 8 minutes on one modern GPU): build the CUDA kernels, run every CUDA test (the
-# fused-vs-reference parity tests with the fused kernels required, and the end-to-end tests of the three front ends),
+# fused-vs-reference parity tests with the fused kernels required, views at offsets included, and the end-to-end tests of the three front ends),
 # the kernel benchmark, and a ResNet-50 training benchmark (fastai: fp32, mixedprec, fastai's native AMP; plain
 # PyTorch: fp32, mixedprec.amp, torch's GradScaler) with host syncs counted per step. Prints the tables; run it where a
 # GPU is lent and put them in the README.
@@ -18,7 +18,7 @@ step "build" $PYTHON -c "
 import time, torch; from mixedprec import ops
 t = time.time(); ext = ops.build_extension(cuda=True)
 print(f'torch {torch.__version__}, {torch.cuda.get_device_name()}: CUDA kernels built or loaded in {time.time() - t:.0f}s, has_cuda={ext.has_cuda()}')"
-step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py tests/test_custom_ops.py tests/test_bf16_masters.py -k cuda -q -p no:cacheprovider -rfE --tb=short
+step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py tests/test_custom_ops.py tests/test_bf16_masters.py tests/test_cuda_emulation.py -k cuda -q -p no:cacheprovider -rfE --tb=short
 step "kernel benchmark" $PYTHON bench/kernels.py --device cuda --repeat 10
 step "bf16 masters memory" $PYTHON bench/bf16_masters.py memory
 step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 60 --max-seconds 10 --sync-sites \

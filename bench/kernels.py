@@ -1,5 +1,6 @@
 """Benchmark of the per-step bookkeeping over a whole model's params: a per-tensor Python loop (as fastai v1 did),
-torch's foreach ops (with torch._amp_foreach_non_finite_check_and_unscale_), and mixedprec's fused kernels; and fastai's
+torch's foreach ops (with torch._amp_foreach_non_finite_check_and_unscale_), for the full step also torch's fastest parts
+(that unscale, a foreach clip and AdamW(fused=True)), and mixedprec's fused kernels; and fastai's
 own Adam step (its per-param Python loop) against the fused step that the callback runs in its place.
 Prints one table; every figure is also given as a ratio to a plain copy's bandwidth measured in the same run.
 
@@ -64,6 +65,9 @@ def run(shapes, repeat, device):
     def foreach_step():
         foreach_unscale(); c = torch.clamp(1e3 / (foreach_norm() + 1e-6), max=1.)
         torch._foreach_mul_(g32, c); opt_foreach.step(); foreach_copy()
+    def torch_fused_step():                                       # torch's fastest parts: the AMP unscale, foreach clip, AdamW(fused=True)
+        foreach_unscale(); c = torch.clamp(1e3 / (foreach_norm() + 1e-6), max=1.)
+        torch._foreach_mul_(g32, c); opt_torch_fused.step(); foreach_copy()
     def fused_step():
         f = ops.scale_check_(g16, g32, 1 / 1024)
         c = min(1., 1e3 / (float(ops.l2norm(g32)) + 1e-6))
@@ -72,6 +76,7 @@ def run(shapes, repeat, device):
     for p, g in zip(params, g32): p.grad = g
     opt_loop = torch.optim.AdamW(params, lr=1e-3, foreach=False)
     opt_foreach = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    opt_torch_fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
     step = torch.zeros((), device=device if device == 'cuda' else 'cpu')
 
     copy_t = timeit(lambda: flat_b.copy_(flat_a), repeat, device)
@@ -87,6 +92,7 @@ def run(shapes, repeat, device):
     add('master->model copy', 'fused', lambda: ops.scale_check_(m32, p16, 1., impl='fused'), 6 * n)
     step_bytes = 6 * n + 4 * n + 4 * 4 * n + 2 * n              # unscale, norm, Adam (g, p, m, v read; p, m, v written ~), copy
     add('full step (Adam)', 'loop', loop_step, step_bytes); add('full step (Adam)', 'foreach', foreach_step, step_bytes)
+    add('full step (Adam)', 'torch fused', torch_fused_step, step_bytes)
     add('full step (Adam)', 'fused', fused_step, step_bytes)
     # fastai's Adam over fp32 masters of half params: its own step, and the callback's fused step (which also writes the half params)
     from fastai.optimizer import Adam
@@ -120,13 +126,13 @@ def main():
     for name in a.sizes.split(','):
         shapes = {'resnet50': resnet50_like, '100m': hundred_m}[name]()
         print(f"\n{name}:")
-        print(f"{'threads':>7}  {'op':<20}{'impl':<9}{'ms':>9}{'GB/s':>8}{'x copy bw':>11}{'x loop':>9}")
+        print(f"{'threads':>7}  {'op':<20}{'impl':<12}{'ms':>9}{'GB/s':>8}{'x copy bw':>11}{'x loop':>9}")
         for t in threads:
             torch.set_num_threads(t)
             n, k, copy_bw, rows = run(shapes, a.repeat, a.device)
             print(f"{t:>7}  {n / 1e6:.1f}M params in {k} tensors; plain fp32 copy: {copy_bw / 1e9:.1f} GB/s")
             for op, impl, ms, gbs, rel in rows:
                 loop_ms = next(r[2] for r in rows if r[0] == op and r[1] == 'loop')
-                print(f"{t:>7}  {op:<20}{impl:<9}{ms:>9.1f}{gbs:>8.1f}{rel:>11.2f}{loop_ms / ms:>9.2f}")
+                print(f"{t:>7}  {op:<20}{impl:<12}{ms:>9.1f}{gbs:>8.1f}{rel:>11.2f}{loop_ms / ms:>9.2f}")
 
 if __name__ == '__main__': main()

@@ -1,13 +1,15 @@
 """The CUDA kernels' own code, run on the CPU over an emulated grid (tests/csrc/cuda_emulator.cpp), against the references:
 bit for bit through aligned packs and ragged ends, views aligned alike and differently, many launches with tensors carried
 over between them, every master storage mode, and a front end training on it. CI has no GPU: this is where a wrong
-index in a CUDA kernel fails before it reaches one."""
-import pathlib, random
+index in a CUDA kernel fails before it reaches one. Where there is a GPU, the same bit-exact tests also run on the real
+CUDA kernels (the `cuda` parameter), views at offsets included."""
+import os, pathlib, random, subprocess, sysconfig
 import pytest, torch
 from torch.utils import cpp_extension
 from mixedprec import ops
 
 ROOT = pathlib.Path(__file__).parent.parent
+CSRC = ROOT / 'mixedprec' / 'csrc'
 GPU_GRID, SMALL_GRID = (1 << 16, 512), (64, 32)        # the GPU's chunk and block size; one that makes many launches and rounds
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PACK = 4                                                # elements per vector access (multi_tensor.h's kPack)
@@ -19,7 +21,7 @@ def emu():
     build.mkdir(parents=True, exist_ok=True)
     with ops._build_env(None):
         mod = cpp_extension.load('mixedprec_cuda_emulator', [str(ROOT / 'tests' / 'csrc' / 'cuda_emulator.cpp')],
-                                 extra_include_paths=[str(ROOT / 'mixedprec' / 'csrc')], extra_cflags=['-O2', '-ffp-contract=off'],
+                                 extra_include_paths=[str(CSRC)], extra_cflags=['-O2', '-ffp-contract=off'],
                                  build_directory=str(build))
     yield mod
     mod.set_grid(*GPU_GRID)
@@ -34,23 +36,37 @@ class Emulated:
     def sgd_step(self, *args): return self.mod.sgd_step(*args)
     def adam_step(self, *args): return self.mod.adam_step(*args)
 
-@pytest.fixture(params=[GPU_GRID, SMALL_GRID], ids=['gpu-grid', 'small-grid'])
-def on_emulator(emu, monkeypatch, request):
-    "ops' fused path (impl='fused', and every front end) runs the emulated CUDA kernels for this test"
-    emu.set_grid(*request.param)
+def use_emulator(emu, monkeypatch, grid):
+    "ops' fused path (impl='fused', and every front end) runs the emulated CUDA kernels on `grid` (chunk, threads)"
+    emu.set_grid(*grid)
     monkeypatch.setattr(ops, '_choose', lambda t, impl, warn: Emulated(emu))
     monkeypatch.setattr(ops, '_chosen', {})
+
+@pytest.fixture(params=[GPU_GRID, SMALL_GRID], ids=['gpu-grid', 'small-grid'])
+def on_emulator(emu, monkeypatch, request):
+    "The emulator, behind ops' fused path for this test, on the GPU's grid and on a small one"
+    use_emulator(emu, monkeypatch, request.param)
     yield emu
 
-LAYOUTS = ['aligned', 'same offset', 'other offsets']
+@pytest.fixture(params=['gpu-grid', 'small-grid', pytest.param('cuda', marks=pytest.mark.cuda)])
+def device(request, monkeypatch):
+    "Where impl='fused' runs: the emulated CUDA kernels on CPU tensors (two grids), or the real ones on a GPU"
+    if request.param == 'cuda': return 'cuda'
+    use_emulator(request.getfixturevalue('emu'), monkeypatch, GPU_GRID if request.param == 'gpu-grid' else SMALL_GRID)
+    return 'cpu'
 
-def make(sizes, dtype, layout, which, seed, scale=4.):
-    "Tensors of `sizes` (fresh allocations, or views into a buffer at an offset: the same for every list, or one per list `which`)"
+# Views into buffers at offsets: fresh allocations; every list at the same offset; lists at other offsets; every list at
+# the same offset but the one made with which=2 (the half copy or the low halves), one element further on.
+LAYOUTS = ['aligned', 'same offset', 'other offsets', 'one list out of step']
+
+def make(sizes, dtype, layout, which, seed, scale=4., device='cpu'):
+    "Tensors of `sizes` for list number `which` of a call, laid out as `layout` says"
     g = torch.Generator().manual_seed(seed)
     out = []
     for k, n in enumerate(sizes):
-        off = 0 if layout == 'aligned' else 1 + k % 3 if layout == 'same offset' else 1 + (k + which) % 3
-        buf = torch.empty(n + off + PACK, dtype=dtype)
+        off = {'aligned': 0, 'same offset': 1 + k % 3, 'other offsets': 1 + (k + which) % 3,
+               'one list out of step': 1 + k % 3 + (which == 2)}[layout]
+        buf = torch.empty(n + off + PACK, dtype=dtype, device=device)
         t = buf[off:off + n]
         t.copy_((torch.randn(n, generator=g) * scale).to(dtype))
         out.append(t)
@@ -68,44 +84,44 @@ def assert_same(a, b):
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("dst_dtype", DTYPES)
 @pytest.mark.parametrize("add", [False, True])
-def test_scale_bit_exact(on_emulator, sizes, layout, src_dtype, dst_dtype, add):
+def test_scale_bit_exact(device, sizes, layout, src_dtype, dst_dtype, add):
     if sizes == 'two chunks+' and (src_dtype, dst_dtype) != (torch.float16, torch.float32): pytest.skip("the large lists once, as unscale reads them")
-    src = make(SIZES[sizes], src_dtype, layout, 0, seed=1)
-    dst = make(SIZES[sizes], dst_dtype, layout, 1, seed=2)
+    src = make(SIZES[sizes], src_dtype, layout, 0, seed=1, device=device)
+    dst = make(SIZES[sizes], dst_dtype, layout, 2, seed=2, device=device)
     op, ref = (ops.scale_add_check_, ops.scale_add_check_ref_) if add else (ops.scale_check_, ops.scale_check_ref_)
-    for scale in (1 / 3, torch.tensor(2. ** -7)):                      # a host number, and a scale the device computed
+    for scale in (1 / 3, torch.tensor(2. ** -7, device=device)):                      # a host number, and a scale the device computed
         a, b = clone(dst), clone(dst)
         assert not op(src, a, scale, impl='fused').item() and not ref(src, b, scale).item()
         assert_same(a, b)
 
 @pytest.mark.parametrize("value", [float('inf'), float('nan')])
 @pytest.mark.parametrize("where", [0, 1, 4, 6, -1])                  # in the head, a pack, the tail
-def test_nonfinite_in_a_pack_or_a_ragged_end_is_flagged(on_emulator, value, where):
+def test_nonfinite_in_a_pack_or_a_ragged_end_is_flagged(device, value, where):
     for layout in LAYOUTS:
-        src = make([11, 1029], torch.float16, layout, 0, seed=3)
+        src = make([11, 1029], torch.float16, layout, 0, seed=3, device=device)
         src[1][where] = value
-        assert ops.scale_check_(src, make([11, 1029], torch.float32, layout, 1, seed=4), 1., impl='fused').item()
+        assert ops.scale_check_(src, make([11, 1029], torch.float32, layout, 2, seed=4, device=device), 1., impl='fused').item()
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_l2norm_close_to_reference(on_emulator, layout, dtype):
-    ts = make(SIZES['ragged'] + SIZES['two chunks+'], dtype, layout, 0, seed=5)
+def test_l2norm_close_to_reference(device, layout, dtype):
+    ts = make(SIZES['ragged'] + SIZES['two chunks+'], dtype, layout, 0, seed=5, device=device)
     (rt, rp), (ft, fp) = ops.l2norm(ts, per_tensor=True, impl='ref'), ops.l2norm(ts, per_tensor=True, impl='fused')
     torch.testing.assert_close(fp, rp, rtol=1e-5, atol=0)
     torch.testing.assert_close(ft, rt, rtol=1e-5, atol=0)
 
 MODES = ['fp32', 'fp32+fp16 copy', 'fp32+bf16 copy', 'split', 'stochastic']
 
-def step_lists(sizes, mode, layout, seed):
-    "Masters (fp32, or bf16 with low halves or seeds), the half copy `out`, and the lists' kwargs for a step"
+def step_lists(sizes, mode, layout, seed, device='cpu'):
+    "Masters (fp32, or bf16 with low halves or seeds), the half copy `out` (list 2), and the lists' kwargs for a step"
     if mode.startswith('fp32'):
-        params = make(sizes, torch.float32, layout, 1, seed)
-        out = [] if mode == 'fp32' else make(sizes, torch.float16 if 'fp16' in mode else torch.bfloat16, layout, 2, seed + 1)
+        params = make(sizes, torch.float32, layout, 1, seed, device=device)
+        out = [] if mode == 'fp32' else make(sizes, torch.float16 if 'fp16' in mode else torch.bfloat16, layout, 2, seed + 1, device=device)
         return params, out, {}
-    params = make(sizes, torch.bfloat16, layout, 1, seed)
+    params = make(sizes, torch.bfloat16, layout, 1, seed, device=device)
     if mode == 'stochastic': return params, [], {'seeds': [1000 + 7 * i for i in range(len(sizes))]}
-    lows = make(sizes, torch.int16, layout, 2, seed)                        # aligned as the params, or (other offsets) not
-    for p, lo, m in zip(params, lows, make(sizes, torch.float32, layout, 1, seed)):
+    lows = make(sizes, torch.int16, layout, 2, seed, device=device)
+    for p, lo, m in zip(params, lows, make(sizes, torch.float32, layout, 1, seed, device=device)):
         hi, low = ops.split_bf16_ref(m)
         p.copy_(hi); lo.copy_(low)
     return params, [], {'lows': lows}
@@ -116,15 +132,15 @@ def snapshot(*lists): return [t.clone() for l in lists for t in l]
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 @pytest.mark.parametrize("momentum,nesterov,wd,decoupled", [(0., False, 0., False), (0.9, True, 1e-2, False), (0.9, False, 0.1, True)])
-def test_sgd_step_bit_exact(on_emulator, mode, layout, grad_dtype, momentum, nesterov, wd, decoupled):
+def test_sgd_step_bit_exact(device, mode, layout, grad_dtype, momentum, nesterov, wd, decoupled):
     sizes = SIZES['tiny'] + SIZES['ragged']
     runs = []
     for impl in ('ref', 'fused'):
-        params, out, kw = step_lists(sizes, mode, layout, seed=10)
-        bufs = make(sizes, torch.float32, layout, 3, seed=11) if momentum else []
+        params, out, kw = step_lists(sizes, mode, layout, seed=10, device=device)
+        bufs = make(sizes, torch.float32, layout, 3, seed=11, device=device) if momentum else []
         for i in range(3):
-            grads = make(sizes, grad_dtype, layout, 0, seed=20 + i, scale=256.)
-            ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == 1), 1 / 256, 0.1, momentum, 0., wd, nesterov, first_run=i == 0,
+            grads = make(sizes, grad_dtype, layout, 0, seed=20 + i, scale=256., device=device)
+            ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == 1, device=device), 1 / 256, 0.1, momentum, 0., wd, nesterov, first_run=i == 0,
                           decoupled=decoupled, impl=impl, **kw)
         runs.append(snapshot(params, bufs, out, kw.get('lows', [])))
     assert_same(*runs)
@@ -133,16 +149,17 @@ def test_sgd_step_bit_exact(on_emulator, mode, layout, grad_dtype, momentum, nes
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 @pytest.mark.parametrize("decoupled,wd", [(True, 0.1), (False, 1e-2), (False, 0.)])
-def test_adam_step_bit_exact(on_emulator, mode, layout, grad_dtype, decoupled, wd):
+def test_adam_step_bit_exact(device, mode, layout, grad_dtype, decoupled, wd):
     sizes = SIZES['tiny'] + SIZES['ragged']
     runs = []
     for impl in ('ref', 'fused'):
-        params, out, kw = step_lists(sizes, mode, layout, seed=30)
-        m, v = make(sizes, torch.float32, layout, 3, seed=31, scale=0.1), [t.abs() for t in make(sizes, torch.float32, layout, 4, seed=32, scale=0.01)]
-        steps = [torch.tensor([float(k % 4)]) for k in range(len(sizes))]          # a count per param, each its own
+        params, out, kw = step_lists(sizes, mode, layout, seed=30, device=device)
+        m = make(sizes, torch.float32, layout, 3, seed=31, scale=0.1, device=device)
+        v = [t.abs() for t in make(sizes, torch.float32, layout, 4, seed=32, scale=0.01, device=device)]
+        steps = [torch.tensor([float(k)], device=device) for k in range(len(sizes))]  # a count per param, each its own
         for i in range(3):
-            grads = make(sizes, grad_dtype, layout, 0, seed=40 + i, scale=1024.)
-            ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1), steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, wd, decoupled, impl=impl, **kw)
+            grads = make(sizes, grad_dtype, layout, 0, seed=40 + i, scale=1024., device=device)
+            ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1, device=device), steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, wd, decoupled, impl=impl, **kw)
         runs.append(snapshot(params, m, v, out, kw.get('lows', []), steps))
     assert_same(*runs)
 
@@ -157,7 +174,7 @@ def test_many_tensors_over_many_launches_carry_their_state(on_emulator):
         for mode in ('fp32+fp16 copy', 'stochastic'):
             params, out, kw = step_lists(sizes, mode, 'same offset', seed=50)
             m, v = make(sizes, torch.float32, 'aligned', 3, seed=51, scale=0.1), [torch.zeros(n) for n in sizes]
-            steps = [torch.tensor([float(k % 5)]) for k in range(len(sizes))]
+            steps = [torch.tensor([float(k)]) for k in range(len(sizes))]  # distinct: a carried tensor must not read another's
             grads = make(sizes, torch.float16, 'same offset', 0, seed=52, scale=64.)
             ops.adam_step_(grads, params, m, v, out, torch.tensor(False), steps, 1 / 64, 1e-2, 0.9, 0.999, 1e-8, 0.01, True, impl=impl, **kw)
             runs.append(snapshot(params, m, v, out, steps) + list(ops.l2norm(grads, per_tensor=True, impl=impl)))
@@ -172,7 +189,7 @@ def test_aligned_lists_go_in_packs_and_ragged_ends_element_by_element(emu, n):
     emu.set_grid(*GPU_GRID)
     chunks = [(c, min(n, c + GPU_GRID[0])) for c in range(0, n, GPU_GRID[0])]
     for layout, head in [('aligned', 0), ('same offset', None), ('other offsets', -1)]:
-        src, dst = make([n], torch.float16, layout, 0, seed=1), make([n], torch.float32, layout, 1, seed=2)
+        src, dst = make([n], torch.float16, layout, 0, seed=1), make([n], torch.float32, layout, 1, seed=2)    # list 1: same offsets
         if head is None: head = (PACK - (dst[0].data_ptr() // 4) % PACK) % PACK
         emu.reset_counters()
         emu.scale_check(src, dst, 0.5, None)
@@ -219,3 +236,14 @@ def test_amp_trains_on_the_emulated_kernels_as_on_the_cpu_kernels(emu, monkeypat
     assert skips == cpu_skips and skips[2] and sum(skips) == 1
     assert_same(cpu, emulated)
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(cpu, init))   # it trained
+
+@pytest.mark.skipif(ops.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")
+def test_packs_compile_to_vector_instructions(tmp_path):
+    # a pack is one 16-byte (fp32) or 8-byte (fp16, bf16) load or store in the PTX for sm_90, not four scalar ones
+    nvcc = os.path.join(ops.find_cuda_home(), 'bin', 'nvcc')
+    ptx = tmp_path / 'scale_kernels.ptx'
+    includes = [f'-I{p}' for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f'-I{CSRC}']
+    subprocess.run([nvcc, '-ptx', '-O3', '--fmad=false', '-std=c++20', '--expt-relaxed-constexpr', '-arch=sm_90', '-DWITH_CUDA',
+                    '-DTORCH_EXTENSION_NAME=mixedprec_ptx', *includes, str(CSRC / 'scale_kernels.cu'), '-o', str(ptx)], check=True, capture_output=True)
+    text = ptx.read_text()
+    for instruction in ('ld.global.v4.f32', 'st.global.v4.f32', 'ld.global.v4.u16', 'st.global.v4.u16'): assert instruction in text, instruction
