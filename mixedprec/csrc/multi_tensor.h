@@ -44,7 +44,6 @@ constexpr int kMaxTensorsFor[6] = {0, 110, 64, 48, 36, 30};
 constexpr int kMaxBlocks = 320;
 
 template <int Depth, bool WithScalar = false> struct TensorTable {
-  static constexpr int kDepth = Depth;
   static constexpr int kMaxTensors = kMaxTensorsFor[Depth];
   void* addr[Depth][kMaxTensors];
   float* scalar[WithScalar ? kMaxTensors : 1];   // a per-tensor scalar in device memory (WithScalar only)
