@@ -125,12 +125,20 @@ def stalled_peer(rank, world, outdir):
     os._exit(0)                                       # the group is broken: no clean shutdown to wait for
 
 def main(rank, world, port, scenario, outdir, *args):
+    """One rank of `scenario`: its results saved to `outdir`. A rank that finishes leaves with `os._exit(0)`: torch's gloo
+    teardown at interpreter exit can abort a process whose results are already saved (pytorch/pytorch#179291, seen once
+    in CI as 'terminate called without an active exception'); faulthandler prints every thread's stack should a rank abort"""
+    import faulthandler, gc, sys
+    faulthandler.enable(all_threads=True)
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
         res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
+        del res; gc.collect()                        # the scenario's DDP wrappers and pending works go while the group lives
     finally: dist.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
 
 SHARD_STEPS, SHARD_INJECT = 12, {3: (-1, 'inf'), 7: (0, 'nan')}     # step: (rank that writes it into its grads, what)
 
