@@ -3,9 +3,12 @@ and to_bf16(), fastai 2.8's own to_fp16() and to_bf16(), and plain torch.autocas
 PyTorch loops (PLAIN): fp32, mixedprec.amp at O2, torch.autocast with GradScaler. Each configuration runs in its own
 process (for its peak memory). On CUDA it counts host syncs per step. Prints one table.
 
-    python bench/train.py [--models cnn,transformer,transformer512,resnet50] [--steps 40] [--max-seconds 60] [--bs 64] [--device cpu|cuda]
+    python bench/train.py [--models cnn,transformer,transformer512,resnet50] [--steps 40] [--max-seconds 60] [--bs 64] [--device cpu|cuda] [--rounds 3]
+
+With --rounds N the configurations run N times, interleaved (every configuration once per round), and the table shows the
+median steps/s and each ratio's lowest and highest over the rounds: on shared machines one run's ratios can be off by 20%.
 """
-import argparse, json, os, resource, subprocess, sys, time
+import argparse, json, os, resource, statistics, subprocess, sys, time
 
 CONFIGS = ['fp32', 'mixedprec fp16', 'mixedprec bf16', 'fastai fp16', 'fastai bf16', 'autocast bf16']   # fastai Learners; plain loops: PLAIN
 
@@ -231,6 +234,7 @@ def main():
     ap.add_argument('--pool', type=int, default=0, help="distinct batches, cycled (0: every step a new batch)")
     ap.add_argument('--sync-sites', action='store_true', help="print where the host syncs happen (CUDA)")
     ap.add_argument('--profile', action='store_true', help="fastai configs: print the device and the host time per op over 5 steps (timings then not comparable)")
+    ap.add_argument('--rounds', type=int, default=1, help="run the configurations this many times, interleaved; report median steps/s and each ratio's range")
     ap.add_argument('--worker', nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -241,22 +245,41 @@ def main():
     from mixedprec.convert import speed_note
     where = torch.cuda.get_device_name() if a.device == 'cuda' else f"{torch.get_num_threads()} CPU threads"
     print(f"torch {torch.__version__}, {where}; bf16: {speed_note(torch.bfloat16, a.device) or 'fast'}; fp16: {speed_note(torch.float16, a.device) or 'fast'}")
+    configs = a.configs.split(',')
     for model in a.models.split(','):
-        print(f"\n{model}, batch {a.bs}, Adam, up to {a.steps} steps or {a.max_seconds:g}s per configuration")
-        mem = 'peak GPU MB' if a.device == 'cuda' else 'peak RSS MB'
-        print(f"{'configuration':<22}{'steps':>6}{'steps/s':>9}{'x fp32':>8}{mem:>13}{'accuracy':>10}{'bookkeeping':>13}" + (f"{'syncs/step':>12}" if a.device == 'cuda' else ''))
-        base = None
-        for cfg in a.configs.split(','):
-            out = subprocess.run([sys.executable, __file__, '--worker', model, cfg, '--steps', str(a.steps), '--max-seconds', str(a.max_seconds), '--bs', str(a.bs),
-                                  '--device', a.device, '--pool', str(a.pool)] + (['--profile'] if a.profile else []),
-                                 capture_output=True, text=True)
-            if out.returncode: print(f"{cfg:<22} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}"); continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            if cfg in ('fp32', 'torch fp32') or base is None: base = r['sps']
-            book = f"{100 * r['book']:.1f}%" if r['book'] is not None else '-'
-            syncs = f"{r['syncs']:>12.1f}" if r.get('syncs') is not None else ''
-            print(f"{cfg:<22}{r['steps']:>6}{r['sps']:>9.2f}{r['sps'] / base:>8.2f}{r['mem']:>13.0f}{r['acc']:>10.3f}{book:>13}{syncs}")
-            if r.get('sites') and a.sync_sites: print(f"{'':<22}syncs at: {r['sites']}")
-            if r.get('profile'): print(r['profile'])
+        print(f"\n{model}, batch {a.bs}, Adam, up to {a.steps} steps or {a.max_seconds:g}s per configuration" + (f", {a.rounds} rounds interleaved (median)" if a.rounds > 1 else ''))
+        runs = {cfg: [] for cfg in configs}                   # each configuration's result in every round
+        for _ in range(a.rounds):
+            for cfg in configs: runs[cfg].append(run_config(a, model, cfg))
+        report(a, configs, runs)
+
+def run_config(a, model, cfg):
+    "One configuration in its own process: its result, or the last line of its error"
+    out = subprocess.run([sys.executable, __file__, '--worker', model, cfg, '--steps', str(a.steps), '--max-seconds', str(a.max_seconds), '--bs', str(a.bs),
+                          '--device', a.device, '--pool', str(a.pool)] + (['--profile'] if a.profile else []),
+                         capture_output=True, text=True)
+    if out.returncode: return {'error': (out.stderr.strip().splitlines() or ['?'])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+def report(a, configs, runs):
+    "The table: median steps/s over the rounds, the ratio to the latest fp32 configuration above it (and its range over the rounds when there are several)"
+    mem = 'peak GPU MB' if a.device == 'cuda' else 'peak RSS MB'
+    print(f"{'configuration':<30}{'steps':>6}{'steps/s':>9}{'x fp32':>8}" + (f"{'range':>12}" if a.rounds > 1 else '') +
+          f"{mem:>13}{'accuracy':>10}{'bookkeeping':>13}" + (f"{'syncs/step':>12}" if a.device == 'cuda' else ''))
+    base = None
+    for cfg in configs:
+        good = [r for r in runs[cfg] if 'error' not in r]
+        if not good: print(f"{cfg:<30} failed: {runs[cfg][-1]['error']}"); continue
+        if cfg in ('fp32', 'torch fp32') or base is None: base = runs[cfg]
+        ratios = [r['sps'] / b['sps'] for r, b in zip(runs[cfg], base) if 'error' not in r and 'error' not in b]
+        r = good[-1]
+        sps = statistics.median(x['sps'] for x in good)
+        book = f"{100 * statistics.median(x['book'] for x in good):.1f}%" if r['book'] is not None else '-'
+        spread = f"{min(ratios):>6.2f}-{max(ratios):.2f}" if a.rounds > 1 and ratios else ''
+        syncs = f"{r['syncs']:>12.1f}" if r.get('syncs') is not None else ''
+        print(f"{cfg:<30}{r['steps']:>6}{sps:>9.2f}{statistics.median(ratios) if ratios else float('nan'):>8.2f}" + (f"{spread:>12}" if a.rounds > 1 else '') +
+              f"{max(x['mem'] for x in good):>13.0f}{r['acc']:>10.3f}{book:>13}{syncs}")
+        if r.get('sites') and a.sync_sites: print(f"{'':<30}syncs at: {r['sites']}")
+        if r.get('profile'): print(r['profile'])
 
 if __name__ == '__main__': main()
