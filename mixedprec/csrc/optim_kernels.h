@@ -48,12 +48,16 @@ MIXEDPREC_HD void store_masters(const float (&x)[W], ParamBits<Mode>* p, int16_t
   }
 }
 
-// The lists of one tensor of a step: grads, params, optimizer state (up to two), low halves or half copy.
+// The lists of the tensor that a lane's block steps, and the block's element range in it: grads, params, optimizer state
+// (up to two), low halves or half copy.
 template <typename G, typename O, int Mode> struct StepLists {
+  int64_t begin, end;                          // declared before slot, whose initializer sets them
+  int slot;
   const G* g; ParamBits<Mode>* p; float* s0; float* s1; int16_t* lo; O* o; uint64_t seed;
   template <typename Table>
-  MIXEDPREC_HD StepLists(const Table& t, int slot, int states, bool has_s0, bool has_out, const int64_t* seeds)
-      : g(static_cast<const G*>(t.addr[0][slot])), p(static_cast<ParamBits<Mode>*>(t.addr[1][slot])),
+  MIXEDPREC_HD StepLists(const Table& t, const Lane& lane, int64_t chunk, int states, bool has_s0, bool has_out, const int64_t* seeds)
+      : slot(block_range(t, lane, chunk, begin, end)),
+        g(static_cast<const G*>(t.addr[0][slot])), p(static_cast<ParamBits<Mode>*>(t.addr[1][slot])),
         s0(has_s0 ? static_cast<float*>(t.addr[2][slot]) : nullptr), s1(states > 1 ? static_cast<float*>(t.addr[3][slot]) : nullptr),
         lo(Mode == kSplit ? static_cast<int16_t*>(t.addr[2 + states][slot]) : nullptr),
         o(Mode == kFp32 && has_out ? static_cast<O*>(t.addr[2 + states][slot]) : nullptr),
@@ -67,10 +71,8 @@ template <typename G, typename O, int Mode> struct SgdFunctor {
                                float wd, float decay, bool decoupled, bool nesterov, bool first_run, bool has_buf, bool has_out,
                                const int64_t* seeds) const {
     if (*noop) return;
-    int64_t begin, end;
-    const int slot = block_range(t, lane, chunk, begin, end);
-    const StepLists<G, O, Mode> l(t, slot, 1, has_buf, has_out, seeds);
-    walk(lane, begin, end, l.head(), [&](auto width, int64_t i) {
+    const StepLists<G, O, Mode> l(t, lane, chunk, 1, has_buf, has_out, seeds);
+    walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
       constexpr int W = decltype(width)::value;
       G gs[W];
       float p0[W], m[W], p1[W];
@@ -102,13 +104,11 @@ template <typename G, typename O, int Mode> struct AdamFunctor {
                                float omb1, float b2, float omb2, float eps, float l2, float decay, bool decoupled, bool has_out,
                                const int64_t* seeds) const {
     if (*noop) return;
-    int64_t begin, end;
-    const int slot = block_range(t, lane, chunk, begin, end);
-    const StepLists<G, O, Mode> l(t, slot, 2, true, has_out, seeds);
-    const double s = (double)*t.scalar[slot] + 1.0;           // this step's count; the caller advances it afterwards
+    const StepLists<G, O, Mode> l(t, lane, chunk, 2, true, has_out, seeds);
+    const double s = (double)*t.scalar[l.slot] + 1.0;         // this step's count; the caller advances it afterwards
     const float step_size = (float)(lr / (1.0 - pow(beta1, s)));
     const float bc2_sqrt = (float)sqrt(1.0 - pow(beta2, s));
-    walk(lane, begin, end, l.head(), [&](auto width, int64_t i) {
+    walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
       constexpr int W = decltype(width)::value;
       G gs[W];
       float pv[W], m[W], v[W];
