@@ -62,12 +62,9 @@ def run(shapes, repeat, device):
         loop_unscale(); n = loop_norm(); c = min(1., 1e3 / (float(n) + 1e-6))
         for d in g32: d.mul_(c)
         opt_loop.step(); loop_copy()
-    def foreach_step():
+    def foreach_step(opt):                                        # torch's AMP unscale, a foreach clip, `opt` (foreach or fused AdamW), foreach copy
         foreach_unscale(); c = torch.clamp(1e3 / (foreach_norm() + 1e-6), max=1.)
-        torch._foreach_mul_(g32, c); opt_foreach.step(); foreach_copy()
-    def torch_fused_step():                                       # torch's fastest parts: the AMP unscale, foreach clip, AdamW(fused=True)
-        foreach_unscale(); c = torch.clamp(1e3 / (foreach_norm() + 1e-6), max=1.)
-        torch._foreach_mul_(g32, c); opt_torch_fused.step(); foreach_copy()
+        torch._foreach_mul_(g32, c); opt.step(); foreach_copy()
     def fused_step():
         f = ops.scale_check_(g16, g32, 1 / 1024)
         c = min(1., 1e3 / (float(ops.l2norm(g32)) + 1e-6))
@@ -91,8 +88,8 @@ def run(shapes, repeat, device):
     add('master->model copy', 'loop', loop_copy, 6 * n); add('master->model copy', 'foreach', foreach_copy, 6 * n)
     add('master->model copy', 'fused', lambda: ops.scale_check_(m32, p16, 1., impl='fused'), 6 * n)
     step_bytes = 6 * n + 4 * n + 4 * 4 * n + 2 * n              # unscale, norm, Adam (g, p, m, v read; p, m, v written ~), copy
-    add('full step (Adam)', 'loop', loop_step, step_bytes); add('full step (Adam)', 'foreach', foreach_step, step_bytes)
-    add('full step (Adam)', 'torch fused', torch_fused_step, step_bytes)
+    add('full step (Adam)', 'loop', loop_step, step_bytes); add('full step (Adam)', 'foreach', lambda: foreach_step(opt_foreach), step_bytes)
+    add('full step (Adam)', 'torch fused', lambda: foreach_step(opt_torch_fused), step_bytes)
     add('full step (Adam)', 'fused', fused_step, step_bytes)
     # fastai's Adam over fp32 masters of half params: its own step, and the callback's fused step (which also writes the half params)
     from fastai.optimizer import Adam
