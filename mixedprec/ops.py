@@ -180,6 +180,8 @@ def _build_in(parent, final, name, verbose, **load_kw):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
+_CUDA_FLAGS = ['-O3', '--fmad=false', '-DWITH_CUDA']   # nvcc's flags for every arch: no fused multiply-add, so the kernels round as the references do
+
 def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cache:str=None):
     "The fused kernels (`Kernels`), loaded from the cache or compiled into it: CPU only, or CPU and CUDA for `cuda_arch` (like '9.0'; default: this GPU's)"
     src = Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'   # real files: the compiler needs paths
@@ -194,7 +196,7 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
         arch = cuda_arch.replace('.', '')
         sources += [str(src / f) for f in ('scale_kernels.cu', 'l2norm_kernel.cu', 'optim_kernels.cu')]
         cflags.append('-DWITH_CUDA')
-        cuda_flags = ['-O3', '--fmad=false', '-DWITH_CUDA', f'-gencode=arch=compute_{arch},code=sm_{arch}']
+        cuda_flags = _CUDA_FLAGS + [f'-gencode=arch=compute_{arch},code=sm_{arch}']
         ldflags += [f'-L{os.path.join(cuda_home, "lib64")}']
     isa = cpu_isa()[0]
     name = f"mixedprec_{'cuda' + cuda_arch.replace('.', '') if cuda else 'cpu'}{'_' + isa if isa else ''}"

@@ -243,7 +243,7 @@ def test_packs_compile_to_vector_instructions(tmp_path):
     nvcc = os.path.join(ops.find_cuda_home(), 'bin', 'nvcc')
     ptx = tmp_path / 'scale_kernels.ptx'
     includes = [f'-I{p}' for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f'-I{CSRC}']
-    subprocess.run([nvcc, '-ptx', '-O3', '--fmad=false', '-std=c++20', '--expt-relaxed-constexpr', '-arch=sm_90', '-DWITH_CUDA',
+    subprocess.run([nvcc, '-ptx', *ops._CUDA_FLAGS, '-std=c++20', '--expt-relaxed-constexpr', '-arch=sm_90',
                     '-DTORCH_EXTENSION_NAME=mixedprec_ptx', *includes, str(CSRC / 'scale_kernels.cu'), '-o', str(ptx)], check=True, capture_output=True)
     text = ptx.read_text()
     for instruction in ('ld.global.v4.f32', 'st.global.v4.f32', 'ld.global.v4.u16', 'st.global.v4.u16'): assert instruction in text, instruction
