@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import bf16_master, master_value, set_master_, store_master_
+from .master import bf16_master, master_value, set_master_, store_master_, mark_written, take_model_edits
 
 # %% ../nbs/12_convert.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -67,6 +67,7 @@ class ModelConversion:
 
     def undo(self):
         "Restore fp32 params from the masters, fp32 buffers, and remove the cast hooks"
+        take_model_edits(self.masters.items())        # a model edited in place since the last step keeps the edit
         with torch.no_grad():
             for p, m in self.masters.items():
                 p.data = master_value(m).reshape(p.shape).to(p.device, copy=True)
@@ -146,6 +147,7 @@ class SaveMasters:
     def __init__(self, conversion): self.conversion = conversion
     def __call__(self, module, state_dict, prefix, local_metadata):
         masters = self.conversion.masters
+        take_model_edits(masters.items())            # a model edited in place since the last step saves the edit
         for name, p in module.named_parameters(remove_duplicate=False):
             if p in masters and prefix + name in state_dict: state_dict[prefix + name] = master_value(masters[p]).reshape(p.shape)
 
@@ -164,6 +166,10 @@ class LoadMasters:
         for m, v, key in todo:
             set_master_(m, v)
             if (bm := bf16_master(m)) is not None: state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
+
+    def loaded(self, module, incompatible_keys):
+        "`load_state_dict` post-hook: torch has copied the rounded values into the half params, whose masters hold the exact ones: not an edit to take"
+        for p in self.conversion.masters: mark_written(p)
 
 def _kept_modules(model, keep):
     "Ids of every module inside a module of a `keep` type"
@@ -209,7 +215,11 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                 res.buffers.append((m, name))
                 setattr(m, name, b.to(dtype))
                 _check_range(b, dtype, f"buffer {name} of a {type(m).__name__}")
-    if masters: res.hooks += [model.register_state_dict_post_hook(SaveMasters(res)), model.register_load_state_dict_pre_hook(LoadMasters(res))]
+    if masters:
+        load = LoadMasters(res)
+        res.hooks += [model.register_state_dict_post_hook(SaveMasters(res)), model.register_load_state_dict_pre_hook(load),
+                      model.register_load_state_dict_post_hook(load.loaded)]
+        for p in res.masters: mark_written(p)
     if cast_io:
         res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(model)
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))

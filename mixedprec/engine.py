@@ -211,6 +211,7 @@ def _swap_in(optimizer, masters_of:dict, names:dict, impl:str, store:str='fp32',
     masters.move_state_to_masters(optimizer.state)
     masters.drop_remote_state([optimizer.state])
     for g, mg in zip(optimizer.param_groups, masters.groups): g['params'] = mg
+    if isinstance(getattr(optimizer, '_params', None), list): optimizer._params = optimizer.param_groups[0]['params']   # LBFGS steps its own list of the params
     return masters
 
 class StepEngine:
@@ -275,7 +276,7 @@ class StepEngine:
 
     def discard(self):
         "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
-        self.masters.zero_grads()
+        self.masters.zero_grads(set_to_none=not self.masters.keep_zero_grads)
         self.last_found, self.found, self._skip, self.fresh, self.held_scaled = self.found, None, None, True, False
 
     def step(self, closure=None):
@@ -284,15 +285,17 @@ class StepEngine:
         if found is None and self.fresh and closure is None:
             self._check_scaled()
             return None                          # nothing unscaled since the last step: a second `step()` does not repeat the first
+        self.masters.take_model_edits()          # the model edited in place since the unscale (a clamp in a callback): the step starts from the edit
         try:
             if found is not None and self.on_device: res = self._fused(found)
-            elif self.must_skip(): self.masters.zero_grads(); return None
+            elif self.must_skip(): self.masters.zero_grads(set_to_none=not self.masters.keep_zero_grads); return None
             elif plan is not None and closure is None: res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
             else: res = self._own_step(closure)
             self.masters.gather_shards()           # sharded masters: each rank stepped its own; every rank gets all the half params
             return res
         finally:
             self.last_found, self.found, self._skip, self.fresh = found, None, None, True
+            self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
 
     def _fused(self, found):
         "The fused kernels' step, between the optimizer's step hooks (torch's `register_step_pre_hook`/`post_hook`)"
@@ -316,7 +319,12 @@ class StepEngine:
         own = self._own or partial(type(opt).step, opt)
         if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
         self.masters.materialize()                # bf16 masters without an fp32 copy get one for the length of the step
-        try: return own(closure) if closure is not None else own()
+        def evaluate():
+            "The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several points in one step)"
+            self.masters.masters_to_model()
+            self.masters.store_materialized()
+            return closure()
+        try: return own(evaluate) if closure is not None else own()
         finally:
             if restore is not None: restore()
             self.masters.release(opt.state)
@@ -339,11 +347,12 @@ class StepEngine:
         self._own_layout_due = False
 
     def zero_grad(self, set_to_none:bool=True):
-        "Drop (or zero) the grads of the model's params and of the masters; the next unscale starts afresh"
+        "Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would (zeroed grads stay, and are stepped); the next unscale starts afresh"
         for p in chain(*self.masters.model_groups, *self.masters.groups):
             if p.grad is None: continue
             if set_to_none: p.grad = None
             else: p.grad.detach_(); p.grad.zero_()
+        self.masters.clearing(set_to_none)
         self.fresh, self.held_scaled = True, False
 
     def last_skipped(self) -> bool:
@@ -445,6 +454,10 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     for e in engines:
         if not e._layouts_followed: e.follow_layouts()        # once: a model laid out anew after the front end took it
         if e.fresh: e.choose()
+        e.masters.take_model_edits()                           # the model is the user's handle: in-place edits since the last step reach the masters
+        if not e.masters.sync_requires_grad():
+            raise RuntimeError("a param's requires_grad changed inside a flat master, whose params share one: change it between fits "
+                               "(mixedprec lays the flat masters out anew at the next fit), or use per-param masters (flat_master=False)")
         flags.append(e.masters.grads_to_masters(inv, accumulate=not e.fresh).to(device))
         if e.loss_finite is not None: loss_bad = loss_bad | ~e.loss_finite.to(device)
         e.loss_finite, e.fresh, e.held_scaled = None, False, False

@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['STORES', 'clip_grads_', 'check_store', 'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value',
-           'set_master_', 'load_master_', 'store_master_', 'MasterParams']
+           'set_master_', 'load_master_', 'mark_written', 'edited', 'take_model_edits', 'store_master_', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
 from contextlib import contextmanager
+from itertools import chain
 import torch
 from torch import nn
 from .ops import scale_check_, scale_add_check_, l2norm, split_bf16_ref, join_bf16_ref, round_stochastic_ref
@@ -94,6 +95,26 @@ def load_master_(p:torch.Tensor, m:torch.Tensor, v:torch.Tensor):
     set_master_(m, v)
     if bf16_master(m) is None:
         with torch.no_grad(): p.copy_(v.reshape(p.shape))
+    mark_written(p)
+
+def mark_written(p:torch.Tensor):
+    "Note that mixedprec has just written half param `p` (torch's version counter, and which tensor: a copy of `p` starts afresh)"
+    p._mixedprec_written = (id(p), p._version)
+
+def edited(p:torch.Tensor) -> bool:
+    "True when half param `p` was changed in place since mixedprec last wrote it: a clamp, a re-init, `load_state_dict` (an edit through `.data` bypasses torch's version counter and is not seen)"
+    w = getattr(p, '_mixedprec_written', None)
+    return w is not None and w[0] == id(p) and w[1] != p._version
+
+def take_model_edits(pairs) -> list:
+    "For each (half param, master) in `pairs` whose param was edited in place since mixedprec wrote it, make the edited value the master (the user's intent); returns those params"
+    taken = []
+    for p, m in pairs:
+        if not edited(p): continue
+        if remote_master(m) is None: set_master_(m, p.detach().float())
+        mark_written(p)
+        taken.append(p)
+    return taken
 
 def _stand_in(shape, device) -> torch.Tensor:
     "The data of a master without an fp32 copy: 4 bytes expanded to the param's shape (a write to it raises)"
@@ -154,6 +175,7 @@ class MasterParams:
         self.shards, self.remote_own, self._remote_grads = shards, set(), []
         self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
         self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
+        self.keep_zero_grads, self._graded, self._rg = False, set(), {}   # clearing zeroes (fastai) or drops grads; params with a grad since; requires_grad as last synced
         self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
         self._flat_of, self._stash, self._gradless = {}, {}, set()    # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
         for group in groups:
@@ -192,6 +214,8 @@ class MasterParams:
                 mg.append(fm)
             self.groups.append(mg + own)
         self._index()
+        self.mark_written()
+        self._rg = {id(p): p.requires_grad for p, _, _ in self.pairs}
 
     def _remote_flat(self, ps:list, requires_grad:bool, owner:int, masters:dict) -> nn.Parameter:
         "The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so freezing reaches it), and a stand-in per param"
@@ -302,6 +326,11 @@ class MasterParams:
         self._materialized = [(s, m) for _, m, _ in self.pairs if (s := bf16_master(m)) is not None]
         for s, m in self._materialized: m.data = s.value()
 
+    def store_materialized(self):
+        "During an optimizer's own step over materialised masters: put their current values into the bf16 params (rounded to nearest), for a closure to evaluate"
+        with torch.no_grad():
+            for s, m in getattr(self, '_materialized', []): s.param.copy_(m.data)
+
     def release(self, state:dict):
         "After `materialize` and a step: store each master again in its bf16 param (split exactly, or rounded stochastically with this step's seeds, counted in `state`)"
         live, self._materialized = getattr(self, '_materialized', []), []
@@ -316,18 +345,24 @@ class MasterParams:
         "Unscale model grads into the master grads (adding to them with `accumulate`); returns the overflow flag (0-dim bool tensor)"
         src, dst, add_src, add_dst, remote = [], [], [], [], []
         if not accumulate: self._remote_grads = []
+        sparse = [self.names.get(p, tuple(p.shape)) for p in chain((p for p, _, _ in self.pairs), self.own) if p.grad is not None and p.grad.is_sparse]
+        if sparse: raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one (`nn.Embedding(sparse=True)`, "
+                                   f"`nn.EmbeddingBag(sparse=True)`): build that module with sparse=False. With fp32 masters the optimizer steps dense masters anyway")
+        keep = self.keep_zero_grads                      # the optimizer zeroes grads rather than dropping them: a param that had one keeps a zero grad
+        if keep: self._graded |= {p for p, _, _ in self.pairs if p.grad is not None}
         for fm, ps, gbuf in self.flats:                  # a flat master whose params got no grad gets none either
-            if not any(p.grad is not None for p in ps): fm.grad = None; continue
+            if not any(p.grad is not None or (keep and p in self._graded) for p in ps): fm.grad = None; continue
             if accumulate and fm.grad is None: gbuf.zero_()
             fm.grad = gbuf
         if self.flat:                                   # params with no grad since the step, which `hold_gradless` keeps in place
-            none = {p for p, _, _ in self.pairs if p.grad is None}
+            none = {p for p, _, _ in self.pairs if p.grad is None and not (keep and p in self._graded)}
             self._gradless = self._gradless & none if accumulate else none
         for p, m, gbuf in self.pairs:
             if p.grad is not None and remote_master(m) is not None: remote.append(p); continue    # another rank's: checked, then dropped
             if p.grad is None:
                 if accumulate: continue
                 if self.flat: gbuf.zero_()           # zero in a flat master that other params' grads reach
+                elif keep and m.grad is not None: m.grad.zero_()    # as the optimizer's own zero_grad left it: a zero grad, still stepped
                 else: m.grad = None
                 continue
             if gbuf is None:                            # a bf16 master: its fp32 grad exists from here to the step
@@ -365,38 +400,65 @@ class MasterParams:
     def masters_to_model(self):
         "Copy the fp32 masters into the half model params (bf16 masters without an fp32 copy are the params already)"
         if self._copy_lists[0]: scale_check_(*self._copy_lists, 1., impl=self.impl)
+        for p in self._copy_lists[1]: mark_written(p)
+
+    def mark_written(self):
+        "Note that every half param holds what mixedprec wrote (after a step, a load): an in-place change after this is the user's edit"
+        for p, _, _ in self.pairs: mark_written(p)
+
+    def take_model_edits(self) -> list:
+        "Make the masters of half params edited in place since mixedprec wrote them (a clamp, a re-init, `load_state_dict` into the model) the edited values; returns those params"
+        return take_model_edits((p, m) for p, m, _ in self.pairs)
 
     def master_grads(self) -> list:
         "The master grads that exist"
         return [m.grad for m in self.master_params if m.grad is not None]
 
-    def zero_grads(self):
-        "Drop the model's grads and zero the master grads"
+    def clearing(self, set_to_none:bool):
+        "Note how the front end's optimizer clears grads: dropped (`set_to_none`), or zeroed in place (fastai), when the masters keep zero grads and are stepped"
+        self.keep_zero_grads = not set_to_none
+        if set_to_none: self._graded = set()
+
+    def zero_grads(self, set_to_none:bool=True):
+        "Drop the model's grads and zero the master grads (with `set_to_none=False`, as an optimizer that zeroes in place: masters keep zero grads and are stepped)"
         self.zero_model_grads()
-        for p in self.own: p.grad = None
+        self.clearing(set_to_none)
+        for p in self.own:
+            if set_to_none or p.grad is None: p.grad = None
+            else: p.grad.detach_(); p.grad.zero_()
         for _, m, gbuf in self.pairs:
             if gbuf is not None: gbuf.zero_()
-            else: m.grad = None
+            elif set_to_none or m.grad is None: m.grad = None
+            else: m.grad.zero_()
 
     def zero_model_grads(self):
         "Drop the model's grads (fp32 params that are their own masters keep theirs for the optimizer's `zero_grad`)"
         for p, _, _ in self.pairs: p.grad = None
 
-    def sync_requires_grad(self):
-        "Give each half model param its master's `requires_grad`, which the optimizer (freeze, unfreeze) controls"
+    def sync_requires_grad(self) -> bool:
+        "Agree on `requires_grad` between each half param and its master: whichever changed since the last sync wins, the model first (`requires_grad_`), then the optimizer (fastai's `freeze` sets its params'); False when a flat master's params no longer agree (the layout must be rebuilt)"
+        ok, held_by = True, {}
         for p, m, _ in self.pairs:
-            rg = (self._flat_of[p] if self.flat else m).requires_grad
-            if p.requires_grad != rg: p.requires_grad_(rg)
+            held = self._flat_of[p] if self.flat else m
+            held_by.setdefault(id(held), (held, []))[1].append(p)
+        for held, ps in held_by.values():
+            if any(p.requires_grad != self._rg.get(id(p), p.requires_grad) for p in ps):      # the model changed
+                if len({p.requires_grad for p in ps}) > 1: ok = False; continue            # within one flat master: a new layout
+                held.requires_grad_(ps[0].requires_grad)
+            elif any(p.requires_grad != held.requires_grad for p in ps):                    # the optimizer changed (freeze)
+                for p in ps: p.requires_grad_(held.requires_grad)
+            for p in ps: self._rg[id(p)] = p.requires_grad
+        return ok
 
     def clip_(self, max_norm:float) -> torch.Tensor:
         "Clip the master grads by their global L2 norm, as `torch.nn.utils.clip_grad_norm_` does; returns the norm (nothing is read on the host)"
         return clip_grads_(self.master_grads(), max_norm, self.impl)
 
     def move_state_to_masters(self, state:dict):
-        "Re-key optimizer `state` from the model params to their masters"
+        "Re-key optimizer `state` from the model params to their masters, its half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32"
         if not self.flat:
             for p, m, _ in self.pairs:
-                if p in state: state[m] = state.pop(p)
+                if p in state: state[m] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v) for k, v in state.pop(p).items()}
             return
         for fm, ps, _ in self.flats:
             parts = [state.pop(p, {}) for p in ps]

@@ -9,6 +9,7 @@ from fastai.optimizer import SGD, Adam
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.tracker import SaveModelCallback, EarlyStoppingCallback
 from fastai.callback.mixup import MixUp, CutMix
+from fastai.callback.channelslast import ChannelsLast
 from fastai.callback.schedule import fit_one_cycle, lr_find
 from fastai.interpret import ClassificationInterpretation
 from fastai.metrics import accuracy
@@ -113,6 +114,12 @@ def test_tabular_train_inference_interpretation_and_export(tabular):
     assert out.stdout.strip().splitlines()[-1] == "['torch.float32'] False", out.stderr[-2000:]
     learn.export('kept.pkl', keep_mixed_precision=True)
     assert (learn.path/'export.pkl').stat().st_size < (learn.path/'kept.pkl').stat().st_size
+    learn.add_cb(ChannelsLast())
+    learn.export('kept_cl.pkl', keep_mixed_precision=True)                # fastai's load_learner leaves by to_contiguous(to_fp32=True)
+    for f in ('kept.pkl', 'kept_cl.pkl'):
+        back = load_learner(learn.path/f)
+        assert not any(isinstance(c, MixedPrecision) for c in back.cbs) and all(p.dtype == torch.float32 for p in back.model.parameters()), f
+        assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), back.model.parameters()))
     assert loaded.predict(df.iloc[0])[2].dtype == torch.float32
     assert loaded.get_preds(dl=loaded.dls.test_dl(df.iloc[:10]))[0].dtype == torch.float32
 

@@ -1,0 +1,286 @@
+"""The model the user holds is the model that trains: what users and fastai do to the model reaches the masters, or is refused loudly.
+Each test runs the same thing in fp32 and with mixedprec and compares, or checks the refusal's words."""
+import copy, pickle, warnings
+import pytest, torch
+from fastcore.basics import noop
+from torch import nn
+from fastai.learner import Learner, load_learner
+from fastai.optimizer import Adam, SGD, OptimWrapper
+from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision
+from fastai.callback.channelslast import ChannelsLast
+import fastai.callback.channelslast      # Learner.to_channelslast / to_contiguous
+from mixedprec.callback import MixedPrecision
+from mixedprec.fp16_optimizer import FP16_Optimizer
+from mixedprec.scaler import ScalingError
+from mixedprec import amp
+from helpers import synth_learner, masters_of, Record, mlp
+
+def relu_bn_mlp(seed=0):
+    "An MLP whose BatchNorm follows a ReLU: no bias right before a BatchNorm, whose grad is rounding noise that Adam would blow up"
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+def two_groups(m): return [list(m[0].parameters()), list(m[1:].parameters())]
+def weights(learn): return [p.detach().float().clone() for p in learn.model.parameters()]
+def fp32_and_half(precision='fp16', **kw):
+    "The same Learner twice: fp32, and in `precision` with masters"
+    ref, half = synth_learner(**kw), synth_learner(**kw)
+    half = half.to_fp16(loss_scale=2.**8) if precision == 'fp16' else half.to_bf16()
+    return ref, half
+
+def held(learn):
+    "What the optimizer steps for each model param: its master in mixed precision, else the param"
+    return masters_of(learn) if hasattr(learn, 'mixed_precision') else list(learn.model.parameters())
+
+def close(a, b, tol):
+    return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
+
+# ---------------------------------------------------------------- what users do to the model, against the same run in fp32
+
+class UnfreezeAt1(Record):
+    def __init__(self): super().__init__(-1)
+    def before_epoch(self):
+        if self.epoch == 1: self.learn.unfreeze()
+
+def _clamp(learn):
+    with torch.no_grad():
+        for p in learn.model.parameters(): p.clamp_(-0.05, 0.05)
+
+ACTIONS = {
+    'freeze, create_opt':      lambda l: (l.freeze(), l.create_opt(), l.fit(2)),
+    'fit, freeze, reset_opt':  lambda l: (l.fit(1), l.freeze(), l.fit(2, reset_opt=True)),
+    'requires_grad_ between fits': lambda l: (l.fit(1), l.model[0].requires_grad_(False), l.fit(1)),
+    'freeze, unfreeze in fit': lambda l: (l.freeze(), l.fit(1), l.fit(2, cbs=UnfreezeAt1())),
+    'clamp before each batch': lambda l: l.fit(2, cbs=Record(-1, before_batch=lambda l: _clamp(l) if l.training else None)),
+    're-init between fits':    lambda l: (l.fit(1), _reinit(l), l.fit(1)),
+    'load_state_dict mid-fit': lambda l: (l.fit(1), l.model.load_state_dict(relu_bn_mlp(7).state_dict()), l.fit(1)),
+}
+
+def _reinit(learn):
+    with torch.no_grad(): nn.init.constant_(learn.model[3].weight, 0.25)
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_user_actions_train_as_in_fp32(action, flat, precision):
+    "Each action on the model, in fp32 and in mixed precision: the same requires_grad, and the same weights up to half precision's rounding"
+    res = {}
+    for name in ("fp32", precision):
+        learn = synth_learner(model=relu_bn_mlp(), opt_func=Adam, lr=1e-2, splitter=two_groups)
+        if name == "fp16": learn.to_fp16(loss_scale=2.**8, flat_master=flat)
+        elif name == "bf16": learn.to_bf16(flat_master=flat)
+        ACTIONS[action](learn)
+        res[name] = ([p.requires_grad for p in learn.model.parameters()], weights(learn), [m.detach().clone() for m in held(learn)])
+    assert res["fp32"][0] == res[precision][0]
+    tol = 2e-2 if precision == "fp16" else 6e-2
+    assert close(res["fp32"][1], res[precision][1], tol), [(a - b).abs().max().item() for a, b in zip(res["fp32"][1], res[precision][1])]
+    assert close(res["fp32"][2], res[precision][2], tol)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_freeze_reaches_the_model_at_once_and_a_new_optimizer_keeps_it(flat):
+    learn = synth_learner(opt_func=Adam, lr=1e-2, splitter=two_groups).to_fp16(flat_master=flat)
+    learn.freeze()
+    assert not any(p.requires_grad for p in learn.model[0].parameters())
+    before = weights(learn)
+    learn.create_opt(); learn.fit(2)
+    after = weights(learn)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and not torch.equal(before[-1], after[-1])
+
+
+# ---------------------------------------------------------------- clearing grads as the optimizer would
+
+class Branchy(nn.Module):
+    "A head that gets a grad on every other batch only"
+    def __init__(self):
+        super().__init__(); self.body, self.branch, self.n = nn.Linear(8, 1), nn.Linear(8, 1), 0
+    def forward(self, x):
+        self.n += 1
+        return self.body(x) + (self.branch(x) if self.n % 2 else 0)
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_branch_without_a_grad_moves_as_in_fp32(precision):
+    "fastai zeroes grads in place: the branch keeps a zero grad, and Adam's momentum and weight decay still move it"
+    moves = {}
+    for name in ("fp32", precision):
+        learn = synth_learner(model=Branchy(), opt_func=Adam, lr=1e-2, wd=0.1)
+        if name == "fp16": learn.to_fp16(loss_scale=2.**8)
+        elif name == "bf16": learn.to_bf16()
+        seen = []
+        learn.fit(1, cbs=Record(1, after_step=lambda l: seen.append(held(l)[2].detach().clone()) if l.training else None))
+        moves[name] = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    assert moves["fp32"] == moves[precision] and all(moves["fp32"])
+
+
+def test_fp16_optimizer_drops_grads_as_torch_does():
+    model = Branchy().half()
+    opt = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), static_loss_scale=8., verbose=False)
+    x = torch.randn(4, 8).half()
+    for _ in range(4):
+        opt.zero_grad(); opt.backward(model(x).float().sum()); opt.step()
+    m_branch = opt.param_groups[0]['params'][2]
+    assert m_branch.grad is None                   # torch's zero_grad sets None: the branch is left out on its off batches
+
+
+# ---------------------------------------------------------------- in-place edits of the model reach the masters
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_clamp_after_the_last_step_is_what_the_checkpoint_holds(flat):
+    learn = synth_learner(opt_func=SGD, lr=0.1).to_fp16(loss_scale=2.**8, flat_master=flat)
+    learn.fit(1)
+    _clamp(learn)
+    sd, names = learn.model.state_dict(), [n for n, _ in learn.model.named_parameters()]
+    assert all(sd[n].abs().max() <= 0.05 for n in names) and all(m.abs().max() <= 0.05 for m in masters_of(learn))
+
+
+def test_load_state_dict_into_the_model_mid_training_is_kept_exactly():
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16()
+    other = synth_learner(seed=7)
+    learn.fit(1)
+    learn.model.load_state_dict(other.model.state_dict())
+    assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), other.model.parameters()))   # exact fp32, not the halves
+    learn.fit(1, lr=0.)                            # a step at lr 0 keeps the loaded weights
+    assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), other.model.parameters()))
+
+
+def test_reinit_of_one_layer_between_fits_is_trained_from():
+    learn = synth_learner(opt_func=SGD, lr=0.).to_fp16()
+    learn.fit(1)
+    with torch.no_grad(): nn.init.constant_(learn.model[3].weight, 0.25)
+    learn.fit(1)
+    assert torch.all(masters_of(learn)[-2] == 0.25) and torch.all(learn.model[3].weight == 0.25)
+    learn.to_fp32()
+    assert torch.all(learn.model[3].weight == 0.25)
+
+
+def test_amp_and_fp16_optimizer_take_in_place_edits():
+    for front in ("fp16_optimizer", "amp"):
+        torch.manual_seed(0)
+        model = mlp()
+        if front == "amp":
+            opt = torch.optim.SGD(model.parameters(), lr=0.)
+            model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=8., verbosity=0)
+            def step(loss):
+                with amp.scale_loss(loss, opt) as s: s.backward()
+                opt.step(); opt.zero_grad()
+            masters = lambda: list(amp.master_params(opt))
+        else:
+            model = model.half()
+            for m in model.modules():
+                if isinstance(m, nn.BatchNorm1d): m.float()
+            opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.), static_loss_scale=8., verbose=False)
+            def step(loss): opt.backward(loss); opt.step(); opt.zero_grad()
+            masters = lambda: [p for g in opt.param_groups for p in g['params']]
+        x = torch.randn(16, 8)
+        step(model(x.to(next(model.parameters()).dtype) if front != "amp" else x).float().mean())
+        with torch.no_grad(): model[0].weight.fill_(0.5)
+        step(model(x.to(next(model.parameters()).dtype) if front != "amp" else x).float().mean())
+        assert torch.all(masters()[0] == 0.5), front
+
+
+# ---------------------------------------------------------------- closures evaluate the current masters
+
+def test_lbfgs_closure_under_fp16_optimizer_matches_fp32():
+    torch.manual_seed(0)
+    x, w_true = torch.randn(64, 8), torch.randn(8, 1)
+    y = x @ w_true
+    losses = {}
+    for name in ("fp32", "half"):
+        torch.manual_seed(1)
+        model = nn.Linear(8, 1, bias=False)
+        if name == "half":
+            model = model.bfloat16()
+            opt = FP16_Optimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=10), verbose=False)
+        else: opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=10)
+        def closure():
+            opt.zero_grad()
+            loss = ((model(x.to(model.weight.dtype)).float() - y) ** 2).mean()
+            if name == "half": opt.backward(loss)
+            else: loss.backward()
+            return loss
+        for _ in range(3): opt.step(closure)
+        losses[name] = ((model(x.to(model.weight.dtype)).float() - y) ** 2).mean().item()
+    assert losses["half"] < 4 * losses["fp32"] + 1e-3, losses        # was ~500x worse: the closure saw stale weights
+
+
+# ---------------------------------------------------------------- optimizer state of the masters' dtype
+
+def test_adagrad_state_made_on_half_params_moves_as_fp32():
+    torch.manual_seed(0)
+    model = mlp().half()
+    opt = FP16_Optimizer(torch.optim.Adagrad(model.parameters(), lr=1e-2), static_loss_scale=8., verbose=False)
+    assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    x = torch.randn(32, 8).half()
+    for _ in range(3): opt.zero_grad(); opt.backward(model(x).float().pow(2).mean()); opt.step()
+    assert not opt.overflow and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_adagrad_in_fastai_optim_wrapper_trains():
+    def adagrad(params, lr): return OptimWrapper(params, torch.optim.Adagrad, lr=lr)
+    ref, half = synth_learner(model=relu_bn_mlp(), opt_func=adagrad, lr=1e-2), synth_learner(model=relu_bn_mlp(), opt_func=adagrad, lr=1e-2).to_fp16(loss_scale=2.**8)
+    ref.fit(1); half.fit(1)
+    assert half.mixed_precision.scaler.n_skipped == 0
+    assert close(weights(ref), weights(half), 2e-2)
+
+
+# ---------------------------------------------------------------- copies and pickles train on
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_learner_trains_on_as_the_original(how, flat):
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8, flat_master=flat)
+    learn.logger = noop                            # (synth_learner's lambda does not pickle)
+    learn.fit(1)
+    twin = copy.deepcopy(learn) if how == "deepcopy" else pickle.loads(pickle.dumps(learn))
+    learn.fit(1); twin.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(masters_of(learn), masters_of(twin)))
+
+
+def test_a_copied_model_keeps_its_masters_for_the_checkpoint():
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16()
+    learn.fit(1)
+    twin = copy.deepcopy(learn.model)
+    assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), learn.model.state_dict().values()))
+
+
+# ---------------------------------------------------------------- one callback, one Learner
+
+def test_one_callback_instance_on_two_learners_is_refused():
+    mp = MixedPrecision()
+    synth_learner(cbs=mp)
+    with pytest.raises(ValueError, match="another Learner"): synth_learner(cbs=mp)
+
+
+# ---------------------------------------------------------------- fastai's own ways out return to fp32
+
+def _is_fp32(learn):
+    return all(p.dtype == torch.float32 for p in learn.model.parameters()) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
+
+@pytest.mark.parametrize("way", ["to_contiguous", "remove_cb_class", "to_non_native_fp32", "to_fp32"])
+def test_fastais_exits_leave_mixed_precision(way):
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_bf16()
+    learn.fit(1)
+    masters = [m.detach().clone() for m in masters_of(learn)]
+    if way == "to_contiguous": learn.to_contiguous(to_fp32=True)
+    elif way == "remove_cb_class": learn.remove_cb(FastaiMixedPrecision)
+    elif way == "to_non_native_fp32": learn.to_non_native_fp32()
+    else: learn.to_fp32()
+    assert _is_fp32(learn) and all(torch.equal(m, p.detach()) for m, p in zip(masters, learn.model.parameters()))
+
+
+# ---------------------------------------------------------------- clear errors
+
+def test_a_model_cast_back_to_fp32_names_to_fp32():
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16()
+    learn.model.float()
+    with pytest.raises(ValueError, match="to_fp32"): learn.get_preds()
+
+
+def test_sparse_grads_get_mixedprecs_message():
+    class Emb(nn.Module):
+        def __init__(self): super().__init__(); self.emb = nn.Embedding(10, 4, sparse=True); self.lin = nn.Linear(4, 1)
+        def forward(self, x): return self.lin(self.emb(x)).sum(1)
+    model = Emb().half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    with pytest.raises(TypeError, match="sparse=False"): opt.backward(model(torch.randint(0, 10, (4, 3))).float().sum())
