@@ -39,7 +39,7 @@ fastai_to_fp16, fastai_to_bf16, fastai_to_fp32 = _fastais('to_fp16'), _fastais('
 fastai_to_fp16.__doc__ = "fastai's own `Learner.to_fp16` (native AMP), as it was before mixedprec replaced it"
 
 # %% ../nbs/15_callback.ipynb #a0883456
-_SCALER_KWARGS = ('min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size')
+_SCALER_KWARGS = ('min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size', 'skip_window', 'max_skip_share')
 
 _GRADSCALER_NAMES = {'init_scale': 'loss_scale', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
 
@@ -392,8 +392,10 @@ class OptStateIO:
         state = dict(opt.state)
         masters.move_state_to_model(state)
         params = [p for g in masters.model_groups for p in g]
-        return {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers),
-                'mixedprec': {'scaler': cb.scaler.state_dict()}}
+        res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers), 'mixedprec': {'scaler': cb.scaler.state_dict()}}
+        if type(opt).state_dict is not Optimizer.state_dict:      # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
+            res.update({k: _plain(v) for k, v in type(opt).state_dict(opt).items() if k not in res})
+        return res
     def load_state_dict(self, sd:dict):
         "Load a `state_dict` written by this class or by a plain fastai optimizer over the same model; everything is checked before anything changes"
         cb = self.cb; opt, masters = cb.learn.opt, cb.masters
@@ -409,7 +411,11 @@ class OptStateIO:
         state = {p: dict(s) for p, s in zip(params, sd['state'])}
         masters.move_state_to_masters(state)
         masters.drop_remote_state([state])             # sharded: this rank keeps its shard's state (the masters of the others are stand-ins)
-        opt.state, opt.hypers = defaultdict(dict, state), L(dict(h) for h in sd['hypers'])
+        owner = opt                                    # the optimizer that holds the state: a wrapper's (Lookahead) reads its inner one's
+        while 'state' not in owner.__dict__ and isinstance(getattr(owner, 'opt', None), Optimizer): owner = owner.opt
+        owner.state, owner.hypers = defaultdict(dict, state), L(dict(h) for h in sd['hypers'])
+        for k, v in sd.items():                        # a wrapper's own state (Lookahead's count and slow weights)
+            if k not in ('state', 'hypers', 'mixedprec'): setattr(opt, k, v)
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
 
 class WrappedStateIO:

@@ -125,7 +125,7 @@ _DTYPE_ERRORS = ('must have the same dtype', 'expected scalar type', 'Input type
 
 class DtypeHint:
     "Forward hook, called even when forward raises, that adds to a dtype-mismatch error inside a converted model what happened and what to do"
-    def __init__(self, dtype): self.dtype = dtype
+    def __init__(self, dtype, direct:bool=False): self.dtype, self.direct = dtype, direct   # `direct`: on a submodule, which a caller may run by itself
     def __call__(self, module, args, out):
         if out is not None: return                   # forward succeeded (the only path `torch.compile` traces)
         e = sys.exc_info()[1]
@@ -133,6 +133,12 @@ class DtypeHint:
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
         e._mixedprec_hint = True
         name = 'bf16' if self.dtype == torch.bfloat16 else 'fp16'
+        if self.direct and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+            e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was called by itself with float32 "
+                       f"inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs of the model it converted only. "
+                       f"Call it through that model, or cast its inputs (`x.to({self.dtype})`). fastai's GANLearner is not supported: train it "
+                       f"with fastai's own AMP (`mixedprec.callback.fastai_to_fp16(learn)`) or in fp32.")
+            return
         e.add_note(f"mixedprec: the model runs in {name} (its inputs are cast on the way in), so this usually means a float32 tensor made inside "
                    f"`forward` (noise, a positional encoding, `torch.randn(h.shape)`) met a {name} one. Make it in the activations' dtype "
                    f"(`torch.randn(h.shape, dtype=h.dtype, device=h.device)`, or `t.to(h)`), or keep that module in fp32 (`keep_fp32=`).")
@@ -223,6 +229,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
     if cast_io:
         res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(model)
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))
+        res.hooks += [child.register_forward_hook(DtypeHint(dtype, direct=True), always_call=True) for child in model.children()]
     model._mixedprec_conversion = res
     return res
 

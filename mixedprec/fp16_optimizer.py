@@ -14,7 +14,7 @@ from .master import check_store
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
-_SCALER_ARGS = ('loss_scale', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size')
+_SCALER_ARGS = ('loss_scale', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size', 'skip_window', 'max_skip_share')
 
 def _dynamic_scaler(args:dict) -> LossScaler:
     "A dynamic `LossScaler` from apex-style `dynamic_loss_args`"

@@ -6,7 +6,7 @@
 __all__ = ['StepRecord', 'CODES', 'REASONS', 'ScalingError', 'LossScaler', 'plot_history']
 
 # %% ../nbs/11_scaler.ipynb #d58a0fe9
-import math
+import math, warnings
 from collections import deque, namedtuple
 import torch
 
@@ -43,6 +43,8 @@ class LossScaler:
         max_overflow_at_min:int=50,   # consecutive overflows at `min_scale` before `ScalingError`
         max_bad_loss:int=10,          # consecutive non-finite losses before `ScalingError`
         history_size:int=100_000,     # number of `StepRecord`s kept in `history`
+        skip_window:int=200,          # the last steps over which the share of skipped steps is watched
+        max_skip_share:float=0.25,    # a larger share of steps skipped for overflow warns once; at `min_scale`, raises `ScalingError`
         verbose:bool=False,           # print each change of scale (and skipped steps, at most once per scale)
         advice:str=None,              # what to do, in the words of the front end in use, when scaling cannot help
     ):
@@ -51,7 +53,8 @@ class LossScaler:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         if not factor > 1: raise ValueError(f"factor must be > 1, got {factor!r}")
-        for name, v in dict(max_noskip=max_noskip, max_overflow_at_min=max_overflow_at_min, max_bad_loss=max_bad_loss).items():
+        if not 0 < max_skip_share < 1: raise ValueError(f"max_skip_share must be between 0 and 1, got {max_skip_share!r}")
+        for name, v in dict(max_noskip=max_noskip, max_overflow_at_min=max_overflow_at_min, max_bad_loss=max_bad_loss, skip_window=skip_window).items():
             if not (isinstance(v, int) and v >= 1): raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if dynamic:
             if max_scale < loss_scale: raise ValueError(f"max_scale ({max_scale}) is below the starting loss_scale ({loss_scale}); raise max_scale or lower loss_scale")
@@ -62,6 +65,7 @@ class LossScaler:
         self._scale, self._noskip = float(loss_scale), 0
         self.n_steps = self.n_skipped = self.overflows_at_min = self.bad_losses = 0
         self.skipped, self.history = False, deque(maxlen=history_size)
+        self.max_skip_share, self._recent, self._warned_share = float(max_skip_share), deque(maxlen=skip_window), False   # (skipped for overflow, at min_scale) per step
 
     def _set(name):
         def set_(self, v):
@@ -141,6 +145,27 @@ class LossScaler:
         rec = StepRecord(self.n_steps, before, self.skipped, reason, norm, params)
         self.history.append(rec)
         if self.verbose: self._say(rec)
+        overflow = code in (1, 3)
+        self._recent.append((overflow, overflow and self.dynamic and before <= self.min_scale))
+        if overflow: self._last_overflow = params
+        share = self.skip_share()
+        if share > self.max_skip_share and not self._warned_share and not self._share_at_min():
+            self._warned_share = True
+            where = f" The last overflow was in {', '.join(params[:3])}." if params else ''
+            warnings.warn(f"mixedprec: {share:.0%} of the last {len(self._recent)} optimizer steps were skipped because the grads overflowed "
+                          f"(loss scale now {after:g}), so the model trains on the rest only.{where} Overflows that keep coming at a steady scale mean "
+                          f"some grads are beyond half precision's range: train in bf16, or keep the modules that overflow in fp32." + self._advice(), stacklevel=2)
+
+    def skip_share(self) -> float:
+        "The share of the last `skip_window` steps (once that many ran) that were skipped for overflowing grads; 0 before"
+        r = self._recent
+        return sum(o for o, _ in r) / len(r) if r.maxlen and len(r) == r.maxlen else 0.
+
+    def _share_at_min(self) -> float:
+        "The share of the last `skip_window` steps that overflowed at `min_scale` (once that many ran), when it is above `max_skip_share`; else 0"
+        r = self._recent
+        share = sum(m for _, m in r) / len(r) if r.maxlen and len(r) == r.maxlen else 0.
+        return share if share > self.max_skip_share else 0.
 
     def update(self, found_inf:bool, reason:str='overflow', grad_norm:float=None, params:tuple=None) -> bool:
         "One step's outcome from the host, through the same rules (`advance`, on the scaler's device or the CPU), taken in at once; True if the step must be skipped (`hopeless()` says when scaling cannot help)"
@@ -174,6 +199,11 @@ class LossScaler:
         if self.overflows_at_min >= self.max_overflow_at_min:
             return (f"gradients overflowed for {self.overflows_at_min} consecutive steps at the minimum loss scale {self.min_scale:g}. "
                     f"Scaling cannot help: train in bf16, keep the offending modules in fp32, or lower the learning rate." + self._advice())
+        share = self._share_at_min()
+        if share:
+            return (f"gradients overflowed in {share:.0%} of the last {len(self._recent)} steps at the minimum loss scale {self.min_scale:g} "
+                    f"(on and off, not in a row), so only the rest trained. Scaling cannot help: train in bf16, keep the offending modules in fp32, "
+                    f"or lower the learning rate." + self._advice())
         return None
 
     def _advice(self) -> str: return f" {self.advice}" if getattr(self, 'advice', None) else ''
@@ -211,7 +241,8 @@ class LossScaler:
         "Unpickle, also a scaler pickled by an earlier version (books behind underscores, a `_dev` copy)"
         state = {(k[1:] if k[1:] in _BOOKS else '_' + k if k in ('scale', 'noskip') else k): v for k, v in state.items()}
         for k in ('_dev', '_draining'): state.pop(k, None)
-        self.__dict__.update({'_pending': deque(), '_tensors': None, 'waits': 0, '_said': None, **state})
+        self.__dict__.update({'_pending': deque(), '_tensors': None, 'waits': 0, '_said': None, 'max_skip_share': 0.25, '_recent': deque(maxlen=200),
+                              '_warned_share': False, **state})
 
 # %% ../nbs/11_scaler.ipynb #d2d9dff6
 def plot_history(history, ax=None, show_skipped:bool=True):

@@ -284,3 +284,76 @@ def test_sparse_grads_get_mixedprecs_message():
     model = Emb().half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
     with pytest.raises(TypeError, match="sparse=False"): opt.backward(model(torch.randint(0, 10, (4, 3))).float().sum())
+
+
+# ---------------------------------------------------------------- skip health: a high share of skipped steps is never silent
+
+def _poison_every(n_of_5):
+    "A callback that puts an inf into the model's grads on `n_of_5` of every 5 training batches"
+    state = {'i': 0}
+    def after_backward(learn):
+        if not learn.training: return
+        state['i'] += 1
+        if state['i'] % 5 < n_of_5:
+            with torch.no_grad(): learn.model[3].weight.grad[0, 0] = float('inf')
+    return Record(-1, after_backward=after_backward)
+
+def test_overflows_on_and_off_at_the_floor_raise():
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=1., min_scale=1., skip_window=20)
+    with pytest.raises(ScalingError, match=r"80% of the last 20 steps at the minimum loss scale 1 \(on and off"): learn.fit(10, cbs=_poison_every(4))
+    assert learn.mixed_precision.scaler.n_steps <= 21                   # it stopped as soon as the window was full
+
+
+def test_a_high_share_of_skips_above_the_floor_warns_once():
+    model = mlp().half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.01), static_loss_scale=8., verbose=False)
+    opt.scaler._recent = type(opt.scaler._recent)(maxlen=10)
+    x = torch.randn(16, 8).half()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for i in range(30):
+            opt.zero_grad(); opt.backward(model(x).float().mean(), update_master_grads=False)
+            if i % 2: model[3].weight.grad[0, 0] = float('inf')
+            opt.update_master_grads(); opt.step()
+    said = [w for w in caught if 'were skipped' in str(w.message)]
+    assert len(said) == 1 and '50%' in str(said[0].message)
+
+
+def test_amp_min_loss_scale_none_is_no_floor():
+    model, opt = mlp(), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    sc = amp._state.scaler(0)
+    assert sc.min_scale < 2.**-100
+    x = torch.randn(16, 8).half()
+    for _ in range(20):
+        with amp.scale_loss(model(x).float().mean(), opt) as s:
+            s.backward()
+            model[3].weight.grad[0, 0] = float('inf')
+        opt.step(); opt.zero_grad()
+    sc.drain(); assert sc.scale == 2.**-4
+
+
+def test_a_submodule_called_by_itself_with_fp32_inputs_is_named():
+    "fastai's GANLoss calls the critic itself, with fp32 tensors: the error says so, and what to do"
+    class Gan(nn.Module):
+        def __init__(self): super().__init__(); self.generator, self.critic = nn.Linear(4, 8), nn.Linear(8, 1)
+        def forward(self, x): return self.critic(self.generator(x))
+    learn = synth_learner(model=Gan(), opt_func=Adam).to_fp16()
+    with pytest.raises(RuntimeError) as e: learn.model.critic(torch.randn(2, 8))
+    assert "called by itself with float32" in '\n'.join(getattr(e.value, '__notes__', []))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_ranger_resumes_exactly_after_save_and_load(tmp_path, flat):
+    "fastai's ranger is Lookahead(RAdam): its own count and slow weights travel in the checkpoint beside RAdam's state"
+    from fastai.optimizer import ranger
+    full = synth_learner(opt_func=ranger, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8, flat_master=flat)
+    full.fit(2)
+    part = synth_learner(opt_func=ranger, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8, flat_master=flat)
+    part.fit(1); part.save('mid', with_opt=True)
+    back = synth_learner(opt_func=ranger, lr=1e-2, path=tmp_path, seed=3).to_fp16(loss_scale=2.**8, flat_master=flat)
+    back.load('mid', with_opt=True)
+    assert back.opt.count == part.opt.count and back.opt.slow_weights is not None
+    back.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(weights(full), weights(back)))
