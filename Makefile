@@ -26,4 +26,4 @@ nbtest: $(STAMP)
 	$(BIN)/nbdev-test --n-workers 2
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=15

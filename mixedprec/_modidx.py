@@ -147,6 +147,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'mixedprec.convert.SaveMasters.__init__': ('convert.html#savemasters.__init__', 'mixedprec/convert.py'),
                                    'mixedprec.convert._check_range': ('convert.html#_check_range', 'mixedprec/convert.py'),
                                    'mixedprec.convert._kept_modules': ('convert.html#_kept_modules', 'mixedprec/convert.py'),
+                                   'mixedprec.convert._running': ('convert.html#_running', 'mixedprec/convert.py'),
                                    'mixedprec.convert.cast_floats': ('convert.html#cast_floats', 'mixedprec/convert.py'),
                                    'mixedprec.convert.check_half_dtype': ('convert.html#check_half_dtype', 'mixedprec/convert.py'),
                                    'mixedprec.convert.convert_model': ('convert.html#convert_model', 'mixedprec/convert.py'),

@@ -123,9 +123,17 @@ class CastIO:
 
 _DTYPE_ERRORS = ('must have the same dtype', 'expected scalar type', 'Input type', 'should be the same', 'found dtype', 'expected both')
 
+def _running(model) -> bool:
+    "True when `model`'s own forward is on the stack (a frame of torch's module call has it as `self`): read on an error path only"
+    f = sys._getframe()
+    while f is not None:
+        if f.f_code.co_name in ('_call_impl', '_wrapped_call_impl') and f.f_locals.get('self') is model: return True
+        f = f.f_back
+    return False
+
 class DtypeHint:
     "Forward hook, called even when forward raises, that adds to a dtype-mismatch error inside a converted model what happened and what to do"
-    def __init__(self, dtype, direct:bool=False): self.dtype, self.direct = dtype, direct   # `direct`: on a submodule, which a caller may run by itself
+    def __init__(self, dtype, model=None): self.dtype, self.model = dtype, model    # `model`: the converted model, when this hook is on one of its submodules
     def __call__(self, module, args, out):
         if out is not None: return                   # forward succeeded (the only path `torch.compile` traces)
         e = sys.exc_info()[1]
@@ -133,7 +141,7 @@ class DtypeHint:
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
         e._mixedprec_hint = True
         name = 'bf16' if self.dtype == torch.bfloat16 else 'fp16'
-        if self.direct and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+        if self.model is not None and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) and not _running(self.model):
             e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was called by itself with float32 "
                        f"inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs of the model it converted only. "
                        f"Call it through that model, or cast its inputs (`x.to({self.dtype})`). fastai's GANLearner is not supported: train it "
@@ -229,7 +237,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
     if cast_io:
         res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(model)
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))
-        res.hooks += [child.register_forward_hook(DtypeHint(dtype, direct=True), always_call=True) for child in model.children()]
+        res.hooks += [child.register_forward_hook(DtypeHint(dtype, model), always_call=True) for child in model.children()]
     model._mixedprec_conversion = res
     return res
 
