@@ -24,7 +24,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note
-from .master import MasterParams, check_store, master_value, load_master_, remote_master
+from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_like, flat_slice
 from .engine import StepEngine, steps_to_ints, shards_for
 from .distributed import world_size, rank, barrier
 from fastcore.xtras import join_path_file
@@ -199,16 +199,14 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
                         if q in st: st[p] = st.pop(q)
                     continue
                 if id(q) not in flats: new.append(q); continue
-                ps, offsets = flats[id(q)], []
-                for p in ps: offsets.append(sum(o.numel() for o in ps[:len(offsets)]))
+                ps = flats[id(q)]
+                views = {p: self.conversion.masters[p] for p in ps}     # the copied views keep their offsets and strides in the flat master
                 for st in states:
                     s = st.pop(q, None)
-                    if s is None: continue
-                    for o, p in zip(offsets, ps):
-                        st[p] = {k: (v[o:o + p.numel()].view(p.shape).clone() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == q.numel() else v)
-                                 for k, v in s.items()}
-                for o, p in zip(offsets, ps):       # a whole master again, from the flat one; the layout is made anew
-                    self.conversion.masters[p] = nn.Parameter(q.detach()[o:o + p.numel()].view(p.shape).clone(), requires_grad=q.requires_grad)
+                    if s is not None:
+                        for p in ps: st[p] = {k: (flat_slice(v, views[p], q) if flat_like(v, q) else v) for k, v in s.items()}
+                for p in ps:                        # a whole master again, from the flat one; the layout is made anew
+                    self.conversion.masters[p] = nn.Parameter(flat_slice(q.detach(), views[p], q), requires_grad=q.requires_grad)
                 new += ps
             groups.append(new)
         opt.param_lists = groups

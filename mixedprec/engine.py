@@ -276,7 +276,7 @@ class StepEngine:
 
     def discard(self):
         "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
-        self.masters.zero_grads(set_to_none=not self.masters.keep_zero_grads)
+        self.masters.zero_grads()
         self.last_found, self.found, self._skip, self.fresh, self.held_scaled = self.found, None, None, True, False
 
     def step(self, closure=None):
@@ -285,10 +285,10 @@ class StepEngine:
         if found is None and self.fresh and closure is None:
             self._check_scaled()
             return None                          # nothing unscaled since the last step: a second `step()` does not repeat the first
-        self.masters.take_model_edits()          # the model edited in place since the unscale (a clamp in a callback): the step starts from the edit
+        self.masters.take_model_edits()          # the model is the user's handle: in-place edits since the last step (a clamp) are where the step starts
         try:
             if found is not None and self.on_device: res = self._fused(found)
-            elif self.must_skip(): self.masters.zero_grads(set_to_none=not self.masters.keep_zero_grads); return None
+            elif self.must_skip(): self.masters.zero_grads(); return None
             elif plan is not None and closure is None: res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
             else: res = self._own_step(closure)
             self.masters.gather_shards()           # sharded masters: each rank stepped its own; every rank gets all the half params
@@ -454,7 +454,6 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     for e in engines:
         if not e._layouts_followed: e.follow_layouts()        # once: a model laid out anew after the front end took it
         if e.fresh: e.choose()
-        e.masters.take_model_edits()                           # the model is the user's handle: in-place edits since the last step reach the masters
         if not e.masters.sync_requires_grad():
             raise RuntimeError("a param's requires_grad changed inside a flat master, whose params share one: change it between fits "
                                "(mixedprec lays the flat masters out anew at the next fit), or use per-param masters (flat_master=False)")

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['STORES', 'clip_grads_', 'check_store', 'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value',
-           'set_master_', 'load_master_', 'mark_written', 'edited', 'take_model_edits', 'store_master_', 'MasterParams']
+           'set_master_', 'load_master_', 'mark_written', 'edited', 'take_model_edits', 'store_master_', 'flat_like',
+           'flat_slice', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -148,6 +149,14 @@ def _state_stride(states, m, p):
     if bm.low is not None: return bm.low.stride()
     return next((v.stride() for st in states for v in st.get(m, {}).values() if isinstance(v, torch.Tensor) and v.shape == p.shape), p.stride())
 
+def flat_like(v, fm) -> bool:
+    "True when `v` is a tensor laid out as flat master `fm`: its grad, or optimizer state of it, which splits into the params' slices"
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel()
+
+def flat_slice(v:torch.Tensor, view:torch.Tensor, fm:torch.Tensor) -> torch.Tensor:
+    "A copy of the slice of `v` (laid out as flat master `fm`) that `view`, one param's master in `fm`, covers, laid out as that view (channels_last included)"
+    return v.as_strided(view.shape, view.stride(), v.storage_offset() + view.storage_offset() - fm.storage_offset()).clone()
+
 def _concat_state(parts, params):
     "One state dict for a flat master from the state dicts of its params"
     res = {}
@@ -175,7 +184,7 @@ class MasterParams:
         self.shards, self.remote_own, self._remote_grads = shards, set(), []
         self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
         self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
-        self.keep_zero_grads, self._graded, self._rg = False, set(), {}   # clearing zeroes (fastai) or drops grads; params with a grad since; requires_grad as last synced
+        self.keep_zero_grads, self._graded = False, set()  # clearing zeroes (fastai) or drops grads; params with a grad since the last drop
         self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
         self._flat_of, self._stash, self._gradless = {}, {}, set()    # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
         for group in groups:
@@ -215,7 +224,7 @@ class MasterParams:
             self.groups.append(mg + own)
         self._index()
         self.mark_written()
-        self._rg = {id(p): p.requires_grad for p, _, _ in self.pairs}
+        self._rg = {id(p): p.requires_grad for p, _, _ in self.pairs}       # requires_grad as last synced
 
     def _remote_flat(self, ps:list, requires_grad:bool, owner:int, masters:dict) -> nn.Parameter:
         "The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so freezing reaches it), and a stand-in per param"
@@ -292,6 +301,11 @@ class MasterParams:
         self._bf16_of = {id(m): bf16_master(m) for p, m, _ in self.pairs if bf16_master(m) is not None}   # master -> where it lives, without an fp32 copy
         self._index_of = {id(m): i for i, (_, m, _) in enumerate(self.pairs)}
         self._pair_of = {id(p): (m, g) for p, m, g in self.pairs}                           # half param -> its master and grad buffer
+        held_by = {}                                                                        # what holds requires_grad for each half param: its master, or its flat master
+        for p, m, _ in self.pairs:
+            held = self._flat_of[p] if self.flat else m
+            held_by.setdefault(id(held), (held, []))[1].append(p)
+        self._held_by = list(held_by.values())
 
     def norm_slots(self) -> list:
         "The master grad (or None) of each model param, in the model's order: the same slots on every rank, sharded or not, flat or not, for the global norm"
@@ -419,8 +433,9 @@ class MasterParams:
         self.keep_zero_grads = not set_to_none
         if set_to_none: self._graded = set()
 
-    def zero_grads(self, set_to_none:bool=True):
-        "Drop the model's grads and zero the master grads (with `set_to_none=False`, as an optimizer that zeroes in place: masters keep zero grads and are stepped)"
+    def zero_grads(self, set_to_none:bool=None):
+        "Drop the model's grads and zero the master grads (with `set_to_none=False`, as an optimizer that zeroes in place: masters keep zero grads and are stepped; default: as the front end's optimizer last cleared them)"
+        if set_to_none is None: set_to_none = not self.keep_zero_grads
         self.zero_model_grads()
         self.clearing(set_to_none)
         for p in self.own:
@@ -437,11 +452,8 @@ class MasterParams:
 
     def sync_requires_grad(self) -> bool:
         "Agree on `requires_grad` between each half param and its master: whichever changed since the last sync wins, the model first (`requires_grad_`), then the optimizer (fastai's `freeze` sets its params'); False when a flat master's params no longer agree (the layout must be rebuilt)"
-        ok, held_by = True, {}
-        for p, m, _ in self.pairs:
-            held = self._flat_of[p] if self.flat else m
-            held_by.setdefault(id(held), (held, []))[1].append(p)
-        for held, ps in held_by.values():
+        ok = True
+        for held, ps in self._held_by:
             if any(p.requires_grad != self._rg.get(id(p), p.requires_grad) for p in ps):      # the model changed
                 if len({p.requires_grad for p in ps}) > 1: ok = False; continue            # within one flat master: a new layout
                 held.requires_grad_(ps[0].requires_grad)
@@ -475,10 +487,7 @@ class MasterParams:
         for fm, ps, _ in self.flats:
             st = state.pop(fm, None)
             if st is None: continue
-            for p in ps:
-                m, off = views[p], views[p].storage_offset() - fm.data.storage_offset()     # the slice, laid out as the param is
-                state[p] = {k: (v.as_strided(m.shape, m.stride(), v.storage_offset() + off).clone()
-                                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel() else v) for k, v in st.items()}
+            for p in ps: state[p] = {k: (flat_slice(v, views[p], fm.data) if flat_like(v, fm) else v) for k, v in st.items()}
 
     def follow_layouts(self, states:list=()) -> bool:
         "Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, when the model's changed (`to_channelslast()`); True if any moved"
@@ -491,11 +500,10 @@ class MasterParams:
             if self.flat:
                 fm = self._flat_of[p]
                 off = m.storage_offset() - fm.data.storage_offset()
-                flat_state = [v for st in states for v in st.get(fm, {}).values() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel()]
+                flat_state = [v for st in states for v in st.get(fm, {}).values() if flat_like(v, fm)]
                 with torch.no_grad():
                     for t in [fm.data, gbufs[id(fm)], *flat_state]:        # the slice's values, permuted into the param's layout
-                        old = t.as_strided(m.shape, m.stride(), t.storage_offset() + off).clone()
-                        t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(old)
+                        t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(flat_slice(t, m, fm.data))
                 g1 = gbufs[id(fm)]
                 view = fm.data.as_strided(p.shape, p.stride(), fm.data.storage_offset() + off)
                 self.pairs[i] = (p, view, g1.as_strided(p.shape, p.stride(), g1.storage_offset() + off))
@@ -544,7 +552,7 @@ class MasterParams:
                 n = p.numel()
                 if p in self._gradless:
                     sl = slice(offset, offset + n)
-                    tensors = [fm.data] + [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel()]
+                    tensors = [fm.data] + [v for v in st.values() if flat_like(v, fm)]
                     held.append((sl, tensors, [t[sl].clone() for t in tensors]))
                 offset += n
         def restore():

@@ -147,25 +147,19 @@ class LossScaler:
         if self.verbose: self._say(rec)
         overflow = code in (1, 3)
         self._recent.append((overflow, overflow and self.dynamic and before <= self.min_scale))
-        if overflow: self._last_overflow = params
-        share = self.skip_share()
-        if share > self.max_skip_share and not self._warned_share and not self._share_at_min():
+        share, at_min = self._shares()
+        if share > self.max_skip_share and not self._warned_share and not at_min > self.max_skip_share:
             self._warned_share = True
             where = f" The last overflow was in {', '.join(params[:3])}." if params else ''
             warnings.warn(f"mixedprec: {share:.0%} of the last {len(self._recent)} optimizer steps were skipped because the grads overflowed "
                           f"(loss scale now {after:g}), so the model trains on the rest only.{where} Overflows that keep coming at a steady scale mean "
                           f"some grads are beyond half precision's range: train in bf16, or keep the modules that overflow in fp32." + self._advice(), stacklevel=2)
 
-    def skip_share(self) -> float:
-        "The share of the last `skip_window` steps (once that many ran) that were skipped for overflowing grads; 0 before"
+    def _shares(self) -> tuple:
+        "The shares of the last `skip_window` steps (once that many ran; 0 before) that were skipped for overflowing grads, and that overflowed at `min_scale`"
         r = self._recent
-        return sum(o for o, _ in r) / len(r) if r.maxlen and len(r) == r.maxlen else 0.
-
-    def _share_at_min(self) -> float:
-        "The share of the last `skip_window` steps that overflowed at `min_scale` (once that many ran), when it is above `max_skip_share`; else 0"
-        r = self._recent
-        share = sum(m for _, m in r) / len(r) if r.maxlen and len(r) == r.maxlen else 0.
-        return share if share > self.max_skip_share else 0.
+        if len(r) < r.maxlen: return 0., 0.
+        return sum(o for o, _ in r) / len(r), sum(m for _, m in r) / len(r)
 
     def update(self, found_inf:bool, reason:str='overflow', grad_norm:float=None, params:tuple=None) -> bool:
         "One step's outcome from the host, through the same rules (`advance`, on the scaler's device or the CPU), taken in at once; True if the step must be skipped (`hopeless()` says when scaling cannot help)"
@@ -199,8 +193,8 @@ class LossScaler:
         if self.overflows_at_min >= self.max_overflow_at_min:
             return (f"gradients overflowed for {self.overflows_at_min} consecutive steps at the minimum loss scale {self.min_scale:g}. "
                     f"Scaling cannot help: train in bf16, keep the offending modules in fp32, or lower the learning rate." + self._advice())
-        share = self._share_at_min()
-        if share:
+        share = self._shares()[1]
+        if share > self.max_skip_share:
             return (f"gradients overflowed in {share:.0%} of the last {len(self._recent)} steps at the minimum loss scale {self.min_scale:g} "
                     f"(on and off, not in a row), so only the rest trained. Scaling cannot help: train in bf16, keep the offending modules in fp32, "
                     f"or lower the learning rate." + self._advice())

@@ -357,3 +357,25 @@ def test_ranger_resumes_exactly_after_save_and_load(tmp_path, flat):
     assert back.opt.count == part.opt.count and back.opt.slow_weights is not None
     back.fit(1)
     assert all(torch.equal(a, b) for a, b in zip(weights(full), weights(back)))
+
+
+def test_a_copied_channels_last_learner_with_flat_masters_trains_on_as_the_original():
+    "Flat masters laid out as channels_last params: a copy's optimizer state and masters are split by each param's layout, not by a plain reshape"
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from torch.utils.data import TensorDataset
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 4, 4, generator=g), torch.randn(64, 1, generator=g)
+    dls = DataLoaders(DataLoader(TensorDataset(x[:48], y[:48]), bs=16), DataLoader(TensorDataset(x[48:], y[48:]), bs=16))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 1))
+    learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, cbs=ChannelsLast())
+    learn.logger = noop
+    learn.to_bf16(flat_master=True)
+    with learn.no_bar(): learn.fit(1)
+    assert learn.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    twin = copy.deepcopy(learn)
+    with learn.no_bar(): learn.fit(1)
+    with twin.no_bar(): twin.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(masters_of(learn), masters_of(twin)))
