@@ -288,6 +288,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'mixedprec/master.py'),
                                   'mixedprec.master.MasterParams._remote_flat': ( 'master.html#masterparams._remote_flat',
                                                                                   'mixedprec/master.py'),
+                                  'mixedprec.master.MasterParams._requires_grads': ( 'master.html#masterparams._requires_grads',
+                                                                                     'mixedprec/master.py'),
                                   'mixedprec.master.MasterParams._shard': ('master.html#masterparams._shard', 'mixedprec/master.py'),
                                   'mixedprec.master.MasterParams.clearing': ('master.html#masterparams.clearing', 'mixedprec/master.py'),
                                   'mixedprec.master.MasterParams.clip_': ('master.html#masterparams.clip_', 'mixedprec/master.py'),

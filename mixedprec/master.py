@@ -224,7 +224,7 @@ class MasterParams:
             self.groups.append(mg + own)
         self._index()
         self.mark_written()
-        self._rg = {id(p): p.requires_grad for p, _, _ in self.pairs}       # requires_grad as last synced
+        self._rg_seen = self._requires_grads()          # as of the last sync
 
     def _remote_flat(self, ps:list, requires_grad:bool, owner:int, masters:dict) -> nn.Parameter:
         "The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so freezing reaches it), and a stand-in per param"
@@ -452,15 +452,20 @@ class MasterParams:
 
     def sync_requires_grad(self) -> bool:
         "Agree on `requires_grad` between each half param and its master: whichever changed since the last sync wins, the model first (`requires_grad_`), then the optimizer (fastai's `freeze` sets its params'); False when a flat master's params no longer agree (the layout must be rebuilt)"
-        ok = True
+        if self._requires_grads() == self._rg_seen: return True      # nothing changed since the last sync: every step but a few
+        last, ok = {id(p): rg for (p, _, _), rg in zip(self.pairs, self._rg_seen[0])}, True
         for held, ps in self._held_by:
-            if any(p.requires_grad != self._rg.get(id(p), p.requires_grad) for p in ps):      # the model changed
+            if any(p.requires_grad != last[id(p)] for p in ps):                          # the model changed
                 if len({p.requires_grad for p in ps}) > 1: ok = False; continue            # within one flat master: a new layout
                 held.requires_grad_(ps[0].requires_grad)
             elif any(p.requires_grad != held.requires_grad for p in ps):                    # the optimizer changed (freeze)
                 for p in ps: p.requires_grad_(held.requires_grad)
-            for p in ps: self._rg[id(p)] = p.requires_grad
+        if ok: self._rg_seen = self._requires_grads()   # (not ok: the model's change stays unseen, and is reported again)
         return ok
+
+    def _requires_grads(self) -> tuple:
+        "The `requires_grad` of each half param (in `pairs`' order) and of what holds each one's master (in `_held_by`'s order)"
+        return [p.requires_grad for p, _, _ in self.pairs], [h.requires_grad for h, _ in self._held_by]
 
     def clip_(self, max_norm:float) -> torch.Tensor:
         "Clip the master grads by their global L2 norm, as `torch.nn.utils.clip_grad_norm_` does; returns the norm (nothing is read on the host)"
