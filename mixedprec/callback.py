@@ -220,7 +220,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
             if {id(p) for g in opt.param_lists for p in g} == {id(p) for p in e.masters.master_params}:
                 for state in _state_dicts(opt): e.masters.move_state_to_model(state)
                 opt.param_lists = [list(g) for g in e.masters.model_groups]
-        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)
+        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)   # (`step` and `zero_grad`: an earlier version's)
         self.engine = None
 
     @contextmanager
@@ -252,7 +252,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self.__dict__.update({'engine': None, 'decide': None, 'impl': None, '_kept_history': None, **state})
 
     def before_fit(self):
-        "Prepare the half model and the masters, swap the masters into the optimizer, and let the step engine run `opt.step()` and `opt.zero_grad()`"
+        "Prepare the half model and the masters, and swap the masters into the optimizer; the step engine steps them in `before_step`"
         self.prepare()
         cast_back = [p for p in self.conversion.masters if p.dtype != self.dtype]
         if cast_back: raise ValueError(f"the model's weights are {cast_back[0].dtype} again (`model.float()` after `to_fp16()`?) while mixed precision is on, "
@@ -275,11 +275,6 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
             self.release_opt(); self.attach_opt()
         for p in self.learn.model.parameters(): p.grad = None
         self.engine.choose()
-        self.learn.opt.step, self.learn.opt.zero_grad = self.engine.step, self._zero_grad
-
-    def _zero_grad(self):
-        "Clear grads as `learn.opt` would: fastai's own optimizer zeroes them in place (a param keeps a zero grad, and is stepped), torch's drop them"
-        self.engine.zero_grad(set_to_none=not isinstance(self.learn.opt, Optimizer))
 
     def after_pred(self):
         "Cast every floating leaf of the prediction to fp32"
@@ -291,25 +286,30 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if self.engine is not None: self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
 
     def before_step(self):
-        "Unscale into the master grads, check, clip and update the scale; a skip decided on the host cancels fastai's step"
+        "Unscale into the master grads (check, clip, update the scale), let the later callbacks see them, then step or skip in the engine, which cancels fastai's own step"
         xb, e = self.learn.xb, self.engine
         if e is None: return                         # nothing was converted: nothing to unscale
         e.unscale(input_finite=lambda: _all_finite(xb))
-        if not e.on_device and e.must_skip():
-            e.discard()
-            raise CancelStepException()
+        try: self._later_callbacks('before_step')
+        except BaseException: e.discard(); raise     # one of them cancelled the step (or failed): the grads are dropped, as fastai's own step would not run
+        e.step()
+        raise CancelStepException()                  # stepped (or skipped) already: fastai's `opt.step()` must not step the masters again
+
+    def _later_callbacks(self, event:str):
+        "Run `event` on the Learner's callbacks ordered after this one: the ones fastai's loop will not reach once `before_step` cancels"
+        cbs = list(self.learn.cbs.sorted('order'))
+        for cb in cbs[next(i for i, c in enumerate(cbs) if c is self) + 1:]: cb(event)
 
     def after_step(self):
-        "Drop the grads of the model and the masters: the step engine has already written the masters into the half model"
-        if self.engine is not None: self._zero_grad()
+        "Drop the model's half grads (the engine has written the masters into the model); fastai's own `opt.zero_grad()`, which follows, clears the masters' grads as it would in fp32"
+        if self.engine is not None: self.engine.zero_grad(set_to_none=not isinstance(self.learn.opt, Optimizer), masters=False)
 
     def after_fit(self):
-        "Give the optimizer back its own `step` and `zero_grad` (and fastai's int step counts); take the table columns out of the metrics"
+        "Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the metrics"
         opt = getattr(self.learn, 'opt', None)
         if self.engine is not None and opt is not None:
             self.scaler.drain()                          # the last step into the books (naming overflowed params reads the master grads)
             self.engine.own_layout()
-            for k in ('step', 'zero_grad'): opt.__dict__.pop(k, None)
         if self._kept_history is not None:
             self.scaler.drain()
             while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()

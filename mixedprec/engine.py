@@ -346,9 +346,9 @@ class StepEngine:
         if self.recognised is not None and self.recognised.own_layout is not None: self.recognised.own_layout(self.optimizer.state)
         self._own_layout_due = False
 
-    def zero_grad(self, set_to_none:bool=True):
-        "Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would (zeroed grads stay, and are stepped); the next unscale starts afresh"
-        for p in chain(*self.masters.model_groups, *self.masters.groups):
+    def zero_grad(self, set_to_none:bool=True, masters:bool=True):
+        "Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would (zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own `zero_grad` clears the masters'"
+        for p in chain(*self.masters.model_groups, *(self.masters.groups if masters else ())):
             if p.grad is None: continue
             if set_to_none: p.grad = None
             else: p.grad.detach_(); p.grad.zero_()

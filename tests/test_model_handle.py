@@ -379,3 +379,40 @@ def test_a_copied_channels_last_learner_with_flat_masters_trains_on_as_the_origi
     with twin.no_bar(): twin.fit(1)
     assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(masters_of(learn), masters_of(twin)))
+
+# ---------------------------------------------------------------- fastai's step: the engine steps in `before_step`, the optimizer is not patched
+
+class GradLog(Record):
+    "After MixedPrecision: record, at each `before_step`, the grads the optimizer will step (unscaled masters), cancel the steps listed, and record the weights after each step"
+    def __init__(self, cancel=()):
+        super().__init__(1); self.seen, self.after, self.cancel = [], [], set(cancel)
+    def before_step(self):
+        self.seen.append([p.grad.detach().float().clone() if p.grad is not None else None for p in held(self.learn)])
+        if len(self.seen) - 1 in self.cancel: raise CancelStepException()
+    def after_step(self): self.after.append(weights(self.learn))
+
+from fastai.callback.core import CancelStepException
+
+@pytest.mark.parametrize("precision", ['fp16', 'bf16'])
+def test_later_callbacks_see_unscaled_grads_once_and_can_cancel_the_step(precision):
+    # a grad-logging callback ordered after MixedPrecision sees, once per batch, the grads the optimizer steps: unscaled, as in fp32;
+    # one that cancels a step cancels it in mixed precision too (the grads are dropped, the weights stay)
+    ref, half = synth_learner(relu_bn_mlp(), opt_func=SGD), synth_learner(relu_bn_mlp(), opt_func=SGD)
+    half = half.to_fp16(loss_scale=2.**8) if precision == 'fp16' else half.to_bf16()
+    logs = [GradLog(cancel={2, 3}), GradLog(cancel={2, 3})]
+    for l, log in zip((ref, half), logs): l.fit(1, 1e-2, cbs=log)
+    assert len(logs[0].seen) == len(logs[1].seen) == 6
+    tol = 3e-2 if precision == 'bf16' else 3e-3
+    assert close(logs[1].seen[0], logs[0].seen[0], tol)          # unscaled (a scale of 2**8 would be far off)
+    for log in logs:
+        assert all(torch.equal(a, b) for a, b in zip(log.after[1], log.after[2])) and all(torch.equal(a, b) for a, b in zip(log.after[2], log.after[3]))
+        assert not all(torch.equal(a, b) for a, b in zip(log.after[3], log.after[4]))
+    assert close(weights(half), weights(ref), tol)
+
+def test_no_optimizer_method_is_patched_during_fit():
+    # the engine steps from the callback's `before_step` and cancels fastai's own step: the optimizer keeps its class's methods throughout
+    learn = synth_learner().to_fp16()
+    seen = []
+    learn.fit(1, cbs=Record(1, before_step=lambda l: seen.append(sorted(k for k in ('step', 'zero_grad') if k in l.opt.__dict__))))
+    assert seen and all(s == [] for s in seen)
+    assert learn.opt.step.__func__ is type(learn.opt).step and learn.opt.zero_grad.__func__ is type(learn.opt).zero_grad
