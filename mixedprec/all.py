@@ -9,11 +9,11 @@ __all__ = []
 from .scaler import LossScaler, StepRecord, ScalingError
 from .convert import convert_model, cast_floats, to_fp32, speed_note
 from .master import MasterParams
-from .engine import StepEngine, settings
+from .engine import StepEngine, settings, save_checkpoint
 from .callback import MixedPrecision, fastai_to_fp16, fastai_to_bf16, fastai_to_fp32
 from .fp16_optimizer import FP16_Optimizer
 from . import amp, ops
 
 # %% ../nbs/20_all.ipynb #7bb9f4dc
 __all__ = ['LossScaler', 'StepRecord', 'ScalingError', 'convert_model', 'MasterParams', 'cast_floats', 'to_fp32', 'StepEngine',
-           'settings', 'speed_note', 'MixedPrecision', 'fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'FP16_Optimizer', 'amp', 'ops']
+           'settings', 'save_checkpoint', 'speed_note', 'MixedPrecision', 'fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'FP16_Optimizer', 'amp', 'ops']

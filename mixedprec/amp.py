@@ -97,7 +97,8 @@ def _state_dict(self) -> dict:
     with self._mixedprec_engine.consolidated(): return type(self).state_dict(self)
 
 def _load_state_dict(self, sd:dict):
-    "`optimizer.load_state_dict()` of sharded masters: every rank loads the whole state and keeps its shard's"
+    "`optimizer.load_state_dict()` under amp: checked against the masters first (torch checks the group sizes only); sharded, every rank loads the whole state and keeps its shard's"
+    self._mixedprec_engine.check_optimizer_state(sd, "optimizer.load_state_dict")
     with self._mixedprec_engine.consolidated(gather=False): type(self).load_state_dict(self, sd)
 
 class AutocastForward:
@@ -160,7 +161,8 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         e.amp, e.masters_of = state, masters_of
         o._mixedprec_engine = e
         o.step, o.zero_grad, o.add_param_group = (types.MethodType(f, o) for f in (_step, _zero_grad, _add_param_group))
-        if shard: o.state_dict, o.load_state_dict = types.MethodType(_state_dict, o), types.MethodType(_load_state_dict, o)
+        o.load_state_dict = types.MethodType(_load_state_dict, o)    # checked first; sharded, each rank keeps its shard
+        if shard: o.state_dict = types.MethodType(_state_dict, o)
         state.engines.append(e)
     if verbosity: print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale {props['loss_scale']}, {num_losses} scaler(s)")
     return models if optimizers is None else (models, optimizers)

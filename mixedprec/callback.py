@@ -18,14 +18,16 @@ from fastcore.basics import patch, noop
 from fastcore.meta import delegates
 import fastai.callback.fp16 as fastai_fp16    # fastai patches Learner.to_fp16 on first import: let it happen before we do
 from fastai.learner import Learner
+import fastai.learner as fastai_learner
+from fastai.torch_core import get_model, distrib_barrier
 from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.training import GradientClip
 from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
-from .convert import check_half_dtype, to_fp32, convert_model, speed_note
-from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_like, flat_slice
-from .engine import StepEngine, steps_to_ints, shards_for
+from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
+from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_like, flat_slice, CheckpointError, check_master_value, check_state_value
+from .engine import StepEngine, steps_to_ints, shards_for, _check_state_shapes, write_atomically
 from .distributed import world_size, rank, barrier
 from fastcore.xtras import join_path_file
 from .ops import warn_once
@@ -181,7 +183,8 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if isinstance(opt, Optimizer): io = OptStateIO(self)                # fastai's own: per model param
         elif callable(getattr(opt, 'state_dict', None)): io = WrappedStateIO(self, opt)   # an OptimWrapper: torch's positional state_dict
         else: return
-        opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict
+        opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict     # `learn.opt.state_dict()` in the model's layout, as fastai and users read it
+        self.state_io = io
 
     def _copied_masters_to_model(self, opt):
         "A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model params back in their places, with their state"
@@ -360,16 +363,16 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything changes"
         self.prepare()
         params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
-        if len(saved) != len(params): raise ValueError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} params: it comes from another model; nothing was loaded")
+        if len(saved) != len(params): raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} params: it comes from another model; nothing was loaded")
+        names = [n for n, _ in self.learn.model.named_parameters()]
         for i, (p, m) in enumerate(zip(params, saved)):
-            if m is not None and p in masters and not (isinstance(m, torch.Tensor) and m.numel() == p.numel()):
-                raise ValueError(f"the state_dict's master {i} is {tuple(getattr(m, 'shape', ()))}, the model's param is {tuple(p.shape)}: it comes from another model; nothing was loaded")
+            if m is not None and p in masters: check_master_value(m, p, f"master {i} ({names[i]})", "the state_dict")
         self.scaler.check_state(sd.get('scaler'))
         self.scaler.load_state_dict(sd['scaler'])
         with torch.no_grad():
             for p, m in zip(params, saved):
                 if m is None or p not in masters: continue
-                load_master_(p, masters[p], m.view_as(p))
+                load_master_(p, masters[p], m)
         return self
 
 # %% ../nbs/15_callback.ipynb #ae1c62a9
@@ -394,19 +397,28 @@ class OptStateIO:
         if type(opt).state_dict is not Optimizer.state_dict:      # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
             res.update({k: _plain(v) for k, v in type(opt).state_dict(opt).items() if k not in res})
         return res
+    def check_state_dict(self, sd:dict, what:str='the optimizer state'):
+        "Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load: groups, params, each state tensor, the loss scaler (nothing changes)"
+        masters = self.cb.masters
+        params = [p for g in masters.model_groups for p in g]
+        if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple, L)) and isinstance(sd.get('hypers'), (list, tuple, L))):
+            raise CheckpointError(f"{what} is not a fastai optimizer state_dict (it needs 'state' and 'hypers'); nothing was loaded")
+        if len(sd['hypers']) != len(masters.model_groups) or len(sd['state']) != len(params):
+            raise CheckpointError(f"{what} holds state for {len(sd['state'])} params in {len(sd['hypers'])} groups, this model has "
+                                  f"{len(params)} params in {len(masters.model_groups)} groups: it comes from another model; nothing was loaded")
+        names = masters.names
+        for i, (p, s) in enumerate(zip(params, sd['state'])):
+            if not isinstance(s, dict): raise CheckpointError(f"{what}: the state of param {i} is a {type(s).__name__}, not a dict; nothing was loaded")
+            for k, v in s.items(): check_state_value(v, p, k, f"param {i} ({names.get(p, 'param')})", what)
+        if 'mixedprec' in sd: self.cb.scaler.check_state(sd['mixedprec']['scaler'])
+
     def load_state_dict(self, sd:dict):
         "Load a `state_dict` written by this class or by a plain fastai optimizer over the same model; everything is checked before anything changes"
         cb = self.cb; opt, masters = cb.learn.opt, cb.masters
+        self.check_state_dict(sd)
         params = [p for g in masters.model_groups for p in g]
-        if len(sd['hypers']) != len(masters.model_groups) or len(sd['state']) != len(params):
-            raise ValueError(f"optimizer state for {len(sd['state'])} params in {len(sd['hypers'])} groups does not fit "
-                             f"this model's {len(params)} params in {len(masters.model_groups)} groups")
-        for i, (p, s) in enumerate(zip(params, sd['state'])):
-            for k, v in s.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
-                    raise ValueError(f"the optimizer state {k!r} of param {i} has shape {tuple(v.shape)}, the param has {tuple(p.shape)}: it comes from another model; nothing was loaded")
-        if 'mixedprec' in sd: cb.scaler.check_state(sd['mixedprec']['scaler'])
-        state = {p: dict(s) for p, s in zip(params, sd['state'])}
+        half = (torch.float16, torch.bfloat16)             # the state of half params and of fp32 ones is fp32, whatever the file holds
+        state = {p: {k: v.float() if isinstance(v, torch.Tensor) and v.dtype in half else v for k, v in s.items()} for p, s in zip(params, sd['state'])}
         masters.move_state_to_masters(state)
         masters.drop_remote_state([state])             # sharded: this rank keeps its shard's state (the masters of the others are stand-ins)
         owner = opt                                    # the optimizer that holds the state: a wrapper's (Lookahead) reads its inner one's
@@ -425,10 +437,16 @@ class WrappedStateIO:
         "The wrapped torch optimizer's state_dict and the loss scaler (refused while other ranks hold some masters)"
         self.cb.check_whole()
         return {**self.own_state_dict(), 'mixedprec': {'scaler': self.cb.scaler.state_dict()}}
-    def load_state_dict(self, sd:dict):
-        "The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai loads the file too); sharded, this rank keeps its shard"
+    def check_state_dict(self, sd:dict, what:str='the optimizer state'):
+        "Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load (nothing changes)"
+        _check_state_shapes(sd, [g['params'] for g in self.cb.engine.optimizer.param_groups], what)
         scaler = sd.get('mixedprec', {}).get('scaler')
         if scaler is not None: self.cb.scaler.check_state(scaler)
+
+    def load_state_dict(self, sd:dict):
+        "The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai loads the file too); sharded, this rank keeps its shard"
+        self.check_state_dict(sd)
+        scaler = sd.get('mixedprec', {}).get('scaler')
         self.own_load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
         self.cb.masters.drop_remote_state(_state_dicts(self.opt))
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
@@ -479,28 +497,55 @@ def _sharded(learn) -> bool:
 
 @patch
 def save(self:Learner, file, **kwargs):
-    "fastai's `save`, written by rank 0 alone; sharded masters are gathered first, so every rank must call it (as `SaveModelCallback` does) and returns when the file is whole"
+    "fastai's `save`, written atomically (a failed save leaves the previous file whole) by rank 0 alone; sharded masters are gathered first, so every rank must call it (as `SaveModelCallback` does) and returns when the file is whole"
     sharded = _sharded(self)
+    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     with _consolidated(self):
         # fastai skips a rank by the RANK variable of its launchers; a group made with `init_process_group(rank=...)` has none, and every rank would write one file at once
-        if rank() == 0: file = fastai_save(self, file, **kwargs)
-        else: file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+        if rank() == 0: write_atomically(file, lambda tmp: fastai_learner.save_model(tmp, self.model, getattr(self, 'opt', None), **kwargs))
     if sharded: barrier("the wait for rank 0 to write the checkpoint")    # a load on any rank right after reads the whole file
     return file
 
+def _read_checkpoint(file, device, **torch_load_kwargs):
+    "The checkpoint at `file`, read as fastai's `load_model` reads it (weights only, fastai's `L` and numpy scalars allowed)"
+    import numpy as np
+    allowed = [L, np.dtype, *[getattr(np.dtypes, dt) for dt in np.dtypes.__all__]]
+    core = getattr(np, '_core', None) or np.core
+    allowed.append(core.multiarray.scalar)
+    torch_load_kwargs.setdefault('weights_only', True)
+    with torch.serialization.safe_globals(allowed): return torch.load(file, map_location=device, **torch_load_kwargs)
+
 @patch
-def load(self:Learner, file, **kwargs):
-    "fastai's `load`; with sharded masters every rank loads the whole checkpoint and keeps its shard"
-    with _consolidated(self, gather=False): return fastai_load(self, file, **kwargs)
+def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, **kwargs):
+    "fastai's `load`, all or nothing in mixed precision: the model's keys and weights, the fp32 masters, the optimizer state and the loss scaler are all checked before anything changes, and a misfit raises (fastai would change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its shard"
+    cb = getattr(self, 'mixed_precision', None)
+    if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.engine.optimizer is not getattr(self, 'opt', None):
+        with _consolidated(self, gather=False): return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
+    if device is None and hasattr(self.dls, 'device'): device = self.dls.device
+    if isinstance(device, int): device = torch.device('cuda', device)
+    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    distrib_barrier()                                              # as fastai: rank 0 may still be writing it
+    state = _read_checkpoint(file, device if device is not None else 'cpu', **kwargs)
+    hasopt = isinstance(state, dict) and set(state) == {'model', 'opt'}
+    model, model_state = get_model(self.model), state['model'] if hasopt else state
+    with _consolidated(self, gather=False):
+        LoadMasters(cb.conversion).check(model, model_state, strict=strict)     # keys, shapes, masters: what the load hook checks, first
+        if hasopt and with_opt: cb.state_io.check_state_dict(state['opt'], f"{file.name}'s optimizer state")
+        model.load_state_dict(model_state, strict=strict)          # mixedprec's pre-hook checks every weight and master before it writes any
+        if hasopt and with_opt: cb.state_io.load_state_dict(state['opt'])
+        elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
+    return self
 
 @patch
 def export(self:Learner, fname='export.pkl', pickle_module=None, pickle_protocol=2, keep_mixed_precision:bool=False):
     "fastai's `export`, of an fp32 Learner that plain fastai loads (weights from the masters; no mixedprec inside), unless `keep_mixed_precision`; `self` stays in mixed precision"
     cb = getattr(self, 'mixed_precision', None)
     kw = dict(pickle_protocol=pickle_protocol, **({'pickle_module': pickle_module} if pickle_module is not None else {}))
-    if keep_mixed_precision or not isinstance(cb, MixedPrecision): return fastai_export(self, fname, **kw)
+    if keep_mixed_precision or not isinstance(cb, MixedPrecision):
+        return write_atomically(self.path/fname, lambda tmp: fastai_export(self, tmp, **kw)) if rank() == 0 else None
     self.remove_cb(cb)                                   # fp32 weights equal to the masters, the optimizer on them with its state
-    try: return fastai_export(self, fname, **kw) if rank() == 0 else None      # rank 0 writes (fastai's own check reads a launcher's RANK variable)
+    try:                                                 # rank 0 writes (fastai's own check reads a launcher's RANK variable), atomically
+        if rank() == 0: return write_atomically(self.path/fname, lambda tmp: fastai_export(self, tmp, **kw))
     finally: _attach(self, cb)                           # back in mixed precision: masters made again, exactly, from the fp32 weights
 
 fastai_freeze_to = _fastais('freeze_to')

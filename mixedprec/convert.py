@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'ModelConversion', 'CastIO', 'DtypeHint', 'masters_for',
-           'SaveMasters', 'LoadMasters', 'convert_model', 'speed_note']
+           'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model', 'speed_note']
 
 # %% ../nbs/12_convert.ipynb #1944725e
 import copy, dataclasses, sys
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import bf16_master, master_value, set_master_, store_master_, mark_written, take_model_edits
+from .master import bf16_master, master_value, set_master_, store_master_, mark_written, take_model_edits, check_master_value
 
 # %% ../nbs/12_convert.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -169,21 +169,50 @@ class LoadMasters:
     "`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into their fp32 masters"
     def __init__(self, conversion): self.conversion = conversion
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for m, v, key in self.check(module, state_dict, prefix, strict):
+            set_master_(m, v)
+            if (bm := bf16_master(m)) is not None: state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
+
+    def check(self, module, state_dict, prefix:str='', strict:bool=True) -> list:
+        "Raise, before anything is copied, when `state_dict` does not fit `module`: keys (with `strict`), shapes, the masters' values (floating, finite) and the fp32 params' (finite: they are their own masters); else the (master, value, key)s to load"
         masters, todo = self.conversion.masters, []
+        params = {id(p) for p in module.parameters()}
+        if strict: check_state_keys(module, state_dict, prefix)    # torch checks the keys after it has copied: the masters would be written first
         for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
             v = state_dict.get(prefix + name)
             if not isinstance(v, torch.Tensor) or t is None: continue
             if v.shape != t.shape:                  # torch would copy every tensor that fits before it raises: nothing is loaded instead
                 raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the checkpoint holds {tuple(v.shape)}, "
                                    f"the model {tuple(t.shape)}. It comes from another model; nothing was loaded")
-            if t in masters and v.is_floating_point(): todo.append((masters[t], v, prefix + name))
-        for m, v, key in todo:
-            set_master_(m, v)
-            if (bm := bf16_master(m)) is not None: state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
+            if t in masters:
+                check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
+                todo.append((masters[t], v, prefix + name))
+            elif id(t) in params and t.is_floating_point(): check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
+        return todo
 
     def loaded(self, module, incompatible_keys):
         "`load_state_dict` post-hook: torch has copied the rounded values into the half params, whose masters hold the exact ones: not an edit to take"
         for p in self.conversion.masters: mark_written(p)
+
+def _state_keys(module, prefix:str='') -> set:
+    "The keys `module.state_dict()` would hold, under `prefix`, without making it (persistent buffers, extra state; shared modules under each name)"
+    keys = set()
+    for name, m in module.named_modules(prefix=prefix.rstrip('.'), remove_duplicate=False):
+        pre = name + '.' if name else ''
+        keys |= {pre + k for k, v in m._parameters.items() if v is not None}
+        keys |= {pre + k for k, v in m._buffers.items() if v is not None and k not in m._non_persistent_buffers_set}
+        if type(m).get_extra_state is not nn.Module.get_extra_state: keys.add(pre + '_extra_state')
+    return keys
+
+def check_state_keys(module, state_dict, prefix:str=''):
+    "Raise, as torch's strict `load_state_dict` does but before anything is copied, when `state_dict` lacks keys of `module` or holds keys it has not"
+    expected, given = _state_keys(module, prefix), {k for k in state_dict if k.startswith(prefix)}
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        parts = ([f"Missing key(s): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"] if missing else []) + \
+                ([f"Unexpected key(s): {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}"] if unexpected else [])
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: {'; '.join(parts)}. It comes from another model "
+                           f"(or pass strict=False); nothing was loaded")
 
 def _kept_modules(model, keep):
     "Ids of every module inside a module of a `keep` type"

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DECIDE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'settings', 'FusedPlan', 'torch_plan', 'steps_to_ints',
            'fastai_plan', 'fused_plan', 'fuses', 'fused_group_step', 'fused_opt_step', 'shards_for', 'StepEngine',
-           'scale_into', 'unscale_into']
+           'write_atomically', 'save_checkpoint', 'scale_into', 'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 from contextlib import contextmanager
@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
-from .master import MasterParams, clip_grads_, master_value, load_master_
+from .master import MasterParams, clip_grads_, master_value, load_master_, CheckpointError, check_master_value, check_state_value
 from .convert import masters_for
 from .distributed import agree, sum_over_ranks, Shards
 
@@ -195,9 +195,7 @@ def _check_state_shapes(opt_sd:dict, groups:list, what:str):
                          f"{[len(ps) for ps in groups]}: it comes from another model; nothing was loaded")
     params = [p for ps in groups for p in ps]
     for n, (i, p) in enumerate(zip(saved, params)):
-        for k, v in opt_sd.get('state', {}).get(i, {}).items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
-                raise ValueError(f"{what}: the optimizer state {k!r} of param {n} has shape {tuple(v.shape)}, the param has {tuple(p.shape)}: it comes from another model; nothing was loaded")
+        for k, v in opt_sd.get('state', {}).get(i, {}).items(): check_state_value(v, p, k, f"param {n}", what)
 
 def shards_for(groups:list, shard:bool) -> Shards:
     "The `Shards` of the params in `groups` (lists of model params) when `shard` is asked for, else None"
@@ -392,13 +390,9 @@ class StepEngine:
         "Raise, naming the first misfit, unless `saved` holds a floating tensor of each master's shape"
         pairs = self.masters.pairs
         if not isinstance(saved, (list, tuple)) or len(saved) != len(pairs):
-            raise ValueError(f"{what} holds {len(saved) if isinstance(saved, (list, tuple)) else 'no'} fp32 masters, this optimizer has {len(pairs)} half params: "
-                             f"it comes from another model; nothing was loaded")
-        for i, ((p, m, _), v) in enumerate(zip(pairs, saved)):
-            if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape):
-                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"{what}: master {i} ({self.masters.names.get(p, 'param')}) is {got}, this model's is {tuple(m.shape)}: "
-                                 f"it comes from another model; nothing was loaded")
+            raise CheckpointError(f"{what} holds {len(saved) if isinstance(saved, (list, tuple)) else 'no'} fp32 masters, this optimizer has {len(pairs)} half params: "
+                                  f"it comes from another model; nothing was loaded")
+        for i, ((p, m, _), v) in enumerate(zip(pairs, saved)): check_master_value(v, p, f"master {i} ({self.masters.names.get(p, 'param')})", what)
 
     def load_masters(self, saved:list):
         "Copy checked masters (`check_masters`) into the masters and, rounded, into the half params"
@@ -420,6 +414,49 @@ class StepEngine:
         self.check_masters(sd['masters']); self.scaler.check_state(sd['scaler'])
         self.scaler.load_state_dict(sd['scaler'])
         self.load_masters(sd['masters'])
+
+# %% ../nbs/14_engine.ipynb #242accc6
+def _write_error(path, e:BaseException) -> str:
+    "Why writing `path` failed, in words (a full disk, a permission, a size limit)"
+    import errno, resource, shutil
+    code = getattr(e, 'errno', None)
+    try: free = shutil.disk_usage(path.parent).free
+    except OSError: free = None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if code == errno.ENOSPC or (code is None and free is not None and free < 2**24):    # torch's own writer says only "iostream error"
+        return "the disk is full" + (f" ({free / 2**20:.0f} MiB free)" if free is not None else '')
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS): return f"no permission to write in {path.parent}"
+    if code == errno.EFBIG or (code is None and limit != resource.RLIM_INFINITY):
+        return f"the file passed this process's file size limit (ulimit -f: {limit} bytes)"
+    return f"{type(e).__name__}: {e}"
+
+def write_atomically(path, write:Callable):
+    "Call `write(tmp)` to write a temporary file beside `path`, flush it to disk and rename it over `path`: a save that fails or is killed halfway leaves the previous file whole. Returns `path`"
+    import os
+    from pathlib import Path
+    path = Path(path).absolute()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try: tmp.unlink()
+        except OSError: pass
+        if isinstance(e, (OSError, RuntimeError)):
+            msg = f"mixedprec: could not save {path}: {_write_error(path, e)}. The previous file at that path (if any) is unchanged"
+            raise (OSError(e.errno, msg) if getattr(e, 'errno', None) else OSError(msg)) from e
+        raise
+    try:                                                   # the rename itself survives a crash once the folder is on disk too
+        fd = os.open(path.parent, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
+    except OSError: pass
+    return path
+
+def save_checkpoint(obj, path, **torch_save_kwargs):
+    "`torch.save(obj, path)`, atomically: a failed or killed save leaves the previous checkpoint at `path` whole (for `FP16_Optimizer` and amp checkpoints)"
+    return write_atomically(path, lambda tmp: torch.save(obj, tmp, **torch_save_kwargs))
 
 # %% ../nbs/14_engine.ipynb #e0000011
 def _nonfinite_weights(engines:list, limit:int=5) -> str:

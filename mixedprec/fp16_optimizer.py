@@ -125,7 +125,7 @@ class FP16_Optimizer:
         with self.engine.consolidated(gather=False):  # sharded masters: every rank loads all, then keeps its shard
             self.optimizer.load_state_dict(sd['optimizer_state_dict'])
             self.engine.load_masters(sd['fp32_from_fp16'])
-        if sd.get('overflow'): self.engine.skip_anyway()
+        # 'overflow' is kept for apex's readers only: it tells of a step taken (or skipped) before the save, and the grads it was about are not in the checkpoint
 
     def add_param_group(self, param_group:dict):
         "Add a param group (half params get fp32 masters), keeping the state of the existing ones"

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['STORES', 'clip_grads_', 'check_store', 'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value',
-           'set_master_', 'load_master_', 'mark_written', 'edited', 'take_model_edits', 'store_master_', 'flat_like',
-           'flat_slice', 'MasterParams']
+           'set_master_', 'load_master_', 'CheckpointError', 'check_master_value', 'check_state_value', 'mark_written',
+           'edited', 'take_model_edits', 'store_master_', 'flat_like', 'flat_slice', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -86,9 +86,10 @@ def master_value(m:torch.Tensor) -> torch.Tensor:
     return m.detach() if r is None else r.param.detach().float()
 
 def set_master_(m:torch.Tensor, v:torch.Tensor):
-    "Make `v` the value of master `m` (and, for a bf16 master, of its param)"
+    "Make `v` the value of master `m` (and, for a bf16 master, of its param); a master another rank owns is left to its owner, which loads the same checkpoint"
     s = bf16_master(m)
     if s is not None: return s.set_(v)
+    if remote_master(m) is not None: return      # a 4-byte stand-in here (apex's resume order: `model.load_state_dict` on every rank)
     with torch.no_grad(): m.copy_(v.reshape(m.shape))
 
 def load_master_(p:torch.Tensor, m:torch.Tensor, v:torch.Tensor):
@@ -97,6 +98,27 @@ def load_master_(p:torch.Tensor, m:torch.Tensor, v:torch.Tensor):
     if bf16_master(m) is None:
         with torch.no_grad(): p.copy_(v.reshape(p.shape))
     mark_written(p)
+
+class CheckpointError(ValueError):
+    "A checkpoint (or state dict) that does not fit: raised before anything is changed"
+
+def _refuse(what:str, why:str): raise CheckpointError(f"{what}: {why}; nothing was loaded")
+
+def check_master_value(v, p:torch.Tensor, name:str, what:str):
+    "Raise `CheckpointError`, saying what was expected and what was found, unless `v` can be the fp32 master of half param `p` (called `name`): a finite floating tensor of `p`'s shape"
+    if not isinstance(v, torch.Tensor): _refuse(what, f"the master of {name} is a {type(v).__name__}, not a tensor")
+    if not v.is_floating_point(): _refuse(what, f"the master of {name} is {v.dtype}, a master is floating point (float32): it does not come from a float model")
+    if v.shape != p.shape: _refuse(what, f"the master of {name} is {tuple(v.shape)}, this model's param is {tuple(p.shape)}: it comes from another model")
+    if not bool(torch.isfinite(v).all()): _refuse(what, f"the master of {name} holds inf or NaN: it was saved after training diverged, or the file is damaged")
+
+def check_state_value(v, p:torch.Tensor, key:str, name:str, what:str):
+    "Raise `CheckpointError` unless optimizer state `v` (under `key`) fits param `p` (called `name`): a tensor per element has `p`'s shape, is floating point (it is cast to the master's dtype) and finite"
+    if not isinstance(v, torch.Tensor): return
+    if v.dim() > 0 and v.shape != p.shape:
+        _refuse(what, f"the optimizer state {key!r} of {name} is {tuple(v.shape)}, the param is {tuple(p.shape)}: it comes from another model")
+    if v.dim() > 0 and not v.is_floating_point(): _refuse(what, f"the optimizer state {key!r} of {name} is {v.dtype}, per-element state is floating point")
+    if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        _refuse(what, f"the optimizer state {key!r} of {name} holds inf or NaN: it was saved after training diverged, or the file is damaged")
 
 def mark_written(p:torch.Tensor):
     "Note that mixedprec has just written half param `p` (torch's version counter, and which tensor: a copy of `p` starts afresh)"

@@ -222,8 +222,19 @@ class LossScaler:
         missing = [k for k in ('scale', 'noskip') if not isinstance(sd, dict) or k not in sd]
         if missing: raise KeyError(f"not a LossScaler state_dict: missing {missing}")
         try: values = {k: type(getattr(self, k))(sd[k]) for k in self._STATE if k in sd}
-        except (TypeError, ValueError) as e: raise ValueError(f"not a LossScaler state_dict: {e}") from None
-        if not (math.isfinite(values['scale']) and values['scale'] > 0): raise ValueError(f"not a LossScaler state_dict: scale {values['scale']!r}")
+        except (TypeError, ValueError, OverflowError) as e: raise ValueError(f"not a LossScaler state_dict: {e}") from None
+        v = {k: values.get(k, getattr(self, k)) for k in self._STATE}      # the whole state the load would leave
+        def bad(why): raise ValueError(f"the loss scaler's state is out of range: {why}; nothing was loaded")
+        for k in ('scale', 'min_scale', 'max_scale'):
+            if not (math.isfinite(v[k]) and v[k] > 0): bad(f"{k} is {v[k]!r}, it must be a finite number > 0")
+        if not (math.isfinite(v['factor']) and v['factor'] > 1): bad(f"factor is {v['factor']!r}, it must be finite and > 1")
+        if v['max_noskip'] < 1: bad(f"max_noskip is {v['max_noskip']!r}, it must be >= 1")
+        if v['min_scale'] > v['max_scale']: bad(f"min_scale {v['min_scale']:g} is above max_scale {v['max_scale']:g}")
+        if v['dynamic'] and not v['min_scale'] <= v['scale'] <= v['max_scale']:
+            bad(f"the scale {v['scale']:g} is outside [min_scale, max_scale] = [{v['min_scale']:g}, {v['max_scale']:g}]")
+        for k in ('noskip', 'n_steps', 'n_skipped', 'overflows_at_min', 'bad_losses'):
+            if v[k] < 0: bad(f"{k} is {v[k]!r}, a count is >= 0")
+        if v['n_skipped'] > v['n_steps']: bad(f"n_skipped ({v['n_skipped']}) is above n_steps ({v['n_steps']})")
         return values
 
     def __getstate__(self) -> dict:

@@ -213,20 +213,29 @@ def sharded_peer_dies(rank, world, outdir):
     torch.save(res, os.path.join(outdir, f'sharded_peer_dies_rank{rank}.pt'))
     os._exit(0)
 
-def amp_sharded(rank, world, outdir, shard=True):
-    "amp O2 over DDP, sharded or not, an inf on rank 0 after the reduction; the optimizer's and amp's state dicts (gathered when sharded)"
+def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
+    """amp O2 over DDP, sharded or not, an inf on rank 0 after the reduction; the optimizer's and amp's state dicts (gathered when sharded).
+    `save_at`: every rank gathers the state at that step and rank 0 writes it; `resume`: a fresh run loads it in apex's order (model, optimizer, amp) and goes on"""
     from mixedprec import amp
     model = deep_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0, shard=shard)
     net = DDP(model)
-    for step in range(STEPS):
+    start = 0
+    if resume:
+        ck = torch.load(os.path.join(outdir, 'amp_sharded.pt'), weights_only=True)
+        model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt']); amp.load_state_dict(ck['amp']); start = ck['step'] + 1
+    for step in range(start, STEPS):
         x, y = data(step)
         loss = nn.functional.mse_loss(net(shard_rows(x, rank, world)), shard_rows(y, rank, world))
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
             if step == INJECT_AT and rank == 0: model[2].weight.grad.view(-1)[0] = float('inf')
         opt.step(); opt.zero_grad()
+        if step == save_at:
+            ck = dict(model=model.state_dict(), opt=opt.state_dict(), amp=amp.state_dict(), step=step)     # every rank: gathered
+            if rank == 0: torch.save(ck, os.path.join(outdir, 'amp_sharded.pt'))
+            dist.barrier()
     osd, asd = opt.state_dict(), amp.state_dict()
     return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0], scaler=asd['loss_scaler0'], norms=[],
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())],

@@ -90,3 +90,11 @@ def test_fastai_distrib_ctx_with_save_model_callback_sharded_equals_unsharded(tm
     assert all(s['sharded'] for s in sharded) and not plain[0]['sharded'] and sharded[0]['model_type'] == 'Sequential'   # DDP unwrapped after the fit
     assert sharded[0]['skipped'][1] and sum(sharded[0]['skipped']) == 1                                          # the inf on rank 1, skipped by both
     assert (tmp_path / 'models' / 'bestTrue.pth').exists()
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_amp_sharded_resumes_in_apexs_order(world, tmp_path):
+    # apex's documented resume: amp.initialize, then model.load_state_dict, optimizer.load_state_dict, amp.load_state_dict on every rank.
+    # The model's load hook met other ranks' masters (4-byte stand-ins) and crashed halfway; the resumed run must equal the uninterrupted one
+    whole = spawn('amp_sharded', tmp_path, True, 2, world=world)               # saves after step 2, goes on to the end
+    resumed = spawn('amp_sharded', tmp_path, True, None, True, world=world)
+    for r in range(world): same(resumed[r], whole[r], since=3)
