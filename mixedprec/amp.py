@@ -13,7 +13,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
 from .convert import convert_model, masters_for, to_fp32, check_half_dtype, HALF_DTYPES
-from .engine import StepEngine, scale_into, unscale_into
+from .engine import StepEngine, scale_into, unscale_into, _check_decide
+from .ops import require_impl
 from .master import check_store
 
 # %% ../nbs/17_amp.ipynb #0004312e
@@ -134,6 +135,8 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     if not (isinstance(num_losses, int) and num_losses >= 1): raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
     check_store(masters, props['dtype'])
+    if decide is not None: _check_decide(decide)
+    for m in model_list: require_impl(impl, next(m.parameters(), torch.empty(0)).device)   # before anything is converted or recorded
     if masters != 'fp32':                                        # bf16 masters in place of O2's fp32 ones (or of O3's none)
         if props['cast_model_type'] not in HALF_DTYPES: raise ValueError(f"masters={masters!r} keeps the masters in the bf16 weights: it needs a bf16 model, opt_level 'O2' or 'O3' with half_dtype='bf16'")
         props['master_weights'] = True

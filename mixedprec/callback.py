@@ -30,7 +30,7 @@ from .master import MasterParams, check_store, master_value, load_master_, remot
 from .engine import StepEngine, steps_to_ints, shards_for, _check_state_shapes, write_atomically
 from .distributed import world_size, rank, barrier
 from fastcore.xtras import join_path_file
-from .ops import warn_once
+from .ops import warn_once, require_impl
 
 # %% ../nbs/15_callback.ipynb #95846fd0
 def _fastais(name):
@@ -454,6 +454,7 @@ class WrappedStateIO:
 # %% ../nbs/15_callback.ipynb #adb7b617
 def _attach(learn, cb):
     "Replace any mixed-precision callback of `learn` by `cb`: convert the model, and give the optimizer its masters"
+    require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)   # kernels that cannot run: refused before anything changes
     learn.to_fp32()
     learn.add_cb(cb)
     cb.prepare()

@@ -10,6 +10,7 @@ import torch
 from .scaler import LossScaler, ScalingError
 from .convert import masters_for
 from .engine import StepEngine
+from .ops import require_impl
 from .master import check_store
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
@@ -46,6 +47,7 @@ class FP16_Optimizer:
         self.scaler.advice = "With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow kept in fp32."
         halves = {p.dtype for g in init_optimizer.param_groups for p in g['params'] if p.dtype != torch.float32}
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
+        require_impl(impl, next((p.device for g in init_optimizer.param_groups for p in g['params']), 'cpu'))   # before the masters are swapped in
         self.masters_of = masters_for(p for g in init_optimizer.param_groups for p in g['params'])
         self.engine = StepEngine.wrap(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
