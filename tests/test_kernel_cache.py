@@ -147,3 +147,81 @@ def test_cpu_flags_are_read_once_and_the_file_closed(recwarn):
         warnings.simplefilter('error', ResourceWarning)
         a = ops.cpu_flags(); gc.collect()
     assert ops.cpu_flags() is a and ops.cpu_flags.cache_info().misses == 1
+
+PLANTED = r'''
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen(MARKER, "w"); if (f) { fputs("ran", f); fclose(f); } }
+'''
+
+SWAP_BETWEEN_CHECK_AND_LOAD = r'''
+import json, os, sys
+from mixedprec import ops
+planted = sys.argv[1]
+real = ops._load_built
+def swapping(name, so, *args):
+    os.replace(planted, so)                 # another user swaps the library after the checks, before the load
+    return real(name, so, *args)
+ops._load_built = swapping
+import torch
+print('RESULT' + json.dumps({'backend': ops.backend(torch.zeros(1))}))
+'''
+
+def test_the_library_loaded_is_the_one_checked_even_if_swapped_in_between(good_build, tmp_path):
+    # the check-then-load race: the library is checked and hashed through one open descriptor and loaded through it,
+    # so a file put at the path between the check and the load never runs
+    if shutil.which('gcc') is None: pytest.skip("no gcc to build the planted library")
+    so = copy_build(good_build, tmp_path / 'cache')
+    marker, src, planted = tmp_path / 'planted-ran', tmp_path / 'planted.c', tmp_path / 'planted.so'
+    src.write_text(PLANTED)
+    subprocess.run(['gcc', '-shared', '-fPIC', f'-DMARKER="{marker}"', '-o', str(planted), str(src)], check=True)
+    e = {**os.environ, 'MIXEDPREC_CACHE': str(tmp_path / 'cache')}
+    e.pop('MIXEDPREC_DISABLE_FUSED', None)
+    p = subprocess.run([sys.executable, '-c', SWAP_BETWEEN_CHECK_AND_LOAD, str(planted)], env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not marker.exists(), "the planted library ran"
+    assert '"backend": "cpp"' in p.stdout                             # the checked library was loaded and works
+
+def test_a_folder_above_the_cache_that_others_can_write_is_refused(good_build, tmp_path):
+    shared = tmp_path / 'shared'
+    shared.mkdir(); os.chmod(shared, 0o777)                            # not sticky: anyone may rename the cache inside it
+    cache = shared / 'cache'
+    copy_build(good_build, cache)
+    res, _ = probe(cache)
+    assert not loaded_from(res, cache) and res['backend'] == 'cpp'
+    said = [w for w in res['warnings'] if 'was not used' in w]
+    assert len(said) == 1 and f'{shared}, a folder above the kernel cache, is writable by others' in said[0], res['warnings']
+    os.chmod(shared, 0o1777)
+    if os.getuid() == 0:                                               # root's and sticky, as /tmp: fine
+        assert ops.unsafe_above(cache) is None
+
+def test_stale_build_folders_are_removed_and_fresh_ones_kept(tmp_path):
+    import time
+    old, fresh = tmp_path / '.building-killed', tmp_path / '.building-running'
+    for d in (old, fresh): d.mkdir(); (d / 'x.o').write_text('')
+    t = time.time() - 2 * ops.STALE_BUILD_S
+    os.utime(old, (t, t))
+    ops._remove_stale_builds(tmp_path)
+    assert not old.exists() and fresh.exists()
+
+PRIVATE_BUILD = r'''
+import os, shutil, sys, torch
+import torch.utils.cpp_extension as cpp
+from mixedprec import ops
+good = sys.argv[1]
+def fake_load(name, build_directory, **kw):               # the compiler's result, without minutes of compiling: the good build
+    shutil.copy(good, os.path.join(build_directory, name + '.so'))
+    return ops._load_built(name, os.path.join(build_directory, name + '.so'))
+cpp.load = fake_load
+print('BACKEND', ops.backend(torch.zeros(1)), 'PRIVATE', [d for d in os.listdir(os.environ['TMPDIR']) if d.startswith('mixedprec-')])
+'''
+
+def test_a_private_fallback_build_is_removed_at_exit(good_build, tmp_path):
+    so = next(os.path.join(good_build, f) for f in os.listdir(good_build) if f.endswith('.so'))
+    (tmp_path / 'home').write_text('')                                 # no cache folder can be made: HOME is a file
+    (tmp_path / 'tmp').mkdir()
+    e = {**os.environ, 'MIXEDPREC_CACHE': str(tmp_path / 'home' / 'cache'), 'HOME': str(tmp_path / 'home'), 'TMPDIR': str(tmp_path / 'tmp')}
+    e.pop('MIXEDPREC_DISABLE_FUSED', None)
+    p = subprocess.run([sys.executable, '-c', PRIVATE_BUILD, so], env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "BACKEND cpp PRIVATE ['mixedprec-" in p.stdout, p.stdout     # built privately while the process ran
+    assert not [d for d in os.listdir(tmp_path / 'tmp') if d.startswith('mixedprec-')]   # and removed at its exit
