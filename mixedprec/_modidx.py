@@ -15,6 +15,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.amp._state_dict': ('amp.html#_state_dict', 'mixedprec/amp.py'),
                                'mixedprec.amp._step': ('amp.html#_step', 'mixedprec/amp.py'),
                                'mixedprec.amp._zero_grad': ('amp.html#_zero_grad', 'mixedprec/amp.py'),
+                               'mixedprec.amp.clip_grad_norm_': ('amp.html#clip_grad_norm_', 'mixedprec/amp.py'),
                                'mixedprec.amp.history': ('amp.html#history', 'mixedprec/amp.py'),
                                'mixedprec.amp.initialize': ('amp.html#initialize', 'mixedprec/amp.py'),
                                'mixedprec.amp.load_state_dict': ('amp.html#load_state_dict', 'mixedprec/amp.py'),

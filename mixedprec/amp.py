@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['OPT_LEVELS', 'NO_FLOOR', 'resolve_opt_level', 'AmpState', 'AutocastForward', 'initialize', 'scale_loss',
-           'master_params', 'skipped', 'history', 'state_dict', 'load_state_dict']
+           'master_params', 'clip_grad_norm_', 'skipped', 'history', 'state_dict', 'load_state_dict']
 
 # %% ../nbs/17_amp.ipynb #a09547f5
 import contextlib, types, weakref
@@ -193,9 +193,19 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
     unscale_into(engines, scaler)
 
 # %% ../nbs/17_amp.ipynb #939c780f
-def master_params(optimizer):
-    "Yield the params `optimizer` owns: the fp32 masters at O2, the model's params otherwise"
-    for g in optimizer.param_groups: yield from g['params']
+def master_params(optimizer, local:bool=False):
+    "The params `optimizer` owns, as an iterator: the fp32 masters at O2, the model's params otherwise. Refused with sharded masters (each rank's clip would use its own shard's norm) unless `local=True`"
+    e = getattr(optimizer, '_mixedprec_engine', None)
+    if not local and e is not None and e.masters.shards is not None and e.masters.shards.world > 1:
+        raise RuntimeError("amp.master_params(optimizer) with shard=True gives this rank's shard of the masters, so "
+                           "`clip_grad_norm_(amp.master_params(optimizer), max_norm)` would clip each rank by the norm of its own shard and "
+                           "the ranks would train apart. Clip with `amp.clip_grad_norm_(optimizer, max_norm)`, which uses the global norm; "
+                           "pass local=True to iterate this rank's masters on purpose")
+    return (p for g in optimizer.param_groups for p in g['params'])
+
+def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
+    "Clip the unscaled master grads of `optimizer`'s pending step by their global norm (across every rank's shard when sharded), as `torch.nn.utils.clip_grad_norm_` would over all of them: after the `scale_loss` block, before `step()`. Returns the norm; a non-finite one skips the step"
+    return _engines_of(optimizer)[0].clip_now(max_norm, norm_type)
 
 def skipped(optimizer) -> bool:
     "True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was decided on the device)"

@@ -87,8 +87,9 @@ class Shards:
                     for p in part: p.copy_(bufs[r][off:off + p.numel()].view(p.shape)); off += p.numel()
 
     def gather_objects(self, obj) -> list:
-        "Each rank's `obj` (picklable), on every rank: for checkpoints, never in a step"
+        "Each rank's `obj` (picklable), on every rank: for checkpoints, never in a step (every rank checks in first, within the bounded wait)"
         if self.world == 1: return [obj]
+        barrier("the gather of the sharded state for a checkpoint")
         res = [None] * self.world
         dist.all_gather_object(res, obj, group=_GROUP)
         return res
@@ -100,7 +101,12 @@ def rank() -> int:
 def barrier(what:str):
     "Wait until every rank of the group is here, at most `TIMEOUT` seconds on gloo, naming `what` when one does not come"
     if world_size() == 1: return
-    _wait(dist.barrier(group=_GROUP, async_op=True), what, bounded=dist.get_backend(_GROUP) == 'gloo')
+    if dist.get_backend(_GROUP) != 'gloo' or TIMEOUT is None: dist.barrier(group=_GROUP); return
+    try: dist.monitored_barrier(group=_GROUP, timeout=datetime.timedelta(seconds=TIMEOUT), wait_all_ranks=True)   # names the ranks that did not come
+    except RuntimeError as e:
+        raise RuntimeError(f"mixedprec: rank {dist.get_rank()} of {world_size()} waited {TIMEOUT:g} s in {what} and the "
+                           f"other ranks did not all join: a rank has stalled or died (see its log). The limit is "
+                           f"`mixedprec.distributed.set_process_group(timeout=...)`. ({str(e).strip().splitlines()[0]})") from e
 
 def sum_over_ranks(t:torch.Tensor) -> torch.Tensor:
     "The element-wise SUM of `t` over all ranks (in place); a no-op on a single process"

@@ -332,8 +332,11 @@ class MasterParams:
     def norm_slots(self) -> list:
         "The master grad (or None) of each model param, in the model's order: the same slots on every rank, sharded or not, flat or not, for the global norm"
         res = []
+        sh = self.shards
         for p in (p for g in self.model_groups for p in g):
-            if id(p) not in self._pair_of: res.append(p.grad); continue         # an fp32 param: its own master (None where another rank steps it)
+            if id(p) not in self._pair_of:                                     # an fp32 param, its own master: counted on the rank that steps it
+                counted = sh is None or sh.owner.get(id(p), 0) == sh.rank       # (one not sharded, whose grad every rank holds: on rank 0)
+                res.append(p.grad if counted else None); continue
             m, g = self._pair_of[id(p)]
             res.append((g if g is not None and self._flat_of[p].grad is not None else None) if self.flat else m.grad)
         return res
@@ -418,10 +421,10 @@ class MasterParams:
             else: src.append(p.grad); dst.append(p.grad)
         found = scale_check_(src, dst, inv_scale, impl=self.impl)
         if add_src: found |= scale_add_check_(add_src, add_dst, inv_scale, impl=self.impl)
-        if remote:                                      # the grads of params other ranks step: checked (a copy onto themselves), kept for naming
-            grads = [p.grad for p in remote]
-            found |= scale_check_(grads, grads, 1., impl=self.impl)
-            self._remote_grads += [(p, p.grad) for p in remote]
+        if remote:                                      # the grads of params other ranks step: checked by their largest magnitude (one pass), then dropped
+            peaks = torch.stack([t.float() for t in torch._foreach_norm([p.grad for p in remote], ord=float('inf'))])
+            found |= ~torch.isfinite(peaks).all()
+            self._remote_grads += [(p, peaks[i:i + 1]) for i, p in enumerate(remote)]    # one number each, for naming an overflow (inf or NaN kept)
             for p in remote: p.grad = None
         for p, g in stash.items():
             if g is not None: p.grad = g

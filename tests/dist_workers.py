@@ -133,7 +133,7 @@ def main(rank, world, port, scenario, outdir, *args):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies') else fn(rank, world, outdir)
+        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx', 'sharded_remote_grads', 'amp_clip') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
         del res; gc.collect()                        # the scenario's DDP wrappers and pending works go while the group lives
     finally: dist.destroy_process_group()
@@ -213,6 +213,58 @@ def sharded_peer_dies(rank, world, outdir):
     torch.save(res, os.path.join(outdir, f'sharded_peer_dies_rank{rank}.pt'))
     os._exit(0)
 
+def sharded_stall_before_gather(rank, world, outdir):
+    "Sharded masters, outside a step: rank 1 stalls before the state_dict gather; rank 0 gives up within the bounded wait, naming the rank"
+    import time
+    from mixedprec import distributed
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    distributed.set_process_group(None, timeout=2.)
+    model = deep_mlp().half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
+    opt.backward(model(data(0)[0].half()).float().sum()); opt.step()
+    if rank == 1: time.sleep(20); os._exit(0)                          # stalls (a slow disk, a debugger) and never gathers
+    t = time.monotonic()
+    try: opt.state_dict(); res = {'error': None}
+    except RuntimeError as e: res = {'error': str(e)}
+    res['waited'] = time.monotonic() - t
+    torch.save(res, os.path.join(outdir, f'sharded_stall_before_gather_rank{rank}.pt'))
+    os._exit(0)
+
+def sharded_remote_grads(rank, world, outdir):
+    "Sharded FP16_Optimizer under DDP: which half grads (of any rank's params) are still alive after step() and zero_grad()"
+    import gc, weakref
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    model = deep_mlp().half()
+    net = DDP(model)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
+    alive = []
+    for step in range(3):
+        x, y = data(step)
+        opt.zero_grad()
+        opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).half()).float(), shard_rows(y, rank, world)), update_master_grads=False)
+        refs = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        opt.update_master_grads(); opt.step(); opt.zero_grad(); gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+    return dict(alive=alive, n=len(list(model.parameters())))
+
+def amp_clip(rank, world, outdir, shard=True, recipe='amp'):
+    "amp O2 over DDP, sharded or not, clipped every step: by `amp.clip_grad_norm_` ('amp'), or by torch's over `amp.master_params` ('torch', the apex recipe)"
+    from mixedprec import amp
+    model = deep_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0, shard=shard)
+    net, norms, refused = DDP(model), [], None
+    try: amp.master_params(opt)
+    except RuntimeError as e: refused = str(e)
+    for step in range(STEPS):
+        x, y = data(step)
+        loss = nn.functional.mse_loss(net(shard_rows(x, rank, world)), shard_rows(y, rank, world))
+        with amp.scale_loss(loss, opt) as scaled: scaled.backward()
+        norms.append(float(amp.clip_grad_norm_(opt, 0.5) if recipe == 'amp' else torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)))
+        opt.step(); opt.zero_grad()
+    with amp._engines_of(opt)[0].consolidated(): masters = [m.detach().clone() for m in amp.master_params(opt, local=True)]
+    return dict(params=[p.detach().clone() for p in model.parameters()], masters=masters, norms=norms, refused=refused)
+
 def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
     """amp O2 over DDP, sharded or not, an inf on rank 0 after the reduction; the optimizer's and amp's state dicts (gathered when sharded).
     `save_at`: every rank gathers the state at that step and rank 0 writes it; `resume`: a fresh run loads it in apex's order (model, optimizer, amp) and goes on"""
@@ -255,11 +307,11 @@ def fastai_results(learn, **extra) -> dict:
     mp = learn.mixed_precision
     with mp.consolidated():
         masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
-    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() for m in masters],
+    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() if m is not None else None for m in masters],
                 state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in state_list(opt_sd)],
                 scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], **extra)
 
-def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
+def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam', bn=False):
     "The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank"
     from fastai.learner import Learner
     from fastai.callback.core import Callback
@@ -279,7 +331,9 @@ def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam'):
         def before_step(self):
             if self.train_iter == INJECT_AT and rank == 1: self.learn.model.module[0].bias.grad[0] = float('inf')
     opt_func = fastai_opt(opt)
-    learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=outdir, wd=1e-2)
+    model = deep_mlp()
+    if bn: model = nn.Sequential(model[0], model[1], nn.BatchNorm1d(32), *model[2:])   # fp32 params (kept), not sharded under flat masters
+    learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=outdir, wd=1e-2)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
     learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard, flat_master=flat)
     learn.fit(1, cbs=[WrapDDP(), Inject()])

@@ -98,3 +98,34 @@ def test_amp_sharded_resumes_in_apexs_order(world, tmp_path):
     whole = spawn('amp_sharded', tmp_path, True, 2, world=world)               # saves after step 2, goes on to the end
     resumed = spawn('amp_sharded', tmp_path, True, None, True, world=world)
     for r in range(world): same(resumed[r], whole[r], since=3)
+
+# ---------------------------------------------------------------- defects of the sharded paths (issue 31)
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_amp_sharded_clips_by_the_global_norm_and_refuses_the_local_recipe(world, tmp_path):
+    sharded, plain = spawn('amp_clip', tmp_path, True, 'amp', world=world), spawn('amp_clip', tmp_path, False, 'amp', world=world)
+    recipe = spawn('amp_clip', tmp_path, False, 'torch', world=world)      # apex's recipe, unsharded: torch's clip over master_params
+    for r in range(world):
+        assert sharded[r]['norms'] == plain[r]['norms'] == plain[0]['norms'] and any(n > 0.5 for n in plain[0]['norms'])   # the clip was at work
+        assert all(torch.equal(a, b) for a, b in zip(sharded[r]['params'], plain[r]['params']))
+        assert all(torch.equal(a, b) for a, b in zip(sharded[r]['masters'], plain[r]['masters']))
+        torch.testing.assert_close(torch.tensor(recipe[r]['norms']), torch.tensor(plain[r]['norms']), rtol=1e-5, atol=0)
+        for a, b in zip(recipe[r]['params'], plain[r]['params']): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    assert all('amp.clip_grad_norm_(optimizer, max_norm)' in s['refused'] for s in sharded) and plain[0]['refused'] is None
+
+def test_fastai_flat_sharded_masters_count_fp32_params_once_in_the_clip(tmp_path):
+    # BatchNorm's fp32 params are their own masters and not sharded under flat masters: every rank holds their grads
+    sharded, plain = spawn('fastai_sharded', tmp_path, True, True, 'sgd', True), spawn('fastai_sharded', tmp_path, False, True, 'sgd', True)
+    for r in range(2): same(sharded[r], plain[r])
+    assert any((n or 0) > 0.5 for n in plain[0]['norms'])
+
+def test_a_sharded_optimizer_keeps_no_half_grad_after_the_step(tmp_path):
+    res = spawn('sharded_remote_grads', tmp_path, world=2)
+    for r in res: assert r['alive'] == [0, 0, 0], r                     # other ranks' half grads were kept until the next unscale
+
+def test_a_rank_that_stalls_before_a_state_dict_gather_is_named_within_the_bounded_wait(tmp_path):
+    ctx = mp.start_processes(W.main, args=(2, free_port(), 'sharded_stall_before_gather', str(tmp_path)), nprocs=2, join=False, start_method='spawn')
+    for p in ctx.processes: p.join(timeout=120)
+    res = torch.load(tmp_path / 'sharded_stall_before_gather_rank0.pt', weights_only=False)
+    assert res['error'] and 'waited 2 s in the gather of the sharded state' in res['error'] and '1' in res['error'].split('(')[-1], res['error']
+    assert res['waited'] < 12
