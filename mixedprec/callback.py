@@ -293,6 +293,9 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         xb, e = self.learn.xb, self.engine
         if e is None: return                         # nothing was converted: nothing to unscale
         e.unscale(input_finite=lambda: _all_finite(xb))
+        if not e.on_device and e.must_skip():        # a skip decided on the host: cancelled here, as fastai's own MixedPrecision does (later callbacks do not run)
+            e.discard()
+            raise CancelStepException()
         try: self._later_callbacks('before_step')
         except BaseException: e.discard(); raise     # one of them cancelled the step (or failed): the grads are dropped, as fastai's own step would not run
         e.step()

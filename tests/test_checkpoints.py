@@ -329,3 +329,28 @@ def test_random_corruptions_of_a_checkpoint_are_all_refused_and_change_nothing(t
         except (ValueError, RuntimeError, KeyError): pass
         assert same(before, learner_state(learn)), name
     learn.load('good', with_opt=True); learn.fit(1)
+
+# ---------------------------------------------------------------- checkpoints written before the checked loads still load
+
+OLD = os.path.join(os.path.dirname(__file__), 'data', 'checkpoints_c59eba0')    # written by mixedprec at commit c59eba0
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_fastai_checkpoint_of_an_earlier_version_loads(tmp_path, flat):
+    import shutil
+    shutil.copy(os.path.join(OLD, f'learn_flat{flat}.pth'), tmp_path / 'old.pth')
+    ck = torch.load(tmp_path / 'old.pth', weights_only=True)          # also with weights only
+    learn = synth_learner(mlp(), opt_func=Adam, lr=1e-2, path=tmp_path, model_dir='.').to_fp16(loss_scale=2.**8, flat_master=flat)
+    learn.load('old', with_opt=True)
+    assert all(torch.equal(m.detach(), ck['model'][n]) for (n, _), m in zip(learn.model.named_parameters(), masters_of(learn)))
+    assert learn.mixed_precision.scaler.state_dict() == ck['opt']['mixedprec']['scaler']
+    learn.fit(1)
+
+def test_plain_pytorch_checkpoints_of_an_earlier_version_load():
+    ck = torch.load(os.path.join(OLD, 'fp16_optimizer.pt'), weights_only=True)
+    model, opt = fp16_optimizer()
+    model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt'])
+    assert all(torch.equal(a, b) for a, b in zip(opt.state_dict()['fp32_from_fp16'], ck['opt']['fp32_from_fp16']))
+    ck = torch.load(os.path.join(OLD, 'amp.pt'), weights_only=True)
+    model, opt = amp_model()
+    model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt']); amp.load_state_dict(ck['amp'])
+    assert all(torch.equal(a, b) for a, b in zip(amp.state_dict()['masters'][0], ck['amp']['masters'][0]))
