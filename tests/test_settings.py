@@ -136,3 +136,32 @@ def test_fp16_optimizer_fused_without_kernels_leaves_the_optimizer_as_it_was(no_
     with pytest.raises(RuntimeError, match="impl='fused'"): FP16_Optimizer(inner, impl='fused', verbose=False)
     assert [p for g in inner.param_groups for p in g['params']] == params   # the half params, not swapped masters
     FP16_Optimizer(inner, verbose=False)
+
+# ---------------------------------------------------------------- what a user sees of the build and of warnings
+
+def test_a_warning_points_at_the_users_line():
+    import warnings
+    from mixedprec.convert import convert_model
+    ops._warned.clear()
+    model = nn.Sequential(nn.Linear(4, 4))
+    with torch.no_grad(): model[0].weight[0, 0] = 1e6               # beyond fp16's range: converting warns
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        convert_model(model)
+    ours = [w for w in caught if 'mixedprec' in str(w.message)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]
+
+def test_a_compile_says_every_few_seconds_how_long_it_has_run(monkeypatch, capsys):
+    import time
+    monkeypatch.setattr(ops, 'PROGRESS_EVERY_S', 0.05)
+    with ops._progress('compiling the fused kernels'): time.sleep(0.3)
+    said = capsys.readouterr().err
+    assert said.count('mixedprec: compiling the fused kernels: 0 s so far (once per machine)') >= 3
+
+def test_no_cuda_message_on_a_machine_without_a_gpu():
+    if torch.cuda.is_available() or ops.find_cuda_home() is None: pytest.skip("needs a CUDA toolkit and no GPU")
+    env = {**os.environ, 'CUDA_HOME': ops.find_cuda_home()}
+    plain = subprocess.run([sys.executable, '-c', 'import torch.utils.cpp_extension'], env=env, capture_output=True, text=True, timeout=300)
+    assert 'No CUDA runtime is found' in plain.stderr                  # torch's own import says it
+    ours = subprocess.run([sys.executable, '-c', 'from mixedprec import ops; ops._cpp_extension()'], env=env, capture_output=True, text=True, timeout=300)
+    assert ours.returncode == 0 and 'No CUDA runtime' not in ours.stderr, ours.stderr
