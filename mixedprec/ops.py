@@ -224,6 +224,8 @@ def _open_checked(so):
     if why is not None: os.close(fd); return None, why
     return fd, None
 
+_LOADED_FDS = []                                       # the descriptors the loaded libraries came through
+
 def _load_built(name, so, fd:int=None):
     "Import the extension module `name` from the checked library `so`; through its open descriptor `fd` when given, so the bytes checked are the bytes loaded (nothing is written)"
     import importlib.machinery
@@ -311,7 +313,8 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
                 damage = _damaged(final, so, fd)
                 if damage is None:
                     try: mod = _load_built(name, so, fd)
-                    finally: os.close(fd)
+                    except BaseException: os.close(fd); raise
+                    _LOADED_FDS.append(fd)                     # kept open: glibc knows a loaded library by its path, so /proc/self/fd/N must not name another one later
                     _say_passed(passed, root)
                     return Kernels(mod)
                 os.close(fd)
