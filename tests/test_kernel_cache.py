@@ -225,3 +225,50 @@ def test_a_private_fallback_build_is_removed_at_exit(good_build, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "BACKEND cpp PRIVATE ['mixedprec-" in p.stdout, p.stdout     # built privately while the process ran
     assert not [d for d in os.listdir(tmp_path / 'tmp') if d.startswith('mixedprec-')]   # and removed at its exit
+
+# ---------------------------------------------------------------- as a user who is not root (the tests run as root here)
+
+NOBODY = 65534
+
+@pytest.fixture
+def nobody_home(good_build):
+    "A folder of the unprivileged user `nobody` (outside root's private test folders), with its own default cache holding a good build; removed after"
+    import tempfile
+    if os.getuid() != 0 or shutil.which('setpriv') is None: pytest.skip("needs root and setpriv to run a probe as another user")
+    base = tempfile.mkdtemp(prefix='mixedprec-nobody-', dir='/tmp')
+    home = os.path.join(base, 'home')
+    rel = os.path.relpath(good_build, ops.default_cache())
+    shutil.copytree(good_build, os.path.join(home, '.cache', 'mixedprec', rel))
+    for root, dirs, files in os.walk(base):
+        for n in [root] + [os.path.join(root, f) for f in files]: os.chown(n, NOBODY, NOBODY)
+    os.chmod(base, 0o755)
+    yield base, home
+    shutil.rmtree(base, ignore_errors=True)
+
+def probe_as_nobody(cache, home):
+    "The probe, run as `nobody` with `MIXEDPREC_CACHE=cache` and its own HOME"
+    e = {**os.environ, 'MIXEDPREC_CACHE': str(cache), 'HOME': home}
+    e.pop('MIXEDPREC_DISABLE_FUSED', None)
+    p = subprocess.run(['setpriv', f'--reuid={NOBODY}', f'--regid={NOBODY}', '--clear-groups', sys.executable, '-c', PROBE],
+                       env=e, capture_output=True, text=True, timeout=600, cwd='/')
+    if 'Permission denied' in p.stderr and 'RESULT' not in p.stdout: pytest.skip(f"nobody cannot run this Python here: {p.stderr[-300:]}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(next(l for l in p.stdout.splitlines() if l.startswith('RESULT'))[len('RESULT'):])
+
+def test_as_another_user_a_cache_root_owns_is_refused(good_build, nobody_home):
+    base, home = nobody_home
+    cache = os.path.join(base, 'roots-cache')                         # made by root: another user's, for nobody
+    copy_build(good_build, cache)
+    res = probe_as_nobody(cache, home)
+    assert res['backend'] == 'cpp' and not loaded_from(res, cache) and loaded_from(res, home), res['maps']
+    said = [w for w in res['warnings'] if 'was not used' in w]
+    assert len(said) == 1 and f'is owned by uid 0, not by you (uid {NOBODY})' in said[0], res['warnings']
+
+def test_as_another_user_a_read_only_cache_is_passed_over(nobody_home):
+    base, home = nobody_home
+    cache = os.path.join(base, 'read-only-cache')
+    os.makedirs(cache); os.chown(cache, NOBODY, NOBODY); os.chmod(cache, 0o500)    # nobody's own, but it cannot write there
+    res = probe_as_nobody(cache, home)
+    assert res['backend'] == 'cpp' and loaded_from(res, home), res['maps']
+    said = [w for w in res['warnings'] if 'was not used' in w]
+    assert len(said) == 1 and cache in said[0] and ('cannot be created' in said[0] or 'not writable' in said[0]), res['warnings']
