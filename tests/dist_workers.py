@@ -222,7 +222,7 @@ def sharded_stall_before_gather(rank, world, outdir):
     model = deep_mlp().half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
     opt.backward(model(data(0)[0].half()).float().sum()); opt.step()
-    if rank == 1: time.sleep(20); os._exit(0)                          # stalls (a slow disk, a debugger) and never gathers
+    if rank == 1: time.sleep(8); os._exit(0)                           # stalls (a slow disk, a debugger) and never gathers
     t = time.monotonic()
     try: opt.state_dict(); res = {'error': None}
     except RuntimeError as e: res = {'error': str(e)}
