@@ -397,6 +397,7 @@ def warn_once(msg:str, key=None):
     _warned.add(key)
     dirs, f, level = _library_dirs(), sys._getframe(0), 1
     while f is not None and f.f_code.co_filename.startswith(dirs): f, level = f.f_back, level + 1
+    if f is None or f.f_code.co_filename.startswith('<frozen'): level -= 1     # run as `python -m`: the last library line, not runpy's
     warnings.warn(f"mixedprec: {msg}", stacklevel=level)
 
 _chosen = {}                                           # (impl, device type) -> what `_ext_for` chose, for traced code
