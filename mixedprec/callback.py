@@ -115,6 +115,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs,
                                  advice="With fastai: `learn.to_bf16()`, or `learn.to_fp16(keep_fp32=(nn.BatchNorm2d, TheModule))` for the modules that overflow.")
         self.conversion, self.engine, self._checked, self._epoch_skipped, self._kept_history = None, None, False, 0, None
+        self.state_io = None                       # what reads and writes `learn.opt`'s state in the model's layout, while attached
 
     @property
     def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
@@ -224,7 +225,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
                 for state in _state_dicts(opt): e.masters.move_state_to_model(state)
                 opt.param_lists = [list(g) for g in e.masters.model_groups]
         for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)   # (`step` and `zero_grad`: an earlier version's)
-        self.engine = None
+        self.engine = self.state_io = None
 
     @contextmanager
     def consolidated(self, gather:bool=True):
@@ -246,13 +247,13 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def __getstate__(self):
         "Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values and which params each flat master holds"
         flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-        return {**self.__dict__, 'engine': None, '_copied_flats': flats}
+        return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats}
 
     def __setstate__(self, state:dict):
         "Unpickle, also a callback pickled by an earlier version (with a `masters` layout and step flags)"
         for k in ('masters', '_fused', '_found', '_on_device', 'loss_finite'): state.pop(k, None)
         if 'learn' in state: state['_learn'] = state.pop('learn')
-        self.__dict__.update({'engine': None, 'decide': None, 'impl': None, '_kept_history': None, **state})
+        self.__dict__.update({'engine': None, 'state_io': None, 'decide': None, 'impl': None, '_kept_history': None, **state})
 
     def before_fit(self):
         "Prepare the half model and the masters, and swap the masters into the optimizer; the step engine steps them in `before_step`"
@@ -523,7 +524,7 @@ def _read_checkpoint(file, device, **torch_load_kwargs):
 def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, **kwargs):
     "fastai's `load`, all or nothing in mixed precision: the model's keys and weights, the fp32 masters, the optimizer state and the loss scaler are all checked before anything changes, and a misfit raises (fastai would change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its shard"
     cb = getattr(self, 'mixed_precision', None)
-    if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.engine.optimizer is not getattr(self, 'opt', None):
+    if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.state_io is None or cb.engine.optimizer is not getattr(self, 'opt', None):
         with _consolidated(self, gather=False): return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)

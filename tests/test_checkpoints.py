@@ -354,3 +354,16 @@ def test_plain_pytorch_checkpoints_of_an_earlier_version_load():
     model, opt = amp_model()
     model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt']); amp.load_state_dict(ck['amp'])
     assert all(torch.equal(a, b) for a, b in zip(amp.state_dict()['masters'][0], ck['amp']['masters'][0]))
+
+def test_a_kept_mixed_precision_export_carries_no_optimizer_through_the_callback(tmp_path):
+    # the callback's state reader holds the optimizer (a wrapped torch one: its bound methods); export pickles the callback
+    from functools import partial
+    from fastai.optimizer import OptimWrapper
+    learn = synth_learner(mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8)
+    learn.fit(1)
+    learn.dls.new_empty = lambda: learn.dls
+    learn.export('kept.pkl', keep_mixed_precision=True)
+    back = torch.load(tmp_path / 'kept.pkl', weights_only=False)       # as pickled (load_learner returns it to fp32)
+    cb = next(c for c in back.cbs if type(c).__name__ == 'MixedPrecision' and hasattr(c, 'scaler'))
+    assert cb.state_io is None and cb.engine is None and back.opt is None
+    assert not any(isinstance(o, torch.optim.Optimizer) for o in vars(cb).values())
