@@ -228,6 +228,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.engine.StepEngine.own_layout': ('engine.html#stepengine.own_layout', 'mixedprec/engine.py'),
                                   'mixedprec.engine.StepEngine.scale': ('engine.html#stepengine.scale', 'mixedprec/engine.py'),
                                   'mixedprec.engine.StepEngine.skip_anyway': ('engine.html#stepengine.skip_anyway', 'mixedprec/engine.py'),
+                                  'mixedprec.engine.StepEngine.stage': ('engine.html#stepengine.stage', 'mixedprec/engine.py'),
                                   'mixedprec.engine.StepEngine.state_dict': ('engine.html#stepengine.state_dict', 'mixedprec/engine.py'),
                                   'mixedprec.engine.StepEngine.step': ('engine.html#stepengine.step', 'mixedprec/engine.py'),
                                   'mixedprec.engine.StepEngine.unscale': ('engine.html#stepengine.unscale', 'mixedprec/engine.py'),

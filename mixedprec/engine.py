@@ -244,6 +244,7 @@ class StepEngine:
         own = optimizer.step                      # what `step()` meant before a front end handed it to the engine
         self._own = own if not isinstance(getattr(own, '__self__', None), StepEngine) else None
         self._layouts_followed, self._own_layout_due = False, True   # masters laid out as the params yet; state in the optimizer's own layout
+        self._stepped = False                     # the last call of the protocol was `step` (nothing pending since)
         self.choose()
 
     @classmethod
@@ -257,6 +258,13 @@ class StepEngine:
 
     @property
     def device(self) -> torch.device: "Where the params live"; return self.masters.device()
+
+    @property
+    def stage(self) -> str:
+        "Where the step protocol stands: 'ready' (nothing pending), 'scaled' (a loss scaled, its grads not yet unscaled), 'unscaled' (a decision pending for `step`), 'stepped' (stepped or skipped; nothing pending since)"
+        if self.found is not None: return 'unscaled'
+        if self.held_scaled or self.loss_finite is not None: return 'scaled'
+        return 'stepped' if self._stepped else 'ready'
 
     def choose(self):
         "Choose how the next step runs: a fused plan or the optimizer's own step, and where the skip is decided"
@@ -304,7 +312,7 @@ class StepEngine:
             self.masters.gather_shards()           # sharded masters: each rank stepped its own; every rank gets all the half params
             return res
         finally:
-            self.last_found, self.found, self._skip, self.fresh = found, None, None, True
+            self.last_found, self.found, self._skip, self.fresh, self._stepped = found, None, None, True, True
             self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
 
     def _fused(self, found):
@@ -363,7 +371,7 @@ class StepEngine:
             if set_to_none: p.grad = None
             else: p.grad.detach_(); p.grad.zero_()
         self.masters.clearing(set_to_none)
-        self.fresh, self.held_scaled = True, False
+        self.fresh, self.held_scaled, self._stepped = True, False, False
 
     def last_skipped(self) -> bool:
         "True if the last step was skipped (a host read when it was decided on the device)"
@@ -371,6 +379,9 @@ class StepEngine:
 
     def clip_now(self, max_norm:float, norm_type:float=2.) -> float:
         "Clip the master grads of the pending step by their global norm; a non-finite norm skips the step. Returns the norm"
+        if self.stage != 'unscaled':
+            raise RuntimeError(f"clipping needs the unscaled grads of a pending step, and the step protocol is at stage {self.stage!r}: clip after the "
+                               f"backward's unscale (FP16_Optimizer: after `optimizer.backward(loss)`; amp: after the `scale_loss` block) and before `step()`")
         if norm_type == 2: norm = _clip([self.masters], max_norm).item()
         elif self.masters.shards is not None: raise ValueError(f"sharded masters clip by the global L2 norm only (norm_type=2), not norm_type={norm_type}")
         else: norm = torch.nn.utils.clip_grad_norm_(self.masters.master_params, max_norm, norm_type).item()
@@ -489,6 +500,7 @@ def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=Tr
     "`loss.float()` times `scaler`'s scale (a tensor on the loss's device); each engine notes whether `loss` is finite and sets its fp32 params' grads aside"
     finite = torch.isfinite(loss.detach()).all() if check else None
     for e in engines:
+        e._stepped = False
         if finite is not None: e.loss_finite = finite if e.loss_finite is None else e.loss_finite & finite
         if not e.fresh and not e.held_scaled: e.masters.stash_own_grads()     # unscaled grads already there: the new ones are added after their unscale
     scale = scaler.tensors(engines[0].device if engines else loss.device)[0]

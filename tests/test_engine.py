@@ -278,3 +278,27 @@ def test_a_second_step_without_a_backward_changes_nothing(front, impl):
     once = [p.detach().clone() for p in model.parameters()]
     opt.step()                                                 # as apex: the grads were used; nothing is stepped twice
     assert all(torch.equal(a, p.detach()) for a, p in zip(once, model.parameters()))
+
+def test_the_step_protocol_has_one_stage_and_a_clip_out_of_order_is_refused_by_name():
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    from mixedprec import amp
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    e, seen = opt.engine, []
+    seen.append(e.stage)
+    with pytest.raises(RuntimeError, match="clipping needs the unscaled grads of a pending step, and the step protocol is at stage 'ready'"):
+        opt.clip_master_grads(1.)
+    opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean(), update_master_grads=False); seen.append(e.stage)
+    opt.update_master_grads(); seen.append(e.stage)
+    opt.clip_master_grads(1.)
+    opt.step(); seen.append(e.stage)
+    with pytest.raises(RuntimeError, match="stage 'stepped'"): opt.clip_master_grads(1.)
+    opt.zero_grad(); seen.append(e.stage)
+    assert seen == ['ready', 'scaled', 'unscaled', 'stepped', 'ready']
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O2', verbosity=0)
+    with pytest.raises(RuntimeError, match="stage 'ready'"): amp.clip_grad_norm_(opt, 1.)
+    with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as s: s.backward()
+    assert amp.clip_grad_norm_(opt, 1e-3) > 1e-3                        # the norm before clipping
+    opt.step()
