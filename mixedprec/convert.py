@@ -207,7 +207,8 @@ def _state_keys(module, prefix:str='') -> set:
 def check_state_keys(module, state_dict, prefix:str=''):
     "Raise, as torch's strict `load_state_dict` does but before anything is copied, when `state_dict` lacks keys of `module` or holds keys it has not"
     expected, given = _state_keys(module, prefix), {k for k in state_dict if k.startswith(prefix)}
-    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    missing = sorted(k for k in expected - given if not k.endswith('num_batches_tracked'))   # batchnorm fills that one in for older dicts, as torch lets it
+    unexpected = sorted(given - expected)
     if missing or unexpected:
         parts = ([f"Missing key(s): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"] if missing else []) + \
                 ([f"Unexpected key(s): {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}"] if unexpected else [])

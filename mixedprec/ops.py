@@ -234,7 +234,7 @@ def _load_built(name, so, fd:int=None):
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
-    mod.__file__ = so                                  # where it lives (the descriptor is closed after the load)
+    mod.__file__ = so                                  # where it lives (its descriptor's path says nothing to a reader)
     return mod
 
 _said_compiling = set()

@@ -367,3 +367,10 @@ def test_a_kept_mixed_precision_export_carries_no_optimizer_through_the_callback
     cb = next(c for c in back.cbs if type(c).__name__ == 'MixedPrecision' and hasattr(c, 'scaler'))
     assert cb.state_io is None and cb.engine is None and back.opt is None
     assert not any(isinstance(o, torch.optim.Optimizer) for o in vars(cb).values())
+
+def test_a_hand_made_state_dict_without_batchnorms_step_count_loads_as_in_torch():
+    # torch's batchnorm fills in `num_batches_tracked` for a dict without version metadata; the key check lets it, as torch does
+    learn = synth_learner(mlp()).to_fp16()
+    sd = {k: v.clone() for k, v in learn.model.state_dict().items() if not k.endswith('num_batches_tracked')}
+    learn.model.load_state_dict(sd)
+    plain = mlp(); plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()})
