@@ -467,6 +467,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.scaler.LossScaler._set': ('scaler.html#lossscaler._set', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler._shares': ('scaler.html#lossscaler._shares', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.advance': ('scaler.html#lossscaler.advance', 'mixedprec/scaler.py'),
+                                  'mixedprec.scaler.LossScaler.check_settings': ( 'scaler.html#lossscaler.check_settings',
+                                                                                  'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.check_state': ('scaler.html#lossscaler.check_state', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.drain': ('scaler.html#lossscaler.drain', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.LossScaler.hopeless': ('scaler.html#lossscaler.hopeless', 'mixedprec/scaler.py'),

@@ -49,16 +49,10 @@ class LossScaler:
         advice:str=None,              # what to do, in the words of the front end in use, when scaling cannot help
     ):
         if loss_scale is None: loss_scale = min(2.**16, max_scale) if dynamic else 512.   # a cap below the default start is the start
-        for name, v in dict(loss_scale=loss_scale, max_scale=max_scale, min_scale=min_scale).items():
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        if not factor > 1: raise ValueError(f"factor must be > 1, got {factor!r}")
+        self.check_settings(loss_scale, dynamic, max_noskip, max_scale, min_scale, factor)
         if not 0 < max_skip_share < 1: raise ValueError(f"max_skip_share must be between 0 and 1, got {max_skip_share!r}")
-        for name, v in dict(max_noskip=max_noskip, max_overflow_at_min=max_overflow_at_min, max_bad_loss=max_bad_loss, skip_window=skip_window).items():
+        for name, v in dict(max_overflow_at_min=max_overflow_at_min, max_bad_loss=max_bad_loss, skip_window=skip_window).items():
             if not (isinstance(v, int) and v >= 1): raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if dynamic:
-            if max_scale < loss_scale: raise ValueError(f"max_scale ({max_scale}) is below the starting loss_scale ({loss_scale}); raise max_scale or lower loss_scale")
-            if min_scale > loss_scale: raise ValueError(f"min_scale ({min_scale}) is above the starting loss_scale ({loss_scale}); lower min_scale or raise loss_scale")
         self.dynamic, self.max_noskip, self.max_scale, self.min_scale, self.factor = dynamic, max_noskip, float(max_scale), float(min_scale), float(factor)
         self.max_overflow_at_min, self.max_bad_loss, self.verbose, self.advice = max_overflow_at_min, max_bad_loss, verbose, advice
         self._tensors, self._pending, self.waits, self._said = None, deque(), 0, None
@@ -217,6 +211,19 @@ class LossScaler:
         self._tensors = None
         return self
 
+    @staticmethod
+    def check_settings(loss_scale, dynamic:bool, max_noskip, max_scale, min_scale, factor):
+        "Raise `ValueError`, naming the setting and what to do, unless a scaler can run with these: the rules for a new scaler and for a loaded state alike"
+        for name, v in dict(loss_scale=loss_scale, max_scale=max_scale, min_scale=min_scale).items():
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if not (math.isfinite(factor) and factor > 1): raise ValueError(f"factor must be finite and > 1, got {factor!r}")
+        if not (isinstance(max_noskip, int) and max_noskip >= 1): raise ValueError(f"max_noskip must be an int >= 1, got {max_noskip!r}")
+        if min_scale > max_scale: raise ValueError(f"min_scale ({min_scale}) is above max_scale ({max_scale}); lower min_scale or raise max_scale")
+        if dynamic:
+            if max_scale < loss_scale: raise ValueError(f"max_scale ({max_scale}) is below the starting loss_scale ({loss_scale}); raise max_scale or lower loss_scale")
+            if min_scale > loss_scale: raise ValueError(f"min_scale ({min_scale}) is above the starting loss_scale ({loss_scale}); lower min_scale or raise loss_scale")
+
     def check_state(self, sd:dict) -> dict:
         "The values `load_state_dict(sd)` would set, or an error saying what is wrong (nothing changes here)"
         missing = [k for k in ('scale', 'noskip') if not isinstance(sd, dict) or k not in sd]
@@ -225,13 +232,8 @@ class LossScaler:
         except (TypeError, ValueError, OverflowError) as e: raise ValueError(f"not a LossScaler state_dict: {e}") from None
         v = {k: values.get(k, getattr(self, k)) for k in self._STATE}      # the whole state the load would leave
         def bad(why): raise ValueError(f"the loss scaler's state is out of range: {why}; nothing was loaded")
-        for k in ('scale', 'min_scale', 'max_scale'):
-            if not (math.isfinite(v[k]) and v[k] > 0): bad(f"{k} is {v[k]!r}, it must be a finite number > 0")
-        if not (math.isfinite(v['factor']) and v['factor'] > 1): bad(f"factor is {v['factor']!r}, it must be finite and > 1")
-        if v['max_noskip'] < 1: bad(f"max_noskip is {v['max_noskip']!r}, it must be >= 1")
-        if v['min_scale'] > v['max_scale']: bad(f"min_scale {v['min_scale']:g} is above max_scale {v['max_scale']:g}")
-        if v['dynamic'] and not v['min_scale'] <= v['scale'] <= v['max_scale']:
-            bad(f"the scale {v['scale']:g} is outside [min_scale, max_scale] = [{v['min_scale']:g}, {v['max_scale']:g}]")
+        try: self.check_settings(v['scale'], v['dynamic'], v['max_noskip'], v['max_scale'], v['min_scale'], v['factor'])
+        except ValueError as e: bad(str(e))
         for k in ('noskip', 'n_steps', 'n_skipped', 'overflows_at_min', 'bad_losses'):
             if v[k] < 0: bad(f"{k} is {v[k]!r}, a count is >= 0")
         if v['n_skipped'] > v['n_steps']: bad(f"n_skipped ({v['n_skipped']}) is above n_steps ({v['n_steps']})")
