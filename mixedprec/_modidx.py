@@ -376,6 +376,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master.edited': ('master.html#edited', 'mixedprec/master.py'),
                                   'mixedprec.master.flat_like': ('master.html#flat_like', 'mixedprec/master.py'),
                                   'mixedprec.master.flat_slice': ('master.html#flat_slice', 'mixedprec/master.py'),
+                                  'mixedprec.master.fp32_state': ('master.html#fp32_state', 'mixedprec/master.py'),
                                   'mixedprec.master.load_master_': ('master.html#load_master_', 'mixedprec/master.py'),
                                   'mixedprec.master.mark_written': ('master.html#mark_written', 'mixedprec/master.py'),
                                   'mixedprec.master.master_value': ('master.html#master_value', 'mixedprec/master.py'),

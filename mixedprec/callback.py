@@ -26,7 +26,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
-from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_like, flat_slice, CheckpointError, check_master_value, check_state_value
+from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_like, flat_slice, fp32_state, CheckpointError, check_master_value, check_state_value
 from .engine import StepEngine, steps_to_ints, shards_for, _check_state_shapes, write_atomically
 from .distributed import world_size, rank, barrier
 from fastcore.xtras import join_path_file
@@ -421,8 +421,7 @@ class OptStateIO:
         cb = self.cb; opt, masters = cb.learn.opt, cb.masters
         self.check_state_dict(sd)
         params = [p for g in masters.model_groups for p in g]
-        half = (torch.float16, torch.bfloat16)             # the state of half params and of fp32 ones is fp32, whatever the file holds
-        state = {p: {k: v.float() if isinstance(v, torch.Tensor) and v.dtype in half else v for k, v in s.items()} for p, s in zip(params, sd['state'])}
+        state = {p: fp32_state(s) for p, s in zip(params, sd['state'])}     # the state of half params and of fp32 ones is fp32, whatever the file holds
         masters.move_state_to_masters(state)
         masters.drop_remote_state([state])             # sharded: this rank keeps its shard's state (the masters of the others are stand-ins)
         owner = opt                                    # the optimizer that holds the state: a wrapper's (Lookahead) reads its inner one's

@@ -184,10 +184,8 @@ class LoadMasters:
             if v.shape != t.shape:                  # torch would copy every tensor that fits before it raises: nothing is loaded instead
                 raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the checkpoint holds {tuple(v.shape)}, "
                                    f"the model {tuple(t.shape)}. It comes from another model; nothing was loaded")
-            if t in masters:
-                check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
-                todo.append((masters[t], v, prefix + name))
-            elif id(t) in params and t.is_floating_point(): check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
+            if t in masters or (id(t) in params and t.is_floating_point()): check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
+            if t in masters: todo.append((masters[t], v, prefix + name))
         return todo
 
     def loaded(self, module, incompatible_keys):

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['STORES', 'clip_grads_', 'check_store', 'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value',
            'set_master_', 'load_master_', 'CheckpointError', 'check_master_value', 'check_state_value', 'mark_written',
-           'edited', 'take_model_edits', 'store_master_', 'flat_like', 'flat_slice', 'MasterParams']
+           'edited', 'take_model_edits', 'store_master_', 'fp32_state', 'flat_like', 'flat_slice', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -170,6 +170,10 @@ def _state_stride(states, m, p):
     bm = bf16_master(m)
     if bm.low is not None: return bm.low.stride()
     return next((v.stride() for st in states for v in st.get(m, {}).values() if isinstance(v, torch.Tensor) and v.shape == p.shape), p.stride())
+
+def fp32_state(st:dict) -> dict:
+    "A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on half params, as Adagrad's `sum`, or read from a file)"
+    return {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v) for k, v in st.items()}
 
 def flat_like(v, fm) -> bool:
     "True when `v` is a tensor laid out as flat master `fm`: its grad, or optimizer state of it, which splits into the params' slices"
@@ -500,7 +504,7 @@ class MasterParams:
         "Re-key optimizer `state` from the model params to their masters, its half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32"
         if not self.flat:
             for p, m, _ in self.pairs:
-                if p in state: state[m] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v) for k, v in state.pop(p).items()}
+                if p in state: state[m] = fp32_state(state.pop(p))
             return
         for fm, ps, _ in self.flats:
             parts = [state.pop(p, {}) for p in ps]
