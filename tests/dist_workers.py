@@ -196,39 +196,39 @@ def shard_rows(t, rank, world):
     n = len(t) // world
     return t[rank * n:(rank + 1) * n]
 
-def sharded_peer_dies(rank, world, outdir):
-    "Sharded masters: rank 1 dies after the overflow agreement, before the step; rank 0's step gives up in the all-gather with an error naming it"
-    import time
+def _sharded_fp16_short_wait():
+    "A sharded FP16_Optimizer over the half deep MLP that waits 2 s at most for the other ranks, after one backward"
     from mixedprec import distributed
     from mixedprec.fp16_optimizer import FP16_Optimizer
     distributed.set_process_group(None, timeout=2.)
     model = deep_mlp().half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
     opt.backward(model(data(0)[0].half()).float().sum())
-    if rank == 1: os._exit(0)
+    return opt
+
+def _timed_failure(call, scenario, rank, outdir):
+    "Run `call` on this rank, save the error it raised (or None) and how long it waited, and leave"
+    import time
     t = time.monotonic()
-    try: opt.step(); res = {'error': None}
+    try: call(); res = {'error': None}
     except RuntimeError as e: res = {'error': str(e)}
     res['waited'] = time.monotonic() - t
-    torch.save(res, os.path.join(outdir, f'sharded_peer_dies_rank{rank}.pt'))
+    torch.save(res, os.path.join(outdir, f'{scenario}_rank{rank}.pt'))
     os._exit(0)
+
+def sharded_peer_dies(rank, world, outdir):
+    "Sharded masters: rank 1 dies after the overflow agreement, before the step; rank 0's step gives up in the all-gather with an error naming it"
+    opt = _sharded_fp16_short_wait()
+    if rank == 1: os._exit(0)
+    _timed_failure(opt.step, 'sharded_peer_dies', rank, outdir)
 
 def sharded_stall_before_gather(rank, world, outdir):
     "Sharded masters, outside a step: rank 1 stalls before the state_dict gather; rank 0 gives up within the bounded wait, naming the rank"
     import time
-    from mixedprec import distributed
-    from mixedprec.fp16_optimizer import FP16_Optimizer
-    distributed.set_process_group(None, timeout=2.)
-    model = deep_mlp().half()
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
-    opt.backward(model(data(0)[0].half()).float().sum()); opt.step()
+    opt = _sharded_fp16_short_wait()
+    opt.step()
     if rank == 1: time.sleep(8); os._exit(0)                           # stalls (a slow disk, a debugger) and never gathers
-    t = time.monotonic()
-    try: opt.state_dict(); res = {'error': None}
-    except RuntimeError as e: res = {'error': str(e)}
-    res['waited'] = time.monotonic() - t
-    torch.save(res, os.path.join(outdir, f'sharded_stall_before_gather_rank{rank}.pt'))
-    os._exit(0)
+    _timed_failure(opt.state_dict, 'sharded_stall_before_gather', rank, outdir)
 
 def sharded_remote_grads(rank, world, outdir):
     "Sharded FP16_Optimizer under DDP: which half grads (of any rank's params) are still alive after step() and zero_grad()"
