@@ -182,23 +182,18 @@ def _private_folders(*paths) -> str:
 
 _MANIFEST = 'manifest.json'
 
-def _sha256(path) -> str:
-    "The SHA-256 of a file's bytes"
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
+def _sha256(fd:int) -> str:
+    "The SHA-256 of the bytes of the open file `fd` (read by offset: its position is left alone)"
+    h, off = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, off): h.update(chunk); off += len(chunk)
     return h.hexdigest()
 
-def _damaged(folder, so, fd:int=None) -> str:
-    "Why the library `so` in `folder` (read through `fd` when given: the bytes that will be loaded) is not the complete build its manifest records, or None"
+def _damaged(folder, so, fd:int) -> str:
+    "Why the library `so` in `folder`, read through its open descriptor `fd` (the bytes that will be loaded), is not the complete build its manifest records, or None"
     try:
         with open(os.path.join(folder, _MANIFEST)) as f: m = json.load(f)
     except (OSError, ValueError): return f"{so} has no record of a complete build"
-    if fd is None: size, digest = os.path.getsize(so), _sha256(so)
-    else:
-        h, size, off = hashlib.sha256(), os.fstat(fd).st_size, 0
-        while chunk := os.pread(fd, 1 << 20, off): h.update(chunk); off += len(chunk)
-        digest = h.hexdigest()
+    size, digest = os.fstat(fd).st_size, _sha256(fd)
     if size != m.get('size') or digest != m.get('sha256'): return f"{so} is damaged ({size} bytes; {m.get('size')} when it was built)"
     return None
 
@@ -265,7 +260,8 @@ def _build_in(parent, final, name, verbose, **load_kw):
         with _build_env(load_kw.pop('cuda_home')):
             with _progress("compiling the fused kernels"): ext = cpp.load(name, build_directory=tmp, verbose=verbose, **load_kw)
         so = os.path.join(tmp, f'{name}.so')
-        with open(os.path.join(tmp, _MANIFEST), 'w') as f: json.dump({'library': f'{name}.so', 'size': os.path.getsize(so), 'sha256': _sha256(so)}, f)
+        with open(so, 'rb') as lib: record = {'library': f'{name}.so', 'size': os.fstat(lib.fileno()).st_size, 'sha256': _sha256(lib.fileno())}
+        with open(os.path.join(tmp, _MANIFEST), 'w') as f: json.dump(record, f)
         try: os.rename(tmp, final)                                # a build appears complete, or not at all
         except OSError:
             if not os.path.isdir(final): raise

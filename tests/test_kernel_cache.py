@@ -78,7 +78,10 @@ def test_two_processes_build_an_empty_cache_at_once_and_a_damaged_build_is_rebui
     with open(so, 'r+b') as f: f.truncate(os.path.getsize(so) // 2)
     res, err = probe(cache)
     assert res['backend'] == 'cpp' and any('damaged' in w and 'rebuilding' in w for w in res['warnings']), res
-    assert ops._damaged(*builds(cache)[0]) is None
+    folder, lib = builds(cache)[0]
+    fd = os.open(lib, os.O_RDONLY)
+    try: assert ops._damaged(folder, lib, fd) is None
+    finally: os.close(fd)
     # the next process loads the rebuilt library without compiling
     res, err = probe(cache)
     assert res['backend'] == 'cpp' and 'compiling' not in err and not res['warnings']
