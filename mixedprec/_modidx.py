@@ -382,6 +382,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master.master_value': ('master.html#master_value', 'mixedprec/master.py'),
                                   'mixedprec.master.remote_master': ('master.html#remote_master', 'mixedprec/master.py'),
                                   'mixedprec.master.set_master_': ('master.html#set_master_', 'mixedprec/master.py'),
+                                  'mixedprec.master.split_flat_state': ('master.html#split_flat_state', 'mixedprec/master.py'),
                                   'mixedprec.master.store_master_': ('master.html#store_master_', 'mixedprec/master.py'),
                                   'mixedprec.master.take_model_edits': ('master.html#take_model_edits', 'mixedprec/master.py')},
             'mixedprec.ops': { 'mixedprec.ops.Kernels': ('ops.html#kernels', 'mixedprec/ops.py'),

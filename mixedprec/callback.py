@@ -26,7 +26,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
-from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_like, flat_slice, fp32_state, CheckpointError, check_master_value, check_state_value
+from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_slice, split_flat_state, fp32_state, CheckpointError, check_master_value, check_state_value
 from .engine import StepEngine, steps_to_ints, shards_for, _check_state_shapes, write_atomically
 from .distributed import world_size, rank, barrier
 from fastcore.xtras import join_path_file
@@ -207,8 +207,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
                 views = {p: self.conversion.masters[p] for p in ps}     # the copied views keep their offsets and strides in the flat master
                 for st in states:
                     s = st.pop(q, None)
-                    if s is not None:
-                        for p in ps: st[p] = {k: (flat_slice(v, views[p], q) if flat_like(v, q) else v) for k, v in s.items()}
+                    if s is not None: st.update(split_flat_state(s, views, q.data))
                 for p in ps:                        # a whole master again, from the flat one; the layout is made anew
                     self.conversion.masters[p] = nn.Parameter(flat_slice(q.detach(), views[p], q), requires_grad=q.requires_grad)
                 new += ps

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['STORES', 'clip_grads_', 'check_store', 'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value',
            'set_master_', 'load_master_', 'CheckpointError', 'check_master_value', 'check_state_value', 'mark_written',
-           'edited', 'take_model_edits', 'store_master_', 'fp32_state', 'flat_like', 'flat_slice', 'MasterParams']
+           'edited', 'take_model_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'flat_like', 'flat_slice',
+           'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -170,6 +171,10 @@ def _state_stride(states, m, p):
     bm = bf16_master(m)
     if bm.low is not None: return bm.low.stride()
     return next((v.stride() for st in states for v in st.get(m, {}).values() if isinstance(v, torch.Tensor) and v.shape == p.shape), p.stride())
+
+def split_flat_state(st:dict, views:dict, fm:torch.Tensor) -> dict:
+    "Flat master `fm`'s optimizer state `st` split into its params' states: param -> its state, each flat tensor's slice laid out as the param's view `views[param]`"
+    return {p: {k: (flat_slice(v, view, fm) if flat_like(v, fm) else v) for k, v in st.items()} for p, view in views.items()}
 
 def fp32_state(st:dict) -> dict:
     "A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on half params, as Adagrad's `sum`, or read from a file)"
@@ -521,7 +526,7 @@ class MasterParams:
         for fm, ps, _ in self.flats:
             st = state.pop(fm, None)
             if st is None: continue
-            for p in ps: state[p] = {k: (flat_slice(v, views[p], fm.data) if flat_like(v, fm) else v) for k, v in st.items()}
+            state.update(split_flat_state(st, {p: views[p] for p in ps}, fm.data))
 
     def follow_layouts(self, states:list=()) -> bool:
         "Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, when the model's changed (`to_channelslast()`); True if any moved"
