@@ -151,3 +151,11 @@ def test_a_host_change_restarts_the_tensors():
     assert sc.tensors('cpu')[1].item() == 0.5
     with pytest.raises(RuntimeError, match='tensors'):
         LossScaler().advance(torch.tensor(0))
+
+def test_construction_and_a_loaded_state_follow_one_rule_set():
+    # LossScaler.check_settings serves both: what a loaded state may not hold, a new scaler may not be built with
+    with pytest.raises(ValueError, match='factor must be finite and > 1'): LossScaler(factor=float('inf'))
+    with pytest.raises(ValueError, match=r'min_scale \(4.0\) is above max_scale \(2.0\)'): LossScaler(loss_scale=1., dynamic=False, min_scale=4., max_scale=2.)
+    sc = LossScaler(2.**8)
+    for bad in (dict(factor=float('inf')), dict(min_scale=4., max_scale=2.)):
+        with pytest.raises(ValueError, match='out of range.*nothing was loaded'): sc.load_state_dict({**sc.state_dict(), **bad})
