@@ -160,7 +160,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         masters_of = {}
         if props['master_weights']: masters_of = {**converted, **masters_for(p for g in o.param_groups for p in g['params'] if p not in converted)}
         if shard and not props['master_weights']: raise ValueError(f"shard=True shards the fp32 masters, and {opt_level} keeps none: use opt_level='O2'")
-        e = StepEngine.wrap(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters, shard=shard)
+        e = StepEngine.attach(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters, shard=shard)
         e.amp, e.masters_of = state, masters_of
         o._mixedprec_engine = e
         o.step, o.zero_grad, o.add_param_group = (types.MethodType(f, o) for f in (_step, _zero_grad, _add_param_group))

@@ -26,8 +26,8 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
-from .master import MasterParams, check_store, master_value, load_master_, remote_master, flat_slice, split_flat_state, fp32_state, CheckpointError, check_master_value, check_state_value
-from .engine import StepEngine, steps_to_ints, shards_for, _check_state_shapes, write_atomically
+from .master import check_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_state_value
+from .engine import StepEngine, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier
 from fastcore.xtras import join_path_file
 from .ops import warn_once, require_impl
@@ -57,16 +57,6 @@ def _gradscaler_names(loss_scale, max_noskip, kwargs):
             raise TypeError(f"backoff_factor={b} is not 1/growth factor: mixedprec's scale grows and backs off by the same `factor` "
                             f"(default 2, so backoff 0.5); pass `factor=` (GradScaler's growth_factor) alone")
     return loss_scale, max_noskip, kwargs
-
-def _opt_state_key(opt):
-    "Per-param fastai flags (`do_wd`, `force_train`) that a flat master must not mix"
-    def key(p): return tuple(sorted((k, v) for k, v in opt.state.get(p, {}).items() if k in ('do_wd', 'force_train')))
-    return key
-
-def _state_dicts(opt):
-    "The dicts keyed by param that hold `opt`'s state: fastai's own, and a wrapped torch optimizer's"
-    inner = getattr(opt, 'opt', None)
-    return [opt.state] + ([inner.state] if isinstance(inner, torch.optim.Optimizer) else [])
 
 def _all_finite(o) -> bool:
     "False if any floating tensor in `o` (recursively) holds inf or nan"
@@ -131,7 +121,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
 
     def leave(self):
         "Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state kept (sharded: gathered, on every rank)"
-        if self.masters is not None and self.masters.shards is not None: self.masters.unshard_(_state_dicts(self.learn.opt))
+        if self.masters is not None and self.masters.shards is not None: self.engine.unshard_()
         self.release_opt()
         if self.conversion is not None: self.conversion.undo()
         self.conversion = None
@@ -175,12 +165,8 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
             self.release_opt()                            # first fit under distrib_ctx: shard the masters
             held = [p for g in opt.param_lists for p in g]
         names = {p: n for n, p in self.learn.model.named_parameters()}
-        masters = MasterParams(opt.param_lists, self.conversion.masters, flat=self.flat_master, key=_opt_state_key(opt), names=names, impl=self.impl,
-                               store=getattr(self, 'master_store', 'fp32'), shards=shards_for(opt.param_lists, shard))
-        for state in _state_dicts(opt): masters.move_state_to_masters(state)
-        masters.drop_remote_state(_state_dicts(opt))
-        opt.param_lists = [list(g) for g in masters.groups]
-        self.engine = StepEngine(opt, masters, self.scaler, self.clip, decide=self.decide, impl=self.impl)
+        self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master, store=getattr(self, 'master_store', 'fp32'),
+                                        shard=shard, scaler=self.scaler, clip=self.clip, decide=self.decide, impl=self.impl)
         if isinstance(opt, Optimizer): io = OptStateIO(self)                # fastai's own: per model param
         elif callable(getattr(opt, 'state_dict', None)): io = WrappedStateIO(self, opt)   # an OptimWrapper: torch's positional state_dict
         else: return
@@ -191,54 +177,27 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model params back in their places, with their state"
         if self.engine is not None: return
         flats = {id(fm): ps for fm, ps in (self.__dict__.pop('_copied_flats', None) or [])}    # flat master -> its params, as `__getstate__` noted them
-        of = {id(m): p for p, m in self.conversion.masters.items()}
-        if not any(id(q) in of or id(q) in flats for g in opt.param_lists for q in g): return
-        states, groups = _state_dicts(opt), []
-        for g in opt.param_lists:
-            new = []
-            for q in g:
-                if id(q) in of:
-                    p = of[id(q)]; new.append(p)
-                    for st in states:
-                        if q in st: st[p] = st.pop(q)
-                    continue
-                if id(q) not in flats: new.append(q); continue
-                ps = flats[id(q)]
-                views = {p: self.conversion.masters[p] for p in ps}     # the copied views keep their offsets and strides in the flat master
-                for st in states:
-                    s = st.pop(q, None)
-                    if s is not None: st.update(split_flat_state(s, views, q.data))
-                for p in ps:                        # a whole master again, from the flat one; the layout is made anew
-                    self.conversion.masters[p] = nn.Parameter(flat_slice(q.detach(), views[p], q), requires_grad=q.requires_grad)
-                new += ps
-            groups.append(new)
-        opt.param_lists = groups
+        put_model_params_back(opt, self.conversion.masters, flats)
 
     def release_opt(self):
         "Put the model params back into `learn.opt`, with their state in its own layout, and give it back its own methods"
         opt, e = getattr(self.learn, 'opt', None), self.engine
         if opt is None or e is None: return
-        if e.optimizer is opt:
-            e.own_layout()
-            if {id(p) for g in opt.param_lists for p in g} == {id(p) for p in e.masters.master_params}:
-                for state in _state_dicts(opt): e.masters.move_state_to_model(state)
-                opt.param_lists = [list(g) for g in e.masters.model_groups]
+        if e.optimizer is opt: e.detach()
         for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)   # (`step` and `zero_grad`: an earlier version's)
         self.engine = self.state_io = None
 
     @contextmanager
     def consolidated(self, gather:bool=True):
         "A block in which this rank holds every master and all the optimizer state (sharded: gathered, so every rank must enter it); sharded again after"
-        ms = self.masters
-        if ms is None or ms.shards is None: yield; return
-        with ms.consolidated(_state_dicts(self.learn.opt), gather): yield
-        ms.drop_remote_state(_state_dicts(self.learn.opt))       # a load may have replaced the state dict
+        if self.masters is None or self.masters.shards is None: yield; return
+        with self.engine.consolidated(gather): yield
 
     def follow_model_device(self):
         "The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and the optimizer state after it"
         self.release_opt()
         self.conversion.follow_devices()
-        for state in _state_dicts(self.learn.opt):
+        for state in adapter_for(self.learn.opt).states():
             for p in self.learn.model.parameters():
                 st = state.get(p)
                 if st: state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
@@ -393,8 +352,7 @@ class OptStateIO:
         cb = self.cb; opt, masters = cb.learn.opt, cb.masters
         cb.check_whole()
         steps_to_ints(opt.state)
-        state = dict(opt.state)
-        masters.move_state_to_model(state)
+        state = cb.engine.state_by_model_param()
         params = [p for g in masters.model_groups for p in g]
         res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers), 'mixedprec': {'scaler': cb.scaler.state_dict()}}
         if type(opt).state_dict is not Optimizer.state_dict:      # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
@@ -420,9 +378,7 @@ class OptStateIO:
         cb = self.cb; opt, masters = cb.learn.opt, cb.masters
         self.check_state_dict(sd)
         params = [p for g in masters.model_groups for p in g]
-        state = {p: fp32_state(s) for p, s in zip(params, sd['state'])}     # the state of half params and of fp32 ones is fp32, whatever the file holds
-        masters.move_state_to_masters(state)
-        masters.drop_remote_state([state])             # sharded: this rank keeps its shard's state (the masters of the others are stand-ins)
+        state = cb.engine.state_onto_masters(dict(zip(params, sd['state'])))   # fp32, whatever the file holds; sharded: this rank's shard
         owner = opt                                    # the optimizer that holds the state: a wrapper's (Lookahead) reads its inner one's
         while 'state' not in owner.__dict__ and isinstance(getattr(owner, 'opt', None), Optimizer): owner = owner.opt
         owner.state, owner.hypers = defaultdict(dict, state), L(dict(h) for h in sd['hypers'])
@@ -450,7 +406,7 @@ class WrappedStateIO:
         self.check_state_dict(sd)
         scaler = sd.get('mixedprec', {}).get('scaler')
         self.own_load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
-        self.cb.masters.drop_remote_state(_state_dicts(self.opt))
+        self.cb.engine.drop_remote_state()
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
 
 # %% ../nbs/15_callback.ipynb #adb7b617

@@ -49,7 +49,7 @@ class FP16_Optimizer:
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, next((p.device for g in init_optimizer.param_groups for p in g['params']), 'cpu'))   # before the masters are swapped in
         self.masters_of = masters_for(p for g in init_optimizer.param_groups for p in g['params'])
-        self.engine = StepEngine.wrap(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard,
+        self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
 

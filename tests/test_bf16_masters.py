@@ -140,7 +140,7 @@ def _engine(store, opt_cls=torch.optim.AdamW, seed=0, impl=None, **opt_kw):
     model = digits_mlp(seed)
     conv = convert_model(model, torch.bfloat16)
     opt = opt_cls(model.parameters(), lr=opt_kw.pop('lr', 3e-3), **opt_kw)
-    return model, StepEngine.wrap(opt, conv.masters, store=store, scaler=LossScaler(1., dynamic=False), impl=impl), conv
+    return model, StepEngine.attach(opt, conv.masters, store=store, scaler=LossScaler(1., dynamic=False), impl=impl), conv
 
 @pytest.mark.parametrize("opt_cls,kw", [(torch.optim.AdamW, dict(weight_decay=0.01)), (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
                                         (torch.optim.RMSprop, dict(lr=1e-3))])    # RMSprop: the optimizer's own step
@@ -198,7 +198,7 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
                 w.grad = 2 * (w.detach() - 250); opt.step()
             return w.detach().float().mean().item()
         conv = convert_model(model, torch.bfloat16)
-        e = StepEngine.wrap(torch.optim.SGD([w], lr=1e-3), conv.masters, store=store, scaler=LossScaler(1., dynamic=False))
+        e = StepEngine.attach(torch.optim.SGD([w], lr=1e-3), conv.masters, store=store, scaler=LossScaler(1., dynamic=False))
         for _ in range(steps):
             e.scale((w.float() - 250).pow(2).sum()).backward(); e.unscale(); e.step(); e.zero_grad()
         return master_value(e.masters.pairs[0][1]).mean().item(), w.detach().float().mean().item()
