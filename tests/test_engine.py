@@ -302,3 +302,49 @@ def test_the_step_protocol_has_one_stage_and_a_clip_out_of_order_is_refused_by_n
     with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as s: s.backward()
     assert amp.clip_grad_norm_(opt, 1e-3) > 1e-3                        # the norm before clipping
     opt.step()
+
+# ---- the one door: attach and detach, through each optimizer family's adapter ----------------------------------------
+
+def _stepped_once(make_opt):
+    "A model and its optimizer after one fp32 step (so it has state), then converted to fp16 with its masters"
+    from mixedprec.convert import convert_model
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = make_opt(model)
+    x, y = batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return model, opt, convert_model(model, torch.float16)
+
+def _torch_adam(model): return torch.optim.Adam(model.parameters(), lr=1e-2)
+def _fastai_adam(model):
+    from fastai.optimizer import Adam
+    return Adam(list(model.parameters()), lr=1e-2)
+def _fastai_wrapper(model):
+    from fastai.optimizer import OptimWrapper
+    return OptimWrapper(list(model.parameters()), torch.optim.Adam, lr=1e-2)
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("make_opt", [_torch_adam, _fastai_adam, _fastai_wrapper])
+def test_attach_then_detach_gives_the_optimizer_back_its_params_and_state(make_opt, flat):
+    from mixedprec.engine import adapter_for
+    model, opt, conv = _stepped_once(make_opt)
+    adapter = adapter_for(opt)
+    params = list(model.parameters())
+    before = {id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for state in adapter.states() for p, st in state.items()}
+    assert before, "the fp32 step made state"
+    e = StepEngine.attach(opt, conv.masters, flat=flat)
+    held = [p for g in adapter.groups() for p in g]
+    assert not any(p is q for p in held for q in params if q.dtype == torch.float16), "the optimizer holds masters, not the half params"
+    assert any(p in state for state in adapter.states() for p in held), "the state moved onto the masters"
+    e.detach()
+    assert [p for g in adapter.groups() for p in g] == params
+    after = {id(p): st for state in adapter.states() for p, st in state.items()}
+    for i, st in before.items():
+        for k, v in st.items():
+            assert torch.equal(after[i][k].to(v.dtype), v), (k, "state comes back as it went in")
+
+def test_an_optimizer_of_no_known_family_is_refused_by_name():
+    from mixedprec.engine import adapter_for
+    class Mine:
+        def step(self): pass
+    with pytest.raises(TypeError, match="Mine.*ADAPTERS"): adapter_for(Mine())
