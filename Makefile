@@ -1,28 +1,43 @@
-# `make demo` and `make test` each set everything up on a fresh machine: a .venv with mixedprec installed (`make test`
-# adds the `dev` extras: nbdev, pytest, ...). An install re-runs only when pyproject.toml changes (the stamp files), so
-# both are quick when nothing changed.
+# `make demo`, `make test` and `make docs` each set everything up on a fresh machine: a .venv with mixedprec installed
+# (`make test` adds the `dev` extras: nbdev, pytest, ...; `make docs` the `docs` extras: nbconvert, markdown). An install
+# re-runs only when pyproject.toml changes (the stamp files), so all three are quick when nothing changed.
+# TORCH_INDEX=<url>: install torch from that package index first (for example PyTorch's CPU-only wheels, on a machine
+# without a GPU: a much smaller install).
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV   := .venv
 BIN    := $(CURDIR)/$(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
+DOCS_STAMP := $(VENV)/.installed-docs
 export PATH := $(BIN):$(PATH)
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# pip's progress, one line per package, without its notes: what it collects, then what it installed
+PIP := $(BIN)/python -m pip install --disable-pip-version-check
+SHOW := { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR|error)' || true; }
 
-.PHONY: demo test export-check nbtest pytest
+.PHONY: demo test docs export-check nbtest pytest
+
+define install
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "make: installing $(1) into $(VENV) (the first time this takes minutes; one line per package)"
+	$(PIP) -q --upgrade pip
+	$(if $(TORCH_INDEX),$(PIP) torch --index-url "$(TORCH_INDEX)" 2>&1 | $(SHOW))
+	$(PIP) -e "$(2)" 2>&1 | $(SHOW)
+endef
 
 $(DEMO_STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "make: installing mixedprec, torch and fastai into $(VENV) (the first time this takes minutes, quietly)"
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e .
+	$(call install,mixedprec with torch and fastai,.)
 	touch $(DEMO_STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "make: installing mixedprec with its dev extras (nbdev, pytest) into $(VENV) (the first time this takes minutes, quietly)"
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(call install,mixedprec with its dev extras (nbdev and pytest),.[dev])
 	touch $(STAMP) $(DEMO_STAMP)
+
+$(DOCS_STAMP): pyproject.toml
+	$(call install,mixedprec with its docs extras (nbconvert and markdown),.[docs])
+	touch $(DOCS_STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/python -W ignore::FutureWarning:torch.jit._script -m mixedprec.demo    # fastai's import uses torch.jit.script, which torch deprecates
@@ -37,3 +52,6 @@ nbtest: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest tests -q --durations=15
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python .ci/build_docs.py _docs

@@ -164,6 +164,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
             'mixedprec.demo': { 'mixedprec.demo.TableLogger': ('demo.html#tablelogger', 'mixedprec/demo.py'),
                                 'mixedprec.demo.TableLogger.__call__': ('demo.html#tablelogger.__call__', 'mixedprec/demo.py'),
                                 'mixedprec.demo.TableLogger.__init__': ('demo.html#tablelogger.__init__', 'mixedprec/demo.py'),
+                                'mixedprec.demo.choose_precision': ('demo.html#choose_precision', 'mixedprec/demo.py'),
                                 'mixedprec.demo.digits_dls': ('demo.html#digits_dls', 'mixedprec/demo.py'),
                                 'mixedprec.demo.digits_model': ('demo.html#digits_model', 'mixedprec/demo.py'),
                                 'mixedprec.demo.main': ('demo.html#main', 'mixedprec/demo.py'),
