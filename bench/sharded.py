@@ -1,52 +1,121 @@
-"""Bytes of fp32 masters + Adam state per rank against world size, sharded (ZeRO stage 1) and not, and the step's cost, on gloo ranks on
-loopback: FP16_Optimizer over a DDP-wrapped half model. Prints one table.
+"""Bytes per rank, measured from the tensors each rank holds, at 1-4 gloo ranks on loopback: the model's params, the grads
+at their peak (after the backward, before the step), the fp32 masters and the optimizer state (AdamW), for DDP and
+ZeRO stage 1 (`shard=True`) under FP16_Optimizer and amp O2, beside torch's own FSDP2 (`fully_shard` with bf16
+compute, fp32 sharded params); then the same four columns on paper for a 7B-param model at 8, 64 and 512 ranks, and the
+step time of ZeRO-1 against DDP. Prints the tables.
 
-    python bench/sharded.py [--width 512] [--layers 8] [--steps 30]
+    python bench/sharded.py [--width 512] [--layers 8] [--steps 10] [--worlds 1,2,3,4]
 """
 import argparse, os, socket, sys, tempfile, time
 import torch, torch.multiprocessing as mp
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'tests'))
-import dist_workers as W
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import cpu_name
+
+CONFIGS = ['DDP, FP16_Optimizer', 'ZeRO-1, FP16_Optimizer', 'DDP, amp O2', 'ZeRO-1, amp O2', 'torch FSDP2 (bf16 compute)']
 
 def free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
-def run(rank, world, port, out, shard, width, layers, steps):
+def nbytes(tensors) -> int:
+    "Bytes of the distinct storages behind `tensors` (a DTensor: its local shard; a 4-byte stand-in counts 4)"
+    from torch.distributed.tensor import DTensor
+    seen = {}
+    for t in tensors:
+        if t is None: continue
+        if isinstance(t, DTensor): t = t.to_local()
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+def run(rank, world, port, out, config, width, layers, steps):
     import datetime, torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from mixedprec.fp16_optimizer import FP16_Optimizer
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).half()
-    net = DDP(model)
-    opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dynamic_loss_scale=True, verbose=False, shard=shard)
-    x = torch.randn(16, width).half()
-    for i in range(steps + 3):
-        if i == 3: t = time.perf_counter()
-        opt.zero_grad(); opt.backward(net(x).float().pow(2).mean()); opt.step()
-    torch.save(dict(nbytes=W.held_bytes(opt.param_groups, opt.state), sec=(time.perf_counter() - t) / steps), os.path.join(out, f'{shard}{world}_{rank}.pt'))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    x = torch.randn(16, width)
+    shard = config.startswith('ZeRO-1')
+    if 'FP16_Optimizer' in config:
+        from mixedprec.fp16_optimizer import FP16_Optimizer
+        model = model.half(); net = DDP(model)
+        opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dynamic_loss_scale=True, verbose=False, shard=shard)
+        inner = opt.optimizer
+        def backward(): opt.zero_grad(); opt.backward(net(x.half()).float().pow(2).mean(), update_master_grads=False)
+        unscale, step = opt.update_master_grads, opt.step
+    elif 'amp' in config:
+        from mixedprec import amp
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0, shard=shard)
+        net, inner, pending = DDP(model), opt, []
+        def backward():
+            opt.zero_grad(); cm = amp.scale_loss(net(x).float().pow(2).mean(), opt); pending[:] = [cm]; cm.__enter__().backward()
+        def unscale(): pending[0].__exit__(None, None, None)
+        step = opt.step
+    else:
+        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for layer in model: fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        net = model
+        opt = inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        def backward(): opt.zero_grad(); net(x).float().pow(2).mean().backward()
+        unscale, step = (lambda: None), opt.step
+    model_params = list(model.parameters())
+    peak_grads, t = 0, None
+    for i in range(steps + 2):
+        if i == 2: t = time.perf_counter()
+        backward()
+        model_grads = nbytes([p.grad for p in model_params])
+        unscale()                                        # the half grads into the master grads: for a moment, both are held
+        masters = [p for g in inner.param_groups for p in g['params'] if all(p is not q for q in model_params)]
+        peak_grads = max(peak_grads, model_grads + nbytes([m.grad for m in masters]))
+        step()
+    sec = (time.perf_counter() - t) / steps
+    masters = [p for g in inner.param_groups for p in g['params'] if all(p is not q for q in model_params)]
+    state = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    res = dict(params=nbytes(model_params), grads=peak_grads, masters=nbytes(masters), state=nbytes(state), sec=sec)
+    torch.save(res, os.path.join(out, f'{CONFIGS.index(config)}_{world}_{rank}.pt'))
     dist.destroy_process_group()
+
+def on_paper(n:float, world:int) -> dict:
+    "Bytes per rank for `n` params with AdamW at the grads' peak: half weights and grads, fp32 masters with their grad buffers, and the state"
+    return {'DDP, fp32 masters': (2 + 2 + 4 + 4 + 8) * n,
+            'ZeRO-1 (mixedprec shard=True)': (2 + 2) * n + (4 + 4 + 8) * n / world,
+            'FSDP2 (fp32 sharded params)': (4 + 4 + 8) * n / world}      # + one layer's unsharded bf16 weights and grads while it runs
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--width', type=int, default=512); ap.add_argument('--layers', type=int, default=8); ap.add_argument('--steps', type=int, default=30)
+    ap.add_argument('--width', type=int, default=512); ap.add_argument('--layers', type=int, default=8)
+    ap.add_argument('--steps', type=int, default=10); ap.add_argument('--worlds', default='1,2,3,4')
     a = ap.parse_args()
-    out, rows = tempfile.mkdtemp(), []
-    for world in (1, 2, 3):
-        res = {}
-        for shard in (False, True):
-            mp.start_processes(run, args=(world, free_port(), out, shard, a.width, a.layers, a.steps), nprocs=world, start_method='spawn')
-            rs = [torch.load(os.path.join(out, f'{shard}{world}_{r}.pt')) for r in range(world)]
-            res[shard] = max(r['nbytes'] for r in rs), max(r['sec'] for r in rs)
-        rows.append((world, res))
+    worlds = [int(w) for w in a.worlds.split(',')]
+    out, res = tempfile.mkdtemp(), {}
+    for world in worlds:
+        for config in CONFIGS:
+            mp.start_processes(run, args=(world, free_port(), out, config, a.width, a.layers, a.steps), nprocs=world, start_method='spawn')
+            rs = [torch.load(os.path.join(out, f'{CONFIGS.index(config)}_{world}_{r}.pt')) for r in range(world)]
+            res[config, world] = {k: max(r[k] for r in rs) for k in rs[0]}          # the fullest rank
     n = a.layers * (a.width * a.width + a.width)
-    print(f"{a.layers}x Linear({a.width}, {a.width}) fp16 ({n / 1e6:.1f}M params), FP16_Optimizer(AdamW), gloo on loopback, 1 thread per rank; CPU: {cpu_name()}")
-    print(f"{'ranks':<7}{'MiB/rank unsharded':>20}{'MiB/rank sharded':>18}{'ratio':>7}{'step time sharded/unsharded':>29}")
-    for world, res in rows:
-        (b0, t0), (b1, t1) = res[False], res[True]
-        print(f"{world:<7}{b0 / 2**20:>20.1f}{b1 / 2**20:>18.1f}{b1 / b0:>7.2f}{t1 / t0:>29.2f}")
+    print(f"{a.layers}x Linear({a.width}, {a.width}) ({n / 1e6:.2f}M params), AdamW, gloo on loopback, 1 thread per rank; CPU: {cpu_name()}")
+    print("MiB per rank (the fullest rank), measured from the tensors it holds; grads at their peak (the unscale, when the half grads and\n"
+          "the master grads both exist; DDP's own gradient buckets, the same for DDP and ZeRO-1, are not counted)\n")
+    print(f"| ranks | configuration | params | grads (peak) | fp32 masters | optimizer state | total | step time vs DDP, same front end |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world in worlds:
+        for config in CONFIGS:
+            r = res[config, world]
+            total = r['params'] + r['grads'] + r['masters'] + r['state']
+            base = res.get((config.replace('ZeRO-1', 'DDP'), world)) if config.startswith('ZeRO-1') else None
+            rel = f"{r['sec'] / base['sec']:.2f}" if base else ''
+            print(f"| {world} | {config} | {r['params'] / 2**20:.1f} | {r['grads'] / 2**20:.1f} | {r['masters'] / 2**20:.1f} | {r['state'] / 2**20:.1f} | "
+                  f"{total / 2**20:.1f} | {rel} |")
+    print("\nOn paper: GiB per rank for a 7B-param model, AdamW (FSDP2 adds one layer's unsharded bf16 weights and grads while it runs)\n")
+    ranks = (8, 64, 512)
+    print("| scheme | " + " | ".join(f"{w} ranks" for w in ranks) + " |")
+    print("|---|" + "---|" * len(ranks))
+    for scheme in on_paper(1, 1):
+        print(f"| {scheme} | " + " | ".join(f"{on_paper(7e9, w)[scheme] / 2**30:.1f}" for w in ranks) + " |")
 
 if __name__ == '__main__': main()

@@ -16,6 +16,7 @@ from .convert import convert_model, masters_for, to_fp32, check_half_dtype, HALF
 from .engine import StepEngine, scale_into, unscale_into, _check_decide
 from .ops import require_impl
 from .master import check_store
+from .distributed import refuse_fsdp2
 
 # %% ../nbs/17_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -124,6 +125,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     opt_list = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     for m in model_list:
         if not isinstance(m, nn.Module): raise TypeError(f"amp.initialize takes nn.Modules as models, got {type(m).__name__}")
+        refuse_fsdp2(m, "amp.initialize")
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise TypeError("call amp.initialize on the bare model, then wrap it in DistributedDataParallel")
         if m in _initialized or getattr(m, '_mixedprec_conversion', None) is not None:
@@ -132,6 +134,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     for o in opt_list:
         if not isinstance(o, torch.optim.Optimizer): raise TypeError(f"amp.initialize takes torch.optim.Optimizers, got {type(o).__name__} (do not wrap them in FP16_Optimizer)")
         if hasattr(o, '_mixedprec_engine'): raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
+        refuse_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize")
     if not (isinstance(num_losses, int) and num_losses >= 1): raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
     check_store(masters, props['dtype'])
@@ -147,6 +150,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
                           advice="With amp: `amp.initialize(..., half_dtype='bf16')`, or opt_level='O2' (fp32 masters), or the modules that overflow kept in fp32.",
                           **kw) for _ in range(num_losses)]
     state = _state = AmpState(props, scalers, enabled, verbosity)
+    state.models = [weakref.ref(m) for m in model_list]
     if not enabled: return models if optimizers is None else (models, optimizers)
     converted = {}
     for m in model_list:
@@ -185,6 +189,8 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
     if not _state.enabled and not any(hasattr(o, '_mixedprec_engine') for o in (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])):
         yield loss; return
     engines = _engines_of(optimizers)
+    for ref in getattr(engines[0].amp, 'models', []):      # a model wrapped by `fully_shard` after initialize would run, and never train
+        if (m := ref()) is not None: refuse_fsdp2(m, "amp.scale_loss: the model was wrapped by `fully_shard` after amp.initialize")
     scaler = engines[0].amp.scaler(loss_id)
     yield scale_into(engines, loss, scaler)
     if delay_unscale:

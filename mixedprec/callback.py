@@ -28,7 +28,7 @@ from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
 from .master import check_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_state_value
 from .engine import StepEngine, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
-from .distributed import world_size, rank, barrier
+from .distributed import world_size, rank, barrier, refuse_fsdp2
 from fastcore.xtras import join_path_file
 from .ops import warn_once, require_impl
 
@@ -292,6 +292,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if not model_params: raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some (`learn.unfreeze()`), or use `get_preds` for inference")
         held = {id(p) for g in self.masters.model_groups for p in g} if self.masters is not None else set()
         missing = [n for n, p in model_params if id(p) not in held]
+        if missing: refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
         if missing: raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they were replaced after the "
                                      f"optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they get masters and an optimizer.")
 
@@ -412,6 +413,7 @@ class WrappedStateIO:
 # %% ../nbs/15_callback.ipynb #adb7b617
 def _attach(learn, cb):
     "Replace any mixed-precision callback of `learn` by `cb`: convert the model, and give the optimizer its masters"
+    refuse_fsdp2(learn.model, "to_fp16/to_bf16")
     require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)   # kernels that cannot run: refused before anything changes
     learn.to_fp32()
     learn.add_cb(cb)

@@ -12,6 +12,7 @@ from .convert import masters_for
 from .engine import StepEngine
 from .ops import require_impl
 from .master import check_store
+from .distributed import refuse_fsdp2, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
@@ -39,6 +40,7 @@ class FP16_Optimizer:
     ):
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
+        refuse_fsdp2([p for g in init_optimizer.param_groups for p in g['params']], "FP16_Optimizer")
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
@@ -81,6 +83,11 @@ class FP16_Optimizer:
         "`(loss.float()*loss_scale).backward()`, then (by default) unscale the grads into the fp32 masters"
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1: raise ValueError("backward takes the scalar loss tensor")
         self.engine.scale(loss).backward(retain_graph=retain_graph)
+        if not any(p.grad is not None for g in self.engine.masters.model_groups for p in g):
+            raise RuntimeError("FP16_Optimizer.backward: the loss reached none of the params this optimizer holds, so this step would train "
+                               "nothing. Either every param it holds is frozen, or the model's params were replaced after the optimizer was "
+                               f"built (a re-created module, `load_state_dict(..., assign=True)`, FSDP2's `fully_shard`): build the optimizer on the "
+                               f"params that train, then FP16_Optimizer. With FSDP2: {FSDP2_ADVICE}")
         if update_master_grads: self.update_master_grads()
 
     def update_master_grads(self):
