@@ -119,6 +119,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'mixedprec.callback._gradscaler_names': ('callback.html#_gradscaler_names', 'mixedprec/callback.py'),
                                     'mixedprec.callback._plain': ('callback.html#_plain', 'mixedprec/callback.py'),
                                     'mixedprec.callback._read_checkpoint': ('callback.html#_read_checkpoint', 'mixedprec/callback.py'),
+                                    'mixedprec.callback._refuse_gan': ('callback.html#_refuse_gan', 'mixedprec/callback.py'),
                                     'mixedprec.callback._sharded': ('callback.html#_sharded', 'mixedprec/callback.py')},
             'mixedprec.convert': { 'mixedprec.convert.CastIO': ('convert.html#castio', 'mixedprec/convert.py'),
                                    'mixedprec.convert.CastIO.__init__': ('convert.html#castio.__init__', 'mixedprec/convert.py'),

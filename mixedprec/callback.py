@@ -138,6 +138,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def prepare(self):
         "Convert the model to the half dtype (once), keeping fp32 masters of its weights"
         if self.conversion is None:
+            _refuse_gan(self.learn, "MixedPrecision")
             self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True)
             if not self.conversion.masters: warnings.warn("mixedprec: the model has no fp32 params to convert, so mixed precision changes nothing")
             p = next(iter(self.conversion.masters), None)
@@ -411,9 +412,18 @@ class WrappedStateIO:
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
 
 # %% ../nbs/15_callback.ipynb #adb7b617
+def _refuse_gan(learn, where:str):
+    "Raise `TypeError`, saying why and what to do, for fastai's `GANLearner`, which mixedprec does not support yet"
+    if any(type(m).__module__ == 'fastai.vision.gan' for m in learn.model.modules()) or any(type(c).__name__ == 'GANTrainer' for c in learn.cbs):
+        raise TypeError(f"{where}: mixedprec does not support fastai's GANLearner yet. Its `GANLoss` calls the generator and the critic itself, "
+                        "with fp32 tensors that the half model's input casting never sees, and its `GANTrainer` clamps the critic's weights "
+                        "through `p.data`, which bypasses the version counters that carry an edit to the fp32 masters, so a WGAN would train "
+                        "unclipped. Train the GAN in fp32, or with fastai's native AMP on a GPU (`mixedprec.callback.fastai_to_fp16(learn)`)")
+
 def _attach(learn, cb):
     "Replace any mixed-precision callback of `learn` by `cb`: convert the model, and give the optimizer its masters"
     refuse_fsdp2(learn.model, "to_fp16/to_bf16")
+    _refuse_gan(learn, "to_fp16/to_bf16")
     require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)   # kernels that cannot run: refused before anything changes
     learn.to_fp32()
     learn.add_cb(cb)

@@ -416,3 +416,25 @@ def test_no_optimizer_method_is_patched_during_fit():
     learn.fit(1, cbs=Record(1, before_step=lambda l: seen.append(sorted(k for k in ('step', 'zero_grad') if k in l.opt.__dict__))))
     assert seen and all(s == [] for s in seen)
     assert learn.opt.step.__func__ is type(learn.opt).step and learn.opt.zero_grad.__func__ is type(learn.opt).zero_grad
+
+def _wgan():
+    from fastai.vision.gan import GANLearner
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.optimizer import RMSProp
+    class Noise(torch.utils.data.Dataset):
+        def __len__(self): return 32
+        def __getitem__(self, i): return torch.randn(10), torch.randn(3, 8, 8)
+    gen = nn.Sequential(nn.Linear(10, 3 * 8 * 8), nn.Unflatten(1, (3, 8, 8)), nn.Tanh())
+    crit = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 1))
+    return GANLearner.wgan(DataLoaders(DataLoader(Noise(), bs=8), DataLoader(Noise(), bs=8)), gen, crit, opt_func=RMSProp)
+
+@pytest.mark.parametrize("door", ['to_bf16', 'cbs'])
+def test_a_wgan_learner_is_refused_with_why_not_a_bare_dtype_error(door):
+    "GANLoss feeds fp32 to the half generator and critic, and GANTrainer clamps the critic through `.data`, which the masters would not see"
+    learn = _wgan()
+    with pytest.raises(TypeError, match=r"GANLearner.*`p\.data`.*fp32"):
+        if door == 'to_bf16': learn.to_bf16()
+        else:
+            with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-4, cbs=MixedPrecision(dtype=torch.bfloat16))
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}, "the model is left as it was"
