@@ -6,11 +6,12 @@
 __all__ = ['STORES', 'clip_grads_', 'check_store', 'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value',
            'set_master_', 'load_master_', 'CheckpointError', 'check_master_value', 'check_state_value', 'mark_written',
            'edited', 'take_model_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'flat_like', 'flat_slice',
-           'MasterParams']
+           'GradLists', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
 from contextlib import contextmanager
+from functools import partial
 from itertools import chain
 import torch
 from torch import nn
@@ -197,6 +198,90 @@ def _concat_state(parts, params):
         else: res[k] = v
     return res
 
+class GradLists:
+    "What one unscale moves, gathered from every bucket: grads into fresh buffers (`src` -> `dst`), grads added into held ones (`add_src` -> `add_dst`), and the params of other ranks whose grads are only checked (`remote`)"
+    def __init__(self): self.src, self.dst, self.add_src, self.add_dst, self.remote = [], [], [], [], []
+    def fresh(self, g, into): self.src.append(g); self.dst.append(into)
+    def add(self, g, into): self.add_src.append(g); self.add_dst.append(into)
+
+def _no_grad_in(m, keep:bool):
+    "A master whose param got no grad: a zero grad where the optimizer zeroes (it is still stepped), else none"
+    if keep and m.grad is not None: m.grad.zero_()
+    else: m.grad = None
+
+class Fp32Bucket:
+    "Half params with an fp32 master each, and a grad buffer laid out as the master: grads come in through the buffer, weights go out by a copy"
+    kind = 'fp32'
+    def __init__(self, pairs:list): self.pairs = pairs          # (half param, master, grad buffer)
+    def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
+        for p, m, gbuf in self.pairs:
+            if p.grad is None:
+                if not accumulate: _no_grad_in(m, keep)
+                continue
+            if accumulate and m.grad is not None: lists.add(p.grad, gbuf)
+            else: lists.fresh(p.grad, gbuf)
+            m.grad = gbuf
+    def weights_out(self) -> tuple: return [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
+
+class FlatBucket:
+    "Half params whose masters are views into flat fp32 masters (one per group and key): grads come in through views of one flat grad, weights go out by a copy from the views"
+    kind = 'flat'
+    def __init__(self, flats:list, pairs:list): self.flats, self.pairs = flats, pairs   # (flat master, its params, its grad); (param, view, grad view)
+    def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
+        for fm, ps, gbuf in self.flats:                  # a flat master whose params got no grad gets none either
+            if not any(p.grad is not None or (keep and p in graded) for p in ps): fm.grad = None; continue
+            if accumulate and fm.grad is None: gbuf.zero_()
+            fm.grad = gbuf
+        for p, _, gview in self.pairs:
+            if p.grad is None:
+                if not accumulate: gview.zero_()          # zero in a flat master that other params' grads reach
+                continue
+            if accumulate: lists.add(p.grad, gview)
+            else: lists.fresh(p.grad, gview)
+    def weights_out(self) -> tuple: return [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
+
+class Bf16Bucket:
+    "bf16 params that are their own masters (`Bf16Master`): an fp32 grad exists from the unscale to the step; nothing goes out, the step writes the params"
+    kind = 'bf16'
+    def __init__(self, pairs:list): self.pairs, self._live = pairs, []
+    def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
+        for p, m, _ in self.pairs:
+            if p.grad is None:
+                if not accumulate: _no_grad_in(m, keep)
+                continue
+            if accumulate and m.grad is not None: lists.add(p.grad, m.grad)
+            else:
+                m.grad = torch.empty_strided(p.shape, p.stride(), dtype=torch.float32, device=p.device)
+                lists.fresh(p.grad, m.grad)
+    def weights_out(self) -> tuple: return [], []
+    def materialize(self):
+        "Give each master its fp32 value as data, for an optimizer's own step"
+        self._live = [(bf16_master(m), m) for _, m, _ in self.pairs]
+        for s, m in self._live: m.data = s.value()
+    def store_materialized(self):
+        "Put the materialised masters' current values into the bf16 params (rounded to nearest), for a closure to evaluate"
+        with torch.no_grad():
+            for s, m in self._live: s.param.copy_(m.data)
+    def release(self, seeds_for):
+        "After a step over materialised masters: store each in its bf16 param (split exactly, or rounded stochastically with `seeds_for(masters)`), and make it a stand-in again"
+        live, self._live = self._live, []
+        seeds = iter(seeds_for([m for s, m in live if s.low is None]))
+        for s, m in live:
+            if s.low is not None: s.set_(m.data)
+            else:
+                with torch.no_grad(): s.param.copy_(round_stochastic_ref(m.data, next(seeds)))
+            m.data = _stand_in(m.shape, m.device)
+
+class RemoteBucket:
+    "Params whose masters another rank owns (sharded): a grad is checked for overflow, then dropped; the owner's gather brings the weights"
+    kind = 'remote'
+    def __init__(self, pairs:list): self.pairs = pairs
+    def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
+        for p, m, _ in self.pairs:
+            if p.grad is not None: lists.remote.append(p)
+            elif not accumulate: _no_grad_in(m, keep)
+    def weights_out(self) -> tuple: return [], []
+
 class MasterParams:
     "fp32 masters for groups of model params: one per half param, or one flat tensor per group and key"
     def __init__(self,
@@ -325,9 +410,13 @@ class MasterParams:
             self.drop_remote_state(states)
 
     def _index(self):
-        "The lists and maps every step reads, from `pairs`"
-        copied = [(p, m) for p, m, _ in self.pairs if bf16_master(m) is None and remote_master(m) is None]
-        self._copy_lists = [m for _, m in copied], [p for p, _ in copied]                    # fp32 masters -> model, every step
+        "The buckets (one per kind of master: each knows how grads come in and weights go out), and the lists and maps every step reads, from `pairs`"
+        remote = [t for t in self.pairs if remote_master(t[1]) is not None]
+        bf16 = [t for t in self.pairs if bf16_master(t[1]) is not None]
+        local = [t for t in self.pairs if remote_master(t[1]) is None and bf16_master(t[1]) is None]
+        self.buckets = [b for b in (FlatBucket(self.flats, local) if self.flat else Fp32Bucket(local), Bf16Bucket(bf16), RemoteBucket(remote)) if b.pairs]
+        outs = [b.weights_out() for b in self.buckets]
+        self._copy_lists = [m for ms, _ in outs for m in ms], [p for _, ps in outs for p in ps]   # fp32 masters -> model, every step
         self._half_of = {id(m): p for p, m, _ in self.pairs}                               # master -> half param, every fused step
         self._bf16_of = {id(m): bf16_master(m) for p, m, _ in self.pairs if bf16_master(m) is not None}   # master -> where it lives, without an fp32 copy
         self._index_of = {id(m): i for i, (_, m, _) in enumerate(self.pairs)}
@@ -369,67 +458,42 @@ class MasterParams:
             st['rounding_step'] += 1
         return res
 
+    def _bf16_buckets(self) -> list: return [b for b in self.buckets if b.kind == 'bf16']
+
     def materialize(self):
         "Give every master without an fp32 copy its fp32 value as data, for an optimizer's own step; `release` puts them back"
-        self._materialized = [(s, m) for _, m, _ in self.pairs if (s := bf16_master(m)) is not None]
-        for s, m in self._materialized: m.data = s.value()
+        for b in self._bf16_buckets(): b.materialize()
 
     def store_materialized(self):
         "During an optimizer's own step over materialised masters: put their current values into the bf16 params (rounded to nearest), for a closure to evaluate"
-        with torch.no_grad():
-            for s, m in getattr(self, '_materialized', []): s.param.copy_(m.data)
+        for b in self._bf16_buckets(): b.store_materialized()
 
     def release(self, state:dict):
         "After `materialize` and a step: store each master again in its bf16 param (split exactly, or rounded stochastically with this step's seeds, counted in `state`)"
-        live, self._materialized = getattr(self, '_materialized', []), []
-        seeds = iter(self.rounding_seeds([m for s, m in live if s.low is None], state))
-        for s, m in live:
-            if s.low is not None: s.set_(m.data)
-            else:
-                with torch.no_grad(): s.param.copy_(round_stochastic_ref(m.data, next(seeds)))
-            m.data = _stand_in(m.shape, m.device)
+        for b in self._bf16_buckets(): b.release(partial(self.rounding_seeds, state=state))
 
     def grads_to_masters(self, inv_scale:float, accumulate:bool=False) -> torch.Tensor:
         "Unscale model grads into the master grads (adding to them with `accumulate`); returns the overflow flag (0-dim bool tensor)"
-        src, dst, add_src, add_dst, remote = [], [], [], [], []
+        lists = GradLists()
         if not accumulate: self._remote_grads = []
         sparse = [self.names.get(p, tuple(p.shape)) for p in chain((p for p, _, _ in self.pairs), self.own) if p.grad is not None and p.grad.is_sparse]
         if sparse: raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one (`nn.Embedding(sparse=True)`, "
                                    f"`nn.EmbeddingBag(sparse=True)`): build that module with sparse=False. With fp32 masters the optimizer steps dense masters anyway")
         keep = self.keep_zero_grads                      # the optimizer zeroes grads rather than dropping them: a param that had one keeps a zero grad
         if keep: self._graded |= {p for p, _, _ in self.pairs if p.grad is not None}
-        for fm, ps, gbuf in self.flats:                  # a flat master whose params got no grad gets none either
-            if not any(p.grad is not None or (keep and p in self._graded) for p in ps): fm.grad = None; continue
-            if accumulate and fm.grad is None: gbuf.zero_()
-            fm.grad = gbuf
         if self.flat:                                   # params with no grad since the step, which `hold_gradless` keeps in place
             none = {p for p, _, _ in self.pairs if p.grad is None and not (keep and p in self._graded)}
             self._gradless = self._gradless & none if accumulate else none
-        for p, m, gbuf in self.pairs:
-            if p.grad is not None and remote_master(m) is not None: remote.append(p); continue    # another rank's: checked, then dropped
-            if p.grad is None:
-                if accumulate: continue
-                if self.flat: gbuf.zero_()           # zero in a flat master that other params' grads reach
-                elif keep and m.grad is not None: m.grad.zero_()    # as the optimizer's own zero_grad left it: a zero grad, still stepped
-                else: m.grad = None
-                continue
-            if gbuf is None:                            # a bf16 master: its fp32 grad exists from here to the step
-                if accumulate and m.grad is not None: add_src.append(p.grad); add_dst.append(m.grad)
-                else:
-                    m.grad = torch.empty_strided(p.shape, p.stride(), dtype=torch.float32, device=p.device)
-                    src.append(p.grad); dst.append(m.grad)
-                continue
-            if accumulate and (self.flat or m.grad is not None): add_src.append(p.grad); add_dst.append(gbuf)
-            else: src.append(p.grad); dst.append(gbuf)
-            if not self.flat: m.grad = gbuf
+        for bucket in self.buckets: bucket.take_grads(lists, accumulate, keep, self._graded)
         stash = self._stash
-        for p in self.own:
+        for p in self.own:                              # fp32 params are their own masters: unscaled in place, or added to the grad set aside
             if p.grad is None: continue
-            if p in self.remote_own: remote.append(p); continue
-            if accumulate and stash.get(p) is not None: add_src.append(p.grad); add_dst.append(stash[p])
-            else: src.append(p.grad); dst.append(p.grad)
-        found = scale_check_(src, dst, inv_scale, impl=self.impl)
-        if add_src: found |= scale_add_check_(add_src, add_dst, inv_scale, impl=self.impl)
+            if p in self.remote_own: lists.remote.append(p); continue
+            if accumulate and stash.get(p) is not None: lists.add(p.grad, stash[p])
+            else: lists.fresh(p.grad, p.grad)
+        found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
+        if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
+        remote = lists.remote
         if remote:                                      # the grads of params other ranks step: checked by their largest magnitude (one pass), then dropped
             peaks = torch.stack([t.float() for t in torch._foreach_norm([p.grad for p in remote], ord=float('inf'))])
             found |= ~torch.isfinite(peaks).all()

@@ -129,3 +129,21 @@ def test_a_rank_that_stalls_before_a_state_dict_gather_is_named_within_the_bound
     res = torch.load(tmp_path / 'sharded_stall_before_gather_rank0.pt', weights_only=False)
     assert res['error'] and 'waited 2 s in the gather of the sharded state' in res['error'] and '1' in res['error'].split('(')[-1], res['error']
     assert res['waited'] < 12
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_param_another_rank_owns_that_got_no_grad_is_passed_over(flat):
+    "A branch unused on some batches (no grad) whose master another rank keeps: flat sharded masters crashed at the unscale ('NoneType' has no zero_)"
+    from torch import nn
+    from mixedprec.master import MasterParams, remote_master
+    from mixedprec.convert import masters_for
+    from mixedprec.distributed import Shards
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).half()
+    params = list(model.parameters())
+    ms = MasterParams([params], masters_for(params), flat=flat, shards=Shards(params, world=2, rank=0))   # rank 0 of a simulated 2-rank world
+    remote = [p for p, m, _ in ms.pairs if remote_master(m) is not None]
+    local = [p for p, m, _ in ms.pairs if remote_master(m) is None]
+    assert remote and local
+    for p in local: p.grad = torch.full_like(p, 2.)
+    assert not bool(ms.grads_to_masters(0.5))
+    assert all(bool((g == 1.).all()) for p, g in ms.unscaled_grads() if p in local)
+    assert all(p.grad is None for p in remote)
