@@ -193,9 +193,7 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
         if (m := ref()) is not None: refuse_fsdp2(m, "amp.scale_loss: the model was wrapped by `fully_shard` after amp.initialize")
     scaler = engines[0].amp.scaler(loss_id)
     yield scale_into(engines, loss, scaler)
-    if delay_unscale:
-        for e in engines: e.held_scaled = True
-        return
+    if delay_unscale: return                   # the engines stay at stage 'scaled': the next unscale takes these grads too
     unscale_into(engines, scaler)
 
 # %% ../nbs/17_amp.ipynb #939c780f

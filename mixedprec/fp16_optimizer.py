@@ -91,7 +91,8 @@ class FP16_Optimizer:
         if update_master_grads: self.update_master_grads()
 
     def update_master_grads(self):
-        "Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale"
+        "Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale (once per backward: a second call changes nothing, as in apex)"
+        if self.engine.stage == 'unscaled': return
         self.engine.unscale()
 
     def step(self, closure=None):

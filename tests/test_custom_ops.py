@@ -98,7 +98,7 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager():
             with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * (1e6 if i == 3 else 1), opt) as s: s.backward()
             if i == 0: opt.step()                              # the first step makes the optimizer state, eagerly
             else:                                             # what `StepEngine.step` does around the kernels, the skip read on the device
-                step(opt, e.plan, e.masters, e.found); e.last_found, e.found, e.fresh = e.found, None, True; e.masters.mark_written()
+                step(opt, e.plan, e.masters, e.found); e.last_found, e.found, e.stage = e.found, None, 'stepped'; e.masters.mark_written()
             opt.zero_grad()
         return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
     torch._dynamo.reset()

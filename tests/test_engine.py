@@ -348,3 +348,28 @@ def test_an_optimizer_of_no_known_family_is_refused_by_name():
     class Mine:
         def step(self): pass
     with pytest.raises(TypeError, match="Mine.*ADAPTERS"): adapter_for(Mine())
+
+def test_a_second_unscale_without_a_backward_is_refused_by_name_and_the_books_count_one_step():
+    "The stage is the engine's one state: an unscale needs a scaled backward since the last one (it used to advance the scaler twice); FP16_Optimizer's `update_master_grads()` after its `backward` changes nothing, as in apex"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean())
+    with pytest.raises(RuntimeError, match=r"stage 'unscaled': the grads were unscaled already"): opt.engine.unscale()
+    opt.update_master_grads()
+    opt.step()
+    assert len(opt.history) == 1
+
+def test_clearing_grads_drops_the_pending_decision_with_them():
+    "An overflowed backward, then zero_grad, then a clean backward: the step is taken (the skip judged grads that are gone)"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean() * 1e30)      # overflows
+    assert opt.engine.must_skip()
+    opt.zero_grad()
+    assert opt.engine.stage == 'ready'
+    opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert not opt.skipped and any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
