@@ -209,7 +209,18 @@ def _no_grad_in(m, keep:bool):
     if keep and m.grad is not None: m.grad.zero_()
     else: m.grad = None
 
-class Fp32Bucket:
+class _PerParamState:
+    "Optimizer state of masters kept one per param: keyed by the master while the optimizer holds it, by the param outside"
+    def state_to_masters(self, state:dict):
+        "Re-key `state` from the half params to their masters, half tensors (state made on the half params, as Adagrad's `sum`) cast to fp32"
+        for p, m, _ in self.pairs:
+            if p in state: state[m] = fp32_state(state.pop(p))
+    def state_to_model(self, state:dict):
+        "Re-key `state` from the masters back to the half params"
+        for p, m, _ in self.pairs:
+            if m in state: state[p] = state.pop(m)
+
+class Fp32Bucket(_PerParamState):
     "Half params with an fp32 master each, and a grad buffer laid out as the master: grads come in through the buffer, weights go out by a copy"
     kind = 'fp32'
     def __init__(self, pairs:list): self.pairs = pairs          # (half param, master, grad buffer)
@@ -239,8 +250,20 @@ class FlatBucket:
             if accumulate: lists.add(p.grad, gview)
             else: lists.fresh(p.grad, gview)
     def weights_out(self) -> tuple: return [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
+    def state_to_masters(self, state:dict):
+        "Re-key `state` from the half params to their flat masters: per-param tensors concatenated (as fp32), the rest kept"
+        for fm, ps, _ in self.flats:
+            parts = [state.pop(p, {}) for p in ps]
+            if all(parts): state[fm] = _concat_state(parts, ps)
+            elif any(parts): state[fm] = {k: v for o in parts for k, v in o.items() if not isinstance(v, torch.Tensor)}
+    def state_to_model(self, state:dict):
+        "Split each flat master's state in `state` into its params' states, each tensor's slice laid out as the param"
+        views = {p: m for p, m, _ in self.pairs}
+        for fm, ps, _ in self.flats:
+            st = state.pop(fm, None)
+            if st is not None: state.update(split_flat_state(st, {p: views[p] for p in ps}, fm.data))
 
-class Bf16Bucket:
+class Bf16Bucket(_PerParamState):
     "bf16 params that are their own masters (`Bf16Master`): an fp32 grad exists from the unscale to the step; nothing goes out, the step writes the params"
     kind = 'bf16'
     def __init__(self, pairs:list): self.pairs, self._live = pairs, []
@@ -272,7 +295,7 @@ class Bf16Bucket:
                 with torch.no_grad(): s.param.copy_(round_stochastic_ref(m.data, next(seeds)))
             m.data = _stand_in(m.shape, m.device)
 
-class RemoteBucket:
+class RemoteBucket(_PerParamState):
     "Params whose masters another rank owns (sharded): a grad is checked for overflow, then dropped; the owner's gather brings the weights"
     kind = 'remote'
     def __init__(self, pairs:list): self.pairs = pairs
@@ -570,27 +593,12 @@ class MasterParams:
         return clip_grads_(self.master_grads(), max_norm, self.impl)
 
     def move_state_to_masters(self, state:dict):
-        "Re-key optimizer `state` from the model params to their masters, its half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32"
-        if not self.flat:
-            for p, m, _ in self.pairs:
-                if p in state: state[m] = fp32_state(state.pop(p))
-            return
-        for fm, ps, _ in self.flats:
-            parts = [state.pop(p, {}) for p in ps]
-            if all(parts): state[fm] = _concat_state(parts, ps)
-            elif any(parts): state[fm] = {k: v for o in parts for k, v in o.items() if not isinstance(v, torch.Tensor)}
+        "Re-key optimizer `state` from the model params to their masters (each bucket as its kind keeps it), its half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32"
+        for b in self.buckets: b.state_to_masters(state)
 
     def move_state_to_model(self, state:dict):
         "Re-key optimizer `state` from the masters back to the model params"
-        if not self.flat:
-            for p, m, _ in self.pairs:
-                if m in state: state[p] = state.pop(m)
-            return
-        views = {p: m for p, m, _ in self.pairs}
-        for fm, ps, _ in self.flats:
-            st = state.pop(fm, None)
-            if st is None: continue
-            state.update(split_flat_state(st, {p: views[p] for p in ps}, fm.data))
+        for b in self.buckets: b.state_to_model(state)
 
     def follow_layouts(self, states:list=()) -> bool:
         "Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, when the model's changed (`to_channelslast()`); True if any moved"
