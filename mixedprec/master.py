@@ -209,6 +209,16 @@ def _no_grad_in(m, keep:bool):
     if keep and m.grad is not None: m.grad.zero_()
     else: m.grad = None
 
+def _moves(p:torch.Tensor, stride:tuple) -> bool:
+    "True when half param `p`'s memory layout is not `stride` (its master's, or its state's) and can be followed: more than one element, dense"
+    return p.numel() > 1 and p.stride() != stride and _dense(p)
+
+def _relayout_state(states:list, m:torch.Tensor, p:torch.Tensor):
+    "Lay out master `m`'s per-element optimizer state in `states` as its half param `p`"
+    for st in states:
+        for k, v in list(st.get(m, {}).items()):
+            if isinstance(v, torch.Tensor) and v.shape == m.shape: st[m][k] = _like(p, v)
+
 class _PerParamState:
     "Optimizer state of masters kept one per param: keyed by the master while the optimizer holds it, by the param outside"
     def state_to_masters(self, state:dict):
@@ -233,6 +243,16 @@ class Fp32Bucket(_PerParamState):
             else: lists.fresh(p.grad, gbuf)
             m.grad = gbuf
     def weights_out(self) -> tuple: return [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
+    def follow_layout(self, states:list, masters_of:dict) -> dict:
+        "Lay out each master, its state and a new grad buffer as its param, where the param's layout changed (`to_channelslast()`); the new pairs by id of the param"
+        res = {}
+        for p, m, _ in self.pairs:
+            if not _moves(p, m.stride()): continue
+            m.data = _like(p, m.detach())
+            _relayout_state(states, m, p)
+            m.grad = None
+            res[id(p)] = (p, m, torch.zeros_like(m))
+        return res
 
 class FlatBucket:
     "Half params whose masters are views into flat fp32 masters (one per group and key): grads come in through views of one flat grad, weights go out by a copy from the views"
@@ -262,6 +282,21 @@ class FlatBucket:
         for fm, ps, _ in self.flats:
             st = state.pop(fm, None)
             if st is not None: state.update(split_flat_state(st, {p: views[p] for p in ps}, fm.data))
+    def follow_layout(self, states:list, masters_of:dict) -> dict:
+        "Permute each moved param's slice of its flat master, flat grad and flat state into the param's layout, in place; the new views by id of the param"
+        res, flat_of = {}, {id(p): (fm, g) for fm, ps, g in self.flats for p in ps}
+        for p, m, _ in self.pairs:
+            if not _moves(p, m.stride()): continue
+            fm, g = flat_of[id(p)]
+            off = m.storage_offset() - fm.data.storage_offset()
+            flat_state = [v for st in states for v in st.get(fm, {}).values() if flat_like(v, fm)]
+            with torch.no_grad():
+                for t in [fm.data, g, *flat_state]:                # the slice's values, permuted into the param's layout
+                    t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(flat_slice(t, m, fm.data))
+            view = fm.data.as_strided(p.shape, p.stride(), fm.data.storage_offset() + off)
+            res[id(p)] = (p, view, g.as_strided(p.shape, p.stride(), g.storage_offset() + off))
+            masters_of[p] = view
+        return res
 
 class Bf16Bucket(_PerParamState):
     "bf16 params that are their own masters (`Bf16Master`): an fp32 grad exists from the unscale to the step; nothing goes out, the step writes the params"
@@ -277,6 +312,17 @@ class Bf16Bucket(_PerParamState):
                 m.grad = torch.empty_strided(p.shape, p.stride(), dtype=torch.float32, device=p.device)
                 lists.fresh(p.grad, m.grad)
     def weights_out(self) -> tuple: return [], []
+    def follow_layout(self, states:list, masters_of:dict) -> dict:
+        "Lay out each low half and the optimizer state as its param (the param is the master's high half: it moved already)"
+        res = {}
+        for p, m, _ in self.pairs:
+            bm = bf16_master(m)
+            if not _moves(p, _state_stride(states, m, p)): continue
+            if bm.low is not None: bm.low = _like(p, bm.low)
+            _relayout_state(states, m, p)
+            m.grad = None
+            res[id(p)] = (p, m, None)
+        return res
     def materialize(self):
         "Give each master its fp32 value as data, for an optimizer's own step"
         self._live = [(bf16_master(m), m) for _, m, _ in self.pairs]
@@ -304,6 +350,7 @@ class RemoteBucket(_PerParamState):
             if p.grad is not None: lists.remote.append(p)
             elif not accumulate: _no_grad_in(m, keep)
     def weights_out(self) -> tuple: return [], []
+    def follow_layout(self, states:list, masters_of:dict) -> dict: return {}     # stand-ins: nothing to lay out
 
 class MasterParams:
     "fp32 masters for groups of model params: one per half param, or one flat tensor per group and key"
@@ -602,33 +649,12 @@ class MasterParams:
 
     def follow_layouts(self, states:list=()) -> bool:
         "Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, when the model's changed (`to_channelslast()`); True if any moved"
-        moved, gbufs = False, {id(fm): g for fm, _, g in self.flats}
-        for i, (p, m, g) in enumerate(self.pairs):
-            bm = bf16_master(m)
-            if remote_master(m) is not None: continue     # a stand-in: nothing to lay out
-            if p.numel() <= 1 or p.stride() == (m.stride() if bm is None else _state_stride(states, m, p)) or not _dense(p): continue
-            moved = True
-            if self.flat:
-                fm = self._flat_of[p]
-                off = m.storage_offset() - fm.data.storage_offset()
-                flat_state = [v for st in states for v in st.get(fm, {}).values() if flat_like(v, fm)]
-                with torch.no_grad():
-                    for t in [fm.data, gbufs[id(fm)], *flat_state]:        # the slice's values, permuted into the param's layout
-                        t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(flat_slice(t, m, fm.data))
-                g1 = gbufs[id(fm)]
-                view = fm.data.as_strided(p.shape, p.stride(), fm.data.storage_offset() + off)
-                self.pairs[i] = (p, view, g1.as_strided(p.shape, p.stride(), g1.storage_offset() + off))
-                self._masters_of[p] = view
-                continue
-            if bm is None: m.data = _like(p, m.detach())
-            elif bm.low is not None: bm.low = _like(p, bm.low)
-            for st in states:
-                for k, v in list(st.get(m, {}).items()):
-                    if isinstance(v, torch.Tensor) and v.shape == m.shape: st[m][k] = _like(p, v)
-            if m.grad is not None: m.grad = None
-            self.pairs[i] = (p, m, torch.zeros_like(m) if bm is None else None)
-        if moved: self._index()
-        return moved
+        moved = {}
+        for b in self.buckets: moved.update(b.follow_layout(states, self._masters_of))
+        if not moved: return False
+        self.pairs = [moved.get(id(p), (p, m, g)) for p, m, g in self.pairs]
+        self._index()
+        return True
 
     def unscaled_grads(self) -> list:
         "(model param, its unscaled grad) for each param with a grad, after `grads_to_masters`: the master grad of a half param, the own grad of an fp32 one (the scaled grad of a param another rank owns)"
