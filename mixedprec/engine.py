@@ -400,18 +400,14 @@ class StepEngine:
             self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
 
     def _fused(self, found):
-        "The fused kernels' step, between the optimizer's step hooks (torch's `register_step_pre_hook`/`post_hook`)"
+        "The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper (`Optimizer.profile_hook_step`), so its step hooks (`register_step_pre_hook`/`post_hook`, global ones too) run as for its own step"
         opt = self.optimizer
-        if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True    # what torch's LR schedulers check (its own step is not called)
-        hooks = hasattr(opt, '_optimizer_step_pre_hooks')
-        if hooks:
-            from torch.optim.optimizer import _global_optimizer_pre_hooks
-            for h in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()): h(opt, (opt,), {})
-        fused_opt_step(opt, self.plan, self.masters, found, self.impl)
+        run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl)
+        if isinstance(opt, torch.optim.Optimizer):
+            opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
+            torch.optim.Optimizer.profile_hook_step(run)(opt)
+        else: run(opt)
         self._own_layout_due = True               # the kernels keep the state in their layout (fastai's step counts as tensors)
-        if hooks:
-            from torch.optim.optimizer import _global_optimizer_post_hooks
-            for h in chain(opt._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()): h(opt, (opt,), {})
 
     def _own_step(self, closure=None):
         "The optimizer's own step (as it was before a front end replaced it), then the master copy, also after an exception"

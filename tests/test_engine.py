@@ -253,13 +253,19 @@ def test_step_hooks_and_a_scheduler_see_the_engine_step(decide):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)      # created after initialize
     calls = []
     opt.register_step_pre_hook(lambda o, a, k: calls.append('pre')); opt.register_step_post_hook(lambda o, a, k: calls.append('post'))
+    from torch.optim.optimizer import register_optimizer_step_pre_hook, register_optimizer_step_post_hook
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append('global pre')),      # every optimizer's, as torch runs them
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append('global post'))]
     import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        for i in range(3):
-            with amp.scale_loss(nn.functional.mse_loss(model(batch(i)[0]), batch(i)[1]), opt) as s: s.backward()
-            opt.step(); sched.step(); opt.zero_grad()
-    assert calls == ['pre', 'post'] * 3
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            for i in range(3):
+                with amp.scale_loss(nn.functional.mse_loss(model(batch(i)[0]), batch(i)[1]), opt) as s: s.backward()
+                opt.step(); sched.step(); opt.zero_grad()
+    finally:
+        for h in handles: h.remove()
+    assert calls == ['global pre', 'pre', 'post', 'global post'] * 3
 
 @pytest.mark.parametrize("front", ['amp', 'fp16'])
 def test_a_second_step_without_a_backward_changes_nothing(front, impl):
