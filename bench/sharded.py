@@ -1,6 +1,7 @@
 """Bytes per rank, measured from the tensors each rank holds, at 1-4 gloo ranks on loopback: the model's params, the grads
-at their peak (after the backward, before the step), the fp32 masters and the optimizer state (AdamW), for DDP and
-ZeRO stage 1 (`shard=True`) under FP16_Optimizer and amp O2, beside torch's own FSDP2 (`fully_shard` with bf16
+at their peak (after the backward, before the step), the fp32 masters and the optimizer state (Adam: torch's AdamW,
+fastai's Adam in the callback), for DDP and ZeRO stage 1 (`shard=True`) under FP16_Optimizer, amp O2 and the fastai
+callback, beside torch's own FSDP2 (`fully_shard` with bf16
 compute, fp32 sharded params); then the same four columns on paper for a 7B-param model at 8, 64 and 512 ranks, and the
 step time of ZeRO-1 against DDP. Prints the tables.
 
@@ -11,7 +12,8 @@ import torch, torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import cpu_name
 
-CONFIGS = ['DDP, FP16_Optimizer', 'ZeRO-1, FP16_Optimizer', 'DDP, amp O2', 'ZeRO-1, amp O2', 'torch FSDP2 (bf16 compute)']
+CONFIGS = ['DDP, FP16_Optimizer', 'ZeRO-1, FP16_Optimizer', 'DDP, amp O2', 'ZeRO-1, amp O2', 'DDP, fastai callback', 'ZeRO-1, fastai callback',
+           'torch FSDP2 (bf16 compute)']
 
 def free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -53,6 +55,8 @@ def run(rank, world, port, out, config, width, layers, steps):
             opt.zero_grad(); cm = amp.scale_loss(net(x).float().pow(2).mean(), opt); pending[:] = [cm]; cm.__enter__().backward()
         def unscale(): pending[0].__exit__(None, None, None)
         step = opt.step
+    elif 'fastai' in config:
+        return run_fastai(rank, world, out, config, model, x, steps, shard)
     else:
         from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -76,6 +80,42 @@ def run(rank, world, port, out, config, width, layers, steps):
     masters = [p for g in inner.param_groups for p in g['params'] if all(p is not q for q in model_params)]
     state = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     res = dict(params=nbytes(model_params), grads=peak_grads, masters=nbytes(masters), state=nbytes(state), sec=sec)
+    torch.save(res, os.path.join(out, f'{CONFIGS.index(config)}_{world}_{rank}.pt'))
+    dist.destroy_process_group()
+
+def run_fastai(rank, world, out, config, model, x, steps, shard):
+    "The fastai callback (`to_fp16`, fastai's Adam; sharded with `shard=True`), the model wrapped in DDP at `before_fit` as fastai's DistributedTrainer does: the same four columns, read in the fit"
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import TensorDataset
+    from fastai.learner import Learner
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.optimizer import Adam
+    from mixedprec.callback import MixedPrecision
+    xs = x.repeat(steps + 2, 1)
+    dls = DataLoaders(DataLoader(TensorDataset(xs, torch.zeros(len(xs))), bs=len(x)), DataLoader(TensorDataset(x, torch.zeros(len(x))), bs=len(x)))
+    seen = dict(grads=0, t=[])
+    class Measure(Callback):
+        order = MixedPrecision.order + 1                  # after the callback: DDP around the half model; the unscaled master grads at before_step
+        def before_fit(self): self.learn.model = DDP(self.learn.model)
+        def after_fit(self): self.learn.model = self.learn.model.module
+        def after_backward(self): self.half = nbytes([p.grad for p in self.learn.model.parameters()])
+        def before_step(self):
+            model_params = list(self.learn.model.parameters())
+            masters = [p for g in self.learn.opt.param_lists for p in g if all(p is not q for q in model_params)]
+            seen['grads'] = max(seen['grads'], self.half + nbytes([m.grad for m in masters]))
+        def after_batch(self): seen['t'].append(time.perf_counter())
+    learn = Learner(dls, model, loss_func=lambda pred, y: pred.float().pow(2).mean(), opt_func=Adam, lr=1e-4)
+    learn.remove_cb(learn.progress); learn.logger = lambda *a: None
+    learn.to_fp16(shard=shard)
+    learn.fit(1, cbs=Measure())
+    model_params = list(learn.model.parameters())
+    masters = [p for g in learn.opt.param_lists for p in g if all(p is not q for q in model_params)]
+    state = [v for st in learn.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    t = seen['t']
+    res = dict(params=nbytes(model_params), grads=seen['grads'], masters=nbytes(masters), state=nbytes(state), sec=(t[-1] - t[1]) / (len(t) - 2))
     torch.save(res, os.path.join(out, f'{CONFIGS.index(config)}_{world}_{rank}.pt'))
     dist.destroy_process_group()
 
