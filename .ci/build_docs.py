@@ -49,6 +49,7 @@ def notebook_html(path:Path, exporter:HTMLExporter) -> tuple:
         else: c.source = relink(src, 'nbs/')
         cells.append(c)
     nb.cells = cells
+    nb.metadata['language_info'] = {'name': 'python', 'pygments_lexer': 'python3'}   # plain Python highlighting: no IPython needed
     title = next((re.match(r'#\s+(.*)', c.source).group(1) for c in cells if c.cell_type == 'markdown' and re.match(r'#\s+', c.source)), path.stem)
     body, _ = exporter.from_notebook_node(nb, resources={'metadata': {'name': title}})
     return title, body
