@@ -514,6 +514,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'mixedprec.ops.adam_step_ref_': ('ops.html#adam_step_ref_', 'mixedprec/ops.py'),
                                'mixedprec.ops.backend': ('ops.html#backend', 'mixedprec/ops.py'),
                                'mixedprec.ops.build_extension': ('ops.html#build_extension', 'mixedprec/ops.py'),
+                               'mixedprec.ops.compiled_here': ('ops.html#compiled_here', 'mixedprec/ops.py'),
                                'mixedprec.ops.cpu_flags': ('ops.html#cpu_flags', 'mixedprec/ops.py'),
                                'mixedprec.ops.cpu_isa': ('ops.html#cpu_isa', 'mixedprec/ops.py'),
                                'mixedprec.ops.current_impl': ('ops.html#current_impl', 'mixedprec/ops.py'),

@@ -116,4 +116,4 @@ def main(precision:str='auto',  # auto (what pays on this machine), fp16, bf16 o
         warnings.filterwarnings('ignore', message='mixedprec: this CPU has no')
         learn = train(precision, epochs, model, lr, seed)
     print(summary(learn))
-    print(f"time:          training {time.perf_counter() - start - built:.1f}s; kernels ({impl}) {'loaded' if built < 5 else 'compiled'} in {built:.1f}s")
+    print(f"time:          training {time.perf_counter() - start - built:.1f}s; kernels ({impl}) {'compiled' if ops.compiled_here() else 'loaded'} in {built:.1f}s")

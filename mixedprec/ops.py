@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUILD_S', 'FIX', 'scale_check_ref_', 'set_impl',
            'current_impl', 'env_flag', 'find_cuda_home', 'cpu_flags', 'cpu_isa', 'default_cache', 'unsafe',
-           'unsafe_above', 'build_extension', 'Kernels', 'warn_once', 'backend', 'require_impl', 'scale_check_',
-           'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref',
-           'rounding_bits_ref', 'round_stochastic_ref', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
+           'unsafe_above', 'compiled_here', 'build_extension', 'Kernels', 'warn_once', 'backend', 'require_impl',
+           'scale_check_', 'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref',
+           'join_bf16_ref', 'rounding_bits_ref', 'round_stochastic_ref', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_',
+           'adam_step_']
 
 # %% ../nbs/10_ops.ipynb #8848a001
 import contextvars, functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
@@ -233,6 +234,11 @@ def _load_built(name, so, fd:int=None):
     return mod
 
 _said_compiling = set()
+
+def compiled_here() -> bool:
+    "True when this process compiled the fused kernels (rather than loading a cached build)"
+    return bool(_said_compiling)
+
 STALE_BUILD_S = 3600                                   # a `.building-*` folder this old is left from a killed build (builds take minutes)
 
 def _remove_stale_builds(parent):
