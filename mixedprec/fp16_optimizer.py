@@ -40,17 +40,18 @@ class FP16_Optimizer:
     ):
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
-        refuse_fsdp2([p for g in init_optimizer.param_groups for p in g['params']], "FP16_Optimizer")
+        params = [p for g in init_optimizer.param_groups for p in g['params']]
+        refuse_fsdp2(params, "FP16_Optimizer")
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
         self.scaler = _dynamic_scaler(dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale, dynamic=False)
         self.scaler.verbose = verbose
         self.scaler.advice = "With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow kept in fp32."
-        halves = {p.dtype for g in init_optimizer.param_groups for p in g['params'] if p.dtype != torch.float32}
+        halves = {p.dtype for p in params if p.dtype != torch.float32}
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
-        require_impl(impl, next((p.device for g in init_optimizer.param_groups for p in g['params']), 'cpu'))   # before the masters are swapped in
-        self.masters_of = masters_for(p for g in init_optimizer.param_groups for p in g['params'])
+        require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
+        self.masters_of = masters_for(params)
         self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())

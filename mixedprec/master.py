@@ -481,14 +481,13 @@ class MasterParams:
 
     def _index(self):
         "The buckets (one per kind of master: each knows how grads come in and weights go out), and the lists and maps every step reads, from `pairs`"
-        remote = [t for t in self.pairs if remote_master(t[1]) is not None]
-        bf16 = [t for t in self.pairs if bf16_master(t[1]) is not None]
-        local = [t for t in self.pairs if remote_master(t[1]) is None and bf16_master(t[1]) is None]
+        local, bf16, remote = [], [], []
+        for t in self.pairs: (remote if remote_master(t[1]) is not None else bf16 if bf16_master(t[1]) is not None else local).append(t)
         self.buckets = [b for b in (FlatBucket(self.flats, local) if self.flat else Fp32Bucket(local), Bf16Bucket(bf16), RemoteBucket(remote)) if b.pairs]
         outs = [b.weights_out() for b in self.buckets]
         self._copy_lists = [m for ms, _ in outs for m in ms], [p for _, ps in outs for p in ps]   # fp32 masters -> model, every step
         self._half_of = {id(m): p for p, m, _ in self.pairs}                               # master -> half param, every fused step
-        self._bf16_of = {id(m): bf16_master(m) for p, m, _ in self.pairs if bf16_master(m) is not None}   # master -> where it lives, without an fp32 copy
+        self._bf16_of = {id(m): bf16_master(m) for _, m, _ in bf16}   # master -> where it lives, without an fp32 copy
         self._index_of = {id(m): i for i, (_, m, _) in enumerate(self.pairs)}
         self._pair_of = {id(p): (m, g) for p, m, g in self.pairs}                           # half param -> its master and grad buffer
         held_by = {}                                                                        # what holds requires_grad for each half param: its master, or its flat master
