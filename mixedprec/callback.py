@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'fastai_export', 'fastai_save', 'fastai_load',
-           'fastai_freeze_to', 'MixedPrecision', 'OptStateIO', 'WrappedStateIO']
+           'fastai_freeze_to', 'MixedPrecision', 'MixedPrecisionOpt', 'MixedPrecisionOptimWrapper']
 
 # %% ../nbs/15_callback.ipynb #f6ab0a82
 import warnings
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from fastcore.foundation import L
 from torch.nn.modules.batchnorm import _BatchNorm
-from fastcore.basics import patch, noop
+from fastcore.basics import patch, noop, GetAttr
 from fastcore.meta import delegates
 import fastai.callback.fp16 as fastai_fp16    # fastai patches Learner.to_fp16 on first import: let it happen before we do
 from fastai.learner import Learner
@@ -105,7 +105,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs,
                                  advice="With fastai: `learn.to_bf16()`, or `learn.to_fp16(keep_fp32=(nn.BatchNorm2d, TheModule))` for the modules that overflow.")
         self.conversion, self.engine, self._checked, self._epoch_skipped, self._kept_history = None, None, False, 0, None
-        self.state_io = None                       # what reads and writes `learn.opt`'s state in the model's layout, while attached
+        self.state_io = None                       # `learn.opt` while attached: the `MixedPrecisionOpt` that reads and writes the state in the model's layout
 
     @property
     def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
@@ -151,7 +151,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
 
     def attach_opt(self):
         "Swap the fp32 masters into `learn.opt` in place of the half model params, carrying the optimizer state across; a step engine over them"
-        opt = self.learn.opt
+        wrapped, opt = self.learn.opt, _raw_opt(self.learn)       # `learn.opt` is this callback's `MixedPrecisionOpt` while attached
         if self.engine is not None and self.engine.optimizer is not opt: self.engine.masters.sync_requires_grad()   # a freeze on the old optimizer reaches the model
         self._copied_masters_to_model(opt)
         held = [p for g in opt.param_lists for p in g]
@@ -160,7 +160,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
             raise ValueError(f"sharded flat masters need fastai's own optimizer, whose state_dict is per param; {type(opt).__name__}'s is by position "
                              f"over the flat masters, which differ with the world size: pass flat_master=False, or a fastai opt_func (Adam, SGD, ...)")
         if self.engine is not None and self.engine.optimizer is opt and {id(p) for p in held} == {id(p) for p in self.masters.master_params}:
-            if (self.masters.shards is not None) == shard: return
+            if (self.masters.shards is not None) == shard: return self._wrap(wrapped, opt)
             if not shard: raise RuntimeError("the masters are sharded across ranks and torch.distributed has gone (or has one rank): call `learn.save()`, "
                                              "`to_fp32()` or `export()` inside `distrib_ctx`, where the shards can be gathered")
             self.release_opt()                            # first fit under distrib_ctx: shard the masters
@@ -168,11 +168,12 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         names = {p: n for n, p in self.learn.model.named_parameters()}
         self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master, store=getattr(self, 'master_store', 'fp32'),
                                         shard=shard, scaler=self.scaler, clip=self.clip, decide=self.decide, impl=self.impl)
-        if isinstance(opt, Optimizer): io = OptStateIO(self)                # fastai's own: per model param
-        elif callable(getattr(opt, 'state_dict', None)): io = WrappedStateIO(self, opt)   # an OptimWrapper: torch's positional state_dict
-        else: return
-        opt.state_dict, opt.load_state_dict = io.state_dict, io.load_state_dict     # `learn.opt.state_dict()` in the model's layout, as fastai and users read it
-        self.state_io = io
+        self._wrap(wrapped, opt)
+
+    def _wrap(self, wrapped, opt):
+        "Make `learn.opt` a `MixedPrecisionOpt` over `opt` (the same one again when it already was), so `learn.opt.state_dict()` is in the model's layout, as fastai and users read it"
+        io = wrapped if isinstance(wrapped, MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is self else MixedPrecisionOpt.wrapping(self, opt)
+        if io is not None: self.learn.opt = self.state_io = io
 
     def _copied_masters_to_model(self, opt):
         "A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model params back in their places, with their state"
@@ -181,11 +182,12 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         put_model_params_back(opt, self.conversion.masters, flats)
 
     def release_opt(self):
-        "Put the model params back into `learn.opt`, with their state in its own layout, and give it back its own methods"
-        opt, e = getattr(self.learn, 'opt', None), self.engine
+        "Put the model params back into fastai's optimizer, with their state in its own layout, and make it `learn.opt` again"
+        opt, e = _raw_opt(self.learn), self.engine
+        if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
         if opt is None or e is None: return
         if e.optimizer is opt: e.detach()
-        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)   # (`step` and `zero_grad`: an earlier version's)
+        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)   # methods an earlier version patched onto a pickled Learner's optimizer
         self.engine = self.state_io = None
 
     @contextmanager
@@ -198,7 +200,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and the optimizer state after it"
         self.release_opt()
         self.conversion.follow_devices()
-        for state in adapter_for(self.learn.opt).states():
+        for state in adapter_for(_raw_opt(self.learn)).states():
             for p in self.learn.model.parameters():
                 st = state.get(p)
                 if st: state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
@@ -268,7 +270,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
 
     def after_step(self):
         "Drop the model's half grads (the engine has written the masters into the model); fastai's own `opt.zero_grad()`, which follows, clears the masters' grads as it would in fp32"
-        if self.engine is not None: self.engine.zero_grad(set_to_none=not isinstance(self.learn.opt, Optimizer), masters=False)
+        if self.engine is not None: self.engine.zero_grad(set_to_none=not isinstance(self.engine.optimizer, Optimizer), masters=False)
 
     def after_fit(self):
         "Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the metrics"
@@ -346,23 +348,40 @@ def _plain(o):
     if isinstance(o, dict): return {k: _plain(v) for k, v in o.items()}
     return o
 
-class OptStateIO:
-    "`state_dict`/`load_state_dict` for a fastai optimizer holding mixedprec masters, in the layout of the model's params"
-    def __init__(self, cb): self.cb = cb
+class MixedPrecisionOpt(GetAttr):
+    "`learn.opt` in mixed precision: fastai's optimizer, whose groups hold the fp32 masters, with `state_dict`/`load_state_dict` in the layout of the model's params and the loss scaler beside them"
+    _default = 'opt'
+    def __init__(self, cb, opt): self.cb, self.opt = cb, opt
+    def __repr__(self): return f"{type(self).__name__}({type(self.opt).__name__})"
+    @staticmethod
+    def wrapping(cb, opt) -> 'MixedPrecisionOpt':
+        "The class for `opt`: fastai's own `Optimizer` (state per param) or an `OptimWrapper` (torch's positional state dict); None for neither"
+        if isinstance(opt, Optimizer): return MixedPrecisionOpt(cb, opt)
+        if callable(getattr(opt, 'state_dict', None)): return MixedPrecisionOptimWrapper(cb, opt)
+
+    def _attached(self):
+        "The callback, attached to the optimizer (a copied or unpickled Learner's masters go back into it first)"
+        cb = self.cb
+        if cb.learn is None or _raw_opt(cb.learn) is not self.opt:
+            raise RuntimeError("this optimizer has left mixed precision (`to_fp32()`, or a new `create_opt()`): use `learn.opt`")
+        if cb.state_io is not self: cb.attach_opt()
+        return cb
+
     def state_dict(self) -> dict:
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
-        cb = self.cb; opt, masters = cb.learn.opt, cb.masters
+        cb = self._attached(); opt, masters = self.opt, cb.masters
         cb.check_whole()
         steps_to_ints(opt.state)
         state = cb.engine.state_by_model_param()
         params = [p for g in masters.model_groups for p in g]
         res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers), 'mixedprec': {'scaler': cb.scaler.state_dict()}}
         if type(opt).state_dict is not Optimizer.state_dict:      # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
-            res.update({k: _plain(v) for k, v in type(opt).state_dict(opt).items() if k not in res})
+            res.update({k: _plain(v) for k, v in opt.state_dict().items() if k not in res})
         return res
+
     def check_state_dict(self, sd:dict, what:str='the optimizer state'):
         "Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load: groups, params, each state tensor, the loss scaler (nothing changes)"
-        masters = self.cb.masters
+        cb = self._attached(); masters = cb.masters
         params = [p for g in masters.model_groups for p in g]
         if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple, L)) and isinstance(sd.get('hypers'), (list, tuple, L))):
             raise CheckpointError(f"{what} is not a fastai optimizer state_dict (it needs 'state' and 'hypers'); nothing was loaded")
@@ -373,13 +392,13 @@ class OptStateIO:
         for i, (p, s) in enumerate(zip(params, sd['state'])):
             if not isinstance(s, dict): raise CheckpointError(f"{what}: the state of param {i} is a {type(s).__name__}, not a dict; nothing was loaded")
             for k, v in s.items(): check_state_value(v, p, k, f"param {i} ({names.get(p, 'param')})", what)
-        if 'mixedprec' in sd: self.cb.scaler.check_state(sd['mixedprec']['scaler'])
+        if 'mixedprec' in sd: cb.scaler.check_state(sd['mixedprec']['scaler'])
 
     def load_state_dict(self, sd:dict):
         "Load a `state_dict` written by this class or by a plain fastai optimizer over the same model; everything is checked before anything changes"
-        cb = self.cb; opt, masters = cb.learn.opt, cb.masters
         self.check_state_dict(sd)
-        params = [p for g in masters.model_groups for p in g]
+        cb, opt = self.cb, self.opt
+        params = [p for g in cb.masters.model_groups for p in g]
         state = cb.engine.state_onto_masters(dict(zip(params, sd['state'])))   # fp32, whatever the file holds; sharded: this rank's shard
         owner = opt                                    # the optimizer that holds the state: a wrapper's (Lookahead) reads its inner one's
         while 'state' not in owner.__dict__ and isinstance(getattr(owner, 'opt', None), Optimizer): owner = owner.opt
@@ -388,28 +407,33 @@ class OptStateIO:
             if k not in ('state', 'hypers', 'mixedprec'): setattr(opt, k, v)
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
 
-class WrappedStateIO:
-    "`state_dict`/`load_state_dict` for fastai's `OptimWrapper` over mixedprec masters: torch's positional state dict, the loss scaler beside it"
-    def __init__(self, cb, opt):
-        for k in ('state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)        # an earlier attach's wrappers
-        self.cb, self.opt, self.own_state_dict, self.own_load_state_dict = cb, opt, opt.state_dict, opt.load_state_dict
+class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
+    "`learn.opt` in mixed precision over fastai's `OptimWrapper`: torch's positional state dict of the masters, the loss scaler beside it"
     def state_dict(self) -> dict:
         "The wrapped torch optimizer's state_dict and the loss scaler (refused while other ranks hold some masters)"
-        self.cb.check_whole()
-        return {**self.own_state_dict(), 'mixedprec': {'scaler': self.cb.scaler.state_dict()}}
+        cb = self._attached()
+        cb.check_whole()
+        return {**self.opt.state_dict(), 'mixedprec': {'scaler': cb.scaler.state_dict()}}
+
     def check_state_dict(self, sd:dict, what:str='the optimizer state'):
         "Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load (nothing changes)"
-        _check_state_shapes(sd, [g['params'] for g in self.cb.engine.optimizer.param_groups], what)
+        cb = self._attached()
+        _check_state_shapes(sd, [g['params'] for g in cb.engine.optimizer.param_groups], what)
         scaler = sd.get('mixedprec', {}).get('scaler')
-        if scaler is not None: self.cb.scaler.check_state(scaler)
+        if scaler is not None: cb.scaler.check_state(scaler)
 
     def load_state_dict(self, sd:dict):
         "The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai loads the file too); sharded, this rank keeps its shard"
         self.check_state_dict(sd)
         scaler = sd.get('mixedprec', {}).get('scaler')
-        self.own_load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
+        self.opt.load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
         self.cb.engine.drop_remote_state()
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
+
+def _raw_opt(learn):
+    "`learn.opt` as fastai built it: the optimizer inside mixedprec's `MixedPrecisionOpt`, if it is one"
+    opt = getattr(learn, 'opt', None)
+    return opt.opt if isinstance(opt, MixedPrecisionOpt) else opt
 
 # %% ../nbs/15_callback.ipynb #adb7b617
 def _refuse_gan(learn, where:str):
@@ -490,7 +514,7 @@ def _read_checkpoint(file, device, **torch_load_kwargs):
 def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, **kwargs):
     "fastai's `load`, all or nothing in mixed precision: the model's keys and weights, the fp32 masters, the optimizer state and the loss scaler are all checked before anything changes, and a misfit raises (fastai would change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its shard"
     cb = getattr(self, 'mixed_precision', None)
-    if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.state_io is None or cb.engine.optimizer is not getattr(self, 'opt', None):
+    if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.state_io is None or cb.state_io is not getattr(self, 'opt', None):
         with _consolidated(self, gather=False): return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)

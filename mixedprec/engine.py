@@ -320,6 +320,7 @@ class StepEngine:
         self.loss_finite = None                   # every loss scaled since the last unscale was finite (0-dim bool tensor)
         self.stage = 'ready'                      # where the step protocol stands: the engine's one state (see `STAGES`)
         self.scalers, self._skip = set(), None    # the scalers that advanced on this engine's grads; the decision as read on the host
+        self.stepping = False                     # True inside `step()`: the optimizer's own step runs for the engine, not behind its back
         own = optimizer.step                      # what `step()` meant before a front end handed it to the engine
         self._own = own if not isinstance(getattr(own, '__self__', None), StepEngine) else None
         self._layouts_followed, self._own_layout_due = False, True   # masters laid out as the params yet; state in the optimizer's own layout
@@ -388,6 +389,7 @@ class StepEngine:
             self._check_scaled()
             return None                          # nothing unscaled since the last step: a second `step()` does not repeat the first
         self.masters.take_model_edits()          # the model is the user's handle: in-place edits since the last step (a clamp) are where the step starts
+        self.stepping = True
         try:
             if found is not None and self.on_device: res = self._fused(found)
             elif self.must_skip(): self.masters.zero_grads(); return None
@@ -396,6 +398,7 @@ class StepEngine:
             self.masters.gather_shards()           # sharded masters: each rank stepped its own; every rank gets all the half params
             return res
         finally:
+            self.stepping = False
             self.last_found, self.found, self._skip, self.stage = found, None, None, 'stepped'
             self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
 

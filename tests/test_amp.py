@@ -1,4 +1,4 @@
-import copy
+import copy, pickle, warnings
 import numpy as np
 import pytest, torch
 pytestmark = pytest.mark.usefixtures("decide")   # every test: the skip decided on the host, and on the device
@@ -36,11 +36,11 @@ def test_opt_levels_cast_as_documented(level, dtypes):
 def test_initialize_returns_the_shapes_it_was_given():
     m0, m1 = mlp(), mlp(1)
     o0, o1 = torch.optim.SGD(m0.parameters(), lr=.1), torch.optim.SGD(m1.parameters(), lr=.1)
-    model, optim = amp.initialize(m0, o0, opt_level="O2", verbosity=0); assert model is m0 and optim is o0
+    model, optim = amp.initialize(m0, o0, opt_level="O2", verbosity=0); assert model is m0 and optim.optimizer is o0
     m0, m1 = mlp(), mlp(1); o0, o1 = torch.optim.SGD(m0.parameters(), lr=.1), torch.optim.SGD(m1.parameters(), lr=.1)
-    model, [a, b] = amp.initialize(m0, [o0, o1], opt_level="O2", verbosity=0); assert (a, b) == (o0, o1)
+    model, [a, b] = amp.initialize(m0, [o0, o1], opt_level="O2", verbosity=0); assert (a.optimizer, b.optimizer) == (o0, o1)
     m0, m1 = mlp(), mlp(1); o0 = torch.optim.SGD(list(m0.parameters()) + list(m1.parameters()), lr=.1)
-    [x, y], optim = amp.initialize([m0, m1], o0, opt_level="O2", verbosity=0); assert (x, y, optim) == (m0, m1, o0)
+    [x, y], optim = amp.initialize([m0, m1], o0, opt_level="O2", verbosity=0); assert (x, y, optim.optimizer) == (m0, m1, o0)
     m0 = mlp(); assert amp.initialize(m0, opt_level="O3", verbosity=0) is m0
 
 @pytest.mark.parametrize("kw,msg", [(dict(opt_level="O1", cast_model_type=torch.float16), "O1 keeps fp32"),
@@ -50,6 +50,36 @@ def test_initialize_returns_the_shapes_it_was_given():
 def test_contradicting_overrides_raise(kw, msg):
     model = mlp()
     with pytest.raises(ValueError, match=msg): amp.initialize(model, torch.optim.SGD(model.parameters(), lr=.1), verbosity=0, **kw)
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_returned_optimizer_wraps_the_one_passed_in_which_is_not_patched(level):
+    "amp returns an `AmpOptimizer` over the optimizer passed in: no method of that one is replaced, its groups, state and hooks are shared, "
+    "and stepping it behind amp's back (the handle from before `initialize`) is refused, since it would neither skip nor copy into the model"
+    torch.manual_seed(0)
+    model = mlp(); inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    before = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)                  # a scheduler made on the handle from before
+    methods = ('step', 'zero_grad', 'state_dict', 'load_state_dict', 'add_param_group')
+    own = {k: vars(inner).get(k) for k in methods}                               # (torch's scheduler wrapped `step`)
+    model, opt = amp.initialize(model, inner, opt_level=level, verbosity=0)
+    assert isinstance(opt, amp.AmpOptimizer) and isinstance(opt, torch.optim.Optimizer) and opt.optimizer is inner
+    assert all(vars(inner).get(k) is own[k] for k in methods), "a method of the user's optimizer was replaced"
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.defaults is inner.defaults
+    after = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)                # and one made on the returned optimizer
+    hooked = []
+    opt.register_step_post_hook(lambda o, a, k: hooked.append(o))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                           # neither scheduler warns that the step was not called
+        for xb, yb in batches(3):
+            with amp.scale_loss(nn.functional.mse_loss(model(xb), yb), inner) as s: s.backward()   # either handle scales
+            opt.step(); before.step(); after.step(); opt.zero_grad()
+    assert hooked == [inner] * 3
+    assert inner.param_groups[0]['lr'] == pytest.approx(1e-2 * 0.5**3 * 0.9**3)
+    with amp.scale_loss(nn.functional.mse_loss(model(xb), yb), opt) as s: s.backward()
+    with pytest.raises(RuntimeError, match=r"returned the optimizer to step: `model, optimizer = amp.initialize"): inner.step()
+    opt.step()                                                                   # the refused step changed nothing: the pending one still runs
+    assert len(hooked) == 4
+    for copy_ in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="does not pickle or deep-copy.*amp.state_dict"): copy_(opt)
 
 def test_bad_objects_raise():
     model = mlp()

@@ -121,7 +121,7 @@ def test_fit_twice_keeps_scale_masters_and_state():
     scale, n, masters = mp.loss_scale, mp.scaler.n_steps, [m for m in mp.masters.master_params]
     avg = opt.state[masters[0]]['grad_avg']
     learn.fit(1)
-    assert learn.opt is opt and learn.mixed_precision.masters.master_params == masters
+    assert learn.opt is opt and learn.mixed_precision.masters.master_params == masters     # the same `MixedPrecisionOpt`, not a new one per fit
     assert mp.scaler.n_steps == 2 * n and mp.loss_scale >= scale
     assert opt.state[masters[0]]['step'] == 2 * n and opt.state[masters[0]]['grad_avg'] is avg     # updated in place, never reset
 

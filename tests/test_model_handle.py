@@ -9,7 +9,7 @@ from fastai.optimizer import Adam, SGD, OptimWrapper
 from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision
 from fastai.callback.channelslast import ChannelsLast
 import fastai.callback.channelslast      # Learner.to_channelslast / to_contiguous
-from mixedprec.callback import MixedPrecision
+from mixedprec.callback import MixedPrecision, MixedPrecisionOpt
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import ScalingError
 from mixedprec import amp
@@ -409,13 +409,19 @@ def test_later_callbacks_see_unscaled_grads_once_and_can_cancel_the_step(precisi
         assert not all(torch.equal(a, b) for a, b in zip(log.after[3], log.after[4]))
     assert close(weights(half), weights(ref), tol)
 
-def test_no_optimizer_method_is_patched_during_fit():
-    # the engine steps from the callback's `before_step` and cancels fastai's own step: the optimizer keeps its class's methods throughout
+def test_no_optimizer_method_is_patched():
+    # the engine steps from the callback's `before_step` and cancels fastai's own step; `learn.opt` is a `MixedPrecisionOpt` over fastai's
+    # optimizer (for the state dict in the model's layout), which keeps its class's methods throughout, and is `learn.opt` again after `to_fp32`
     learn = synth_learner().to_fp16()
+    raw = learn.opt.opt
+    methods = ('step', 'zero_grad', 'state_dict', 'load_state_dict')
     seen = []
-    learn.fit(1, cbs=Record(1, before_step=lambda l: seen.append(sorted(k for k in ('step', 'zero_grad') if k in l.opt.__dict__))))
-    assert seen and all(s == [] for s in seen)
-    assert learn.opt.step.__func__ is type(learn.opt).step and learn.opt.zero_grad.__func__ is type(learn.opt).zero_grad
+    learn.fit(1, cbs=Record(1, before_step=lambda l: seen.append(sorted(k for k in methods if k in vars(l.opt.opt)))))
+    assert seen and all(s == [] for s in seen) and learn.opt.opt is raw
+    assert isinstance(learn.opt, MixedPrecisionOpt) and not any(k in vars(raw) for k in methods)
+    learn.save('handle')
+    learn.to_fp32()
+    assert learn.opt is raw and not any(k in vars(raw) for k in methods)
 
 def _wgan():
     from fastai.vision.gan import GANLearner
