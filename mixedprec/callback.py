@@ -200,10 +200,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and the optimizer state after it"
         self.release_opt()
         self.conversion.follow_devices()
-        for state in adapter_for(_raw_opt(self.learn)).states():
-            for p in self.learn.model.parameters():
-                st = state.get(p)
-                if st: state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
+        adapter_for(_raw_opt(self.learn)).state_to_devices()
 
     def __getstate__(self):
         "Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values and which params each flat master holds"
@@ -400,9 +397,7 @@ class MixedPrecisionOpt(GetAttr):
         cb, opt = self.cb, self.opt
         params = [p for g in cb.masters.model_groups for p in g]
         state = cb.engine.state_onto_masters(dict(zip(params, sd['state'])))   # fp32, whatever the file holds; sharded: this rank's shard
-        owner = opt                                    # the optimizer that holds the state: a wrapper's (Lookahead) reads its inner one's
-        while 'state' not in owner.__dict__ and isinstance(getattr(owner, 'opt', None), Optimizer): owner = owner.opt
-        owner.state, owner.hypers = defaultdict(dict, state), L(dict(h) for h in sd['hypers'])
+        cb.engine.adapter.set_state(state, sd['hypers'])
         for k, v in sd.items():                        # a wrapper's own state (Lookahead's count and slow weights)
             if k not in ('state', 'hypers', 'mixedprec'): setattr(opt, k, v)
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
@@ -457,9 +452,7 @@ def _attach(learn, cb):
     held = {id(p) for g in old.param_lists for p in g} if old is not None else set()
     if old is None or any(id(p) not in held for p in learn.model.parameters()):
         learn.create_opt()                           # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
-        if old is not None:
-            for p in learn.model.parameters():
-                if p in old.state: learn.opt.state[p] = old.state[p]
+        if old is not None: adapter_for(learn.opt).take_state(adapter_for(old), list(learn.model.parameters()))
     cb.attach_opt()
     return learn
 

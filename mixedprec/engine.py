@@ -10,6 +10,7 @@ __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS',
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars
+from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
@@ -19,6 +20,7 @@ from . import ops
 from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
 from torch import nn
+from fastcore.foundation import L
 from .master import (MasterParams, clip_grads_, master_value, load_master_, CheckpointError, check_master_value, check_state_value,
                               fp32_state, split_flat_state, flat_slice)
 from .convert import masters_for
@@ -150,6 +152,17 @@ class OptimizerAdapter:
     def flat_key(self):
         "`key(p)`: params with different keys never share a flat master (None: any may)"
         return None
+    def take_state(self, other:'OptimizerAdapter', params):
+        "Carry the state of `params` over from `other`, an optimizer of the same family that held them before this one was built"
+        for mine, theirs in zip(self.states(), other.states()):
+            for p in params:
+                if p in theirs: mine[p] = theirs[p]
+    def state_to_devices(self):
+        "Move each param's state tensors to its param's device, after the model moved (0-dim step counts stay where they are)"
+        for state in self.states():
+            for p in (q for g in self.groups() for q in g):
+                st = state.get(p)
+                if st: state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
 
 class FastaiAdapter(OptimizerAdapter):
     "fastai's `Optimizer` and its wrappers (`OptimWrapper` over a torch optimizer, `Lookahead`): `param_lists`, and the state of the optimizer it wraps"
@@ -159,6 +172,11 @@ class FastaiAdapter(OptimizerAdapter):
     def states(self) -> list:
         inner = getattr(self.opt, 'opt', None)
         return [self.opt.state] + ([inner.state] if isinstance(inner, torch.optim.Optimizer) else [])
+    def set_state(self, state:dict, hypers:list):
+        "Make `state` (keyed by the params it holds) and `hypers` the optimizer's; a wrapper's (Lookahead) go to the optimizer it wraps"
+        owner = self.opt
+        while 'state' not in owner.__dict__ and hasattr(getattr(owner, 'opt', None), 'param_lists'): owner = owner.opt
+        owner.state, owner.hypers = defaultdict(dict, state), L(dict(h) for h in hypers)
     def flat_key(self):
         "Per-param fastai flags (`do_wd`, `force_train`) that a flat master must not mix"
         state = self.opt.state
