@@ -15,7 +15,7 @@ from .scaler import LossScaler
 from .convert import convert_model, masters_for, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide
 from .ops import require_impl
-from .master import check_store
+from .master import check_store, check_state_store
 from .distributed import refuse_fsdp2
 
 # %% ../nbs/17_amp.ipynb #0004312e
@@ -151,7 +151,8 @@ def _autocast_forward(model, dtype):
 # %% ../nbs/17_amp.ipynb #8e25d7f3
 def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", cast_model_type=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, num_losses:int=1, min_loss_scale:float=None, max_loss_scale:float=2.**24,
-               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None, masters:str='fp32', shard:bool=False):
+               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None, masters:str='fp32', shard:bool=False,
+               state:str='fp32'):
     "Prepare `models` and `optimizers` for mixed precision at `opt_level`; returns them in the shapes they came in"
     global _state
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
@@ -171,6 +172,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     if not (isinstance(num_losses, int) and num_losses >= 1): raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
     check_store(masters, props['dtype'])
+    check_state_store(state)
     if decide is not None: _check_decide(decide)
     for m in model_list: require_impl(impl, next(m.parameters(), torch.empty(0)).device)   # before anything is converted or recorded
     if masters != 'fp32':                                        # bf16 masters in place of O2's fp32 ones (or of O3's none)
@@ -182,8 +184,8 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
                           max_scale=max_loss_scale if dynamic else max(max_loss_scale, props['loss_scale']), verbose=verbosity > 0,
                           advice="With amp: `amp.initialize(..., half_dtype='bf16')`, or opt_level='O2' (fp32 masters), or the modules that overflow kept in fp32.",
                           **kw) for _ in range(num_losses)]
-    state = _state = AmpState(props, scalers, enabled, verbosity)
-    state.models = [weakref.ref(m) for m in model_list]
+    setup = _state = AmpState(props, scalers, enabled, verbosity)
+    setup.models = [weakref.ref(m) for m in model_list]
     if not enabled: return models if optimizers is None else (models, optimizers)
     converted = {}
     for m in model_list:
@@ -197,10 +199,10 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         masters_of = {}
         if props['master_weights']: masters_of = {**converted, **masters_for(p for g in o.param_groups for p in g['params'] if p not in converted)}
         if shard and not props['master_weights']: raise ValueError(f"shard=True shards the fp32 masters, and {opt_level} keeps none: use opt_level='O2'")
-        e = StepEngine.attach(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters, shard=shard)
-        e.amp, e.masters_of = state, masters_of
+        e = StepEngine.attach(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters, shard=shard, state=state)
+        e.amp, e.masters_of = setup, masters_of
         returned.append(AmpOptimizer(o, e))
-        state.engines.append(e)
+        setup.engines.append(e)
     if verbosity: print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale {props['loss_scale']}, {num_losses} scaler(s)")
     if optimizers is None: return models
     return models, (returned if isinstance(optimizers, (list, tuple)) else returned[0])

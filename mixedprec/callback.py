@@ -26,7 +26,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
-from .master import check_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_state_value
+from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_state_value
 from .engine import StepEngine, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
 from fastcore.xtras import join_path_file
@@ -89,6 +89,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
         masters:str='fp32',           # bf16 only: 'split' keeps the exact master as the bf16 weight + an int16 half, 'none' rounds stochastically
         shard:bool=False,             # under torch.distributed (`distrib_ctx`): each rank keeps the fp32 masters and optimizer state of its shard only
+        state:str='fp32',             # the optimizer's moments: 'fp32', or 'bf16' (rounded stochastically: half the bytes) for fastai's or torch's SGD and Adam
         **kwargs):                    # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size (and GradScaler's names)
         loss_scale, max_noskip, kwargs = _gradscaler_names(loss_scale, max_noskip, kwargs)
         bad = [k for k in kwargs if k not in _SCALER_KWARGS]
@@ -96,6 +97,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
                                 f"(and GradScaler's {[*_GRADSCALER_NAMES, 'backoff_factor']})")
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
         self.master_store = check_store(masters, dtype, flat_master)
+        self.state_store = check_state_store(state, flat_master)
         if shard and masters != 'fp32': raise ValueError(f"shard=True shards fp32 masters: pass masters='fp32' (masters={masters!r} keeps them in the bf16 weights, which every rank holds)")
         self.shard = shard
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
@@ -167,7 +169,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
             held = [p for g in opt.param_lists for p in g]
         names = {p: n for n, p in self.learn.model.named_parameters()}
         self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master, store=getattr(self, 'master_store', 'fp32'),
-                                        shard=shard, scaler=self.scaler, clip=self.clip, decide=self.decide, impl=self.impl)
+                                        state=getattr(self, 'state_store', 'fp32'), shard=shard, scaler=self.scaler, clip=self.clip, decide=self.decide, impl=self.impl)
         self._wrap(wrapped, opt)
 
     def _wrap(self, wrapped, opt):

@@ -22,7 +22,7 @@ from .scaler import LossScaler
 from torch import nn
 from fastcore.foundation import L
 from .master import (MasterParams, clip_grads_, master_value, load_master_, CheckpointError, check_master_value, check_state_value,
-                              fp32_state, split_flat_state, flat_slice)
+                              fp32_state, split_flat_state, flat_slice, _like, _mix, STATE_DTYPES, check_state_store)
 from .convert import masters_for
 from .distributed import agree, sum_over_ranks, Shards
 
@@ -203,8 +203,9 @@ def _step_count(st, p):
 
 def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:torch.Tensor, lr:float, weight_decay=0., decoupled:bool=False,
                      momentum:float=0., dampening:float=0., nesterov:bool=False, betas:tuple=(0.9, 0.999), eps:float=1e-8,
-                     keep_buffer:bool=None, names:dict=TORCH_STATE, impl:str=None, bf16_of:dict=None, seeds_for:Callable=None):
-    "One param group's fused 'sgd' or 'adam' step over fp32 `params` with grads, keeping their state in `state` under `names`; `weight_decay` may be a function of the param. Masters in `bf16_of` live in their bf16 params (split, or rounded with `seeds_for(masters)`)"
+                     keep_buffer:bool=None, names:dict=TORCH_STATE, impl:str=None, bf16_of:dict=None, seeds_for:Callable=None,
+                     state_dtype:torch.dtype=torch.float32):
+    "One param group's fused 'sgd' or 'adam' step over fp32 `params` with grads, keeping their state in `state` under `names` (as `state_dtype`: bf16 is rounded stochastically); `weight_decay` may be a function of the param. Masters in `bf16_of` live in their bf16 params (split, or rounded with `seeds_for(masters)`)"
     bf16_of = bf16_of or {}
     where = lambda p: bf16_of[id(p)].kind if id(p) in bf16_of else 'copy' if id(p) in half_of else 'own'   # how the kernels reach each master
     wd_of = weight_decay if callable(weight_decay) else (lambda p: weight_decay)
@@ -213,7 +214,9 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
     for p in params:
         st = state[p]
         like = bf16_of[id(p)].param if id(p) in bf16_of else p            # new state is laid out as the tensor the kernels step
-        zeros = lambda: torch.zeros_like(like, dtype=torch.float32)
+        zeros = lambda: torch.zeros_like(like, dtype=state_dtype)
+        for k in (names['buf'],) if kind == 'sgd' else (names['avg'], names['sqr']):    # state made elsewhere (a load, the optimizer's own step): as kept here
+            if isinstance(st.get(k), torch.Tensor) and st[k].dtype != state_dtype: st[k] = _like(like, st[k].to(state_dtype))
         if kind == 'sgd':
             first = keep_buffer and st.get(names['buf']) is None
             if first: st[names['buf']] = zeros()
@@ -226,9 +229,13 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
     for (first, at, wd), sel in runs.items():
         st, grads, out = [state[p] for p in sel], [p.grad for p in sel], [half_of[id(p)] for p in sel] if at == 'copy' else []
         params, kw = sel, dict(impl=impl)
+        lists = (1 if keep_buffer else 0) if kind == 'sgd' else 2
+        lean = state_dtype != torch.float32 and lists > 0
+        seeds = seeds_for(sel) if at == 'none' or lean else None     # this step's rounding seed of each param (its stream advances once)
         if at in ('split', 'none'):
             params = [bf16_of[id(p)].param for p in sel]
-            kw.update(lows=[bf16_of[id(p)].low for p in sel]) if at == 'split' else kw.update(seeds=seeds_for(sel))
+            kw.update(lows=[bf16_of[id(p)].low for p in sel]) if at == 'split' else kw.update(seeds=seeds)
+        if lean: kw.update(state_seeds=[tuple(_mix(s, j + 1) for j in range(lists)) for s in seeds])   # a stream per state list, apart from the weight's
         if kind == 'sgd':
             sgd_step_(grads, params, [s[names['buf']] for s in st] if keep_buffer else [], out, found_inf, 1., lr, momentum, dampening, wd, nesterov,
                       first_run=first, decoupled=decoupled, **kw)
@@ -236,12 +243,12 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
             adam_step_(grads, params, [s[names['avg']] for s in st], [s[names['sqr']] for s in st], out, found_inf, [s['step'] for s in st], 1.,
                        lr, betas[0], betas[1], eps, wd, decoupled, **kw)
 
-def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Tensor, impl:str=None):
-    "Step `opt` (recognised as `plan`) over per-param `masters` with the fused kernels, writing the half params; a no-op on the device where `found_inf` is set"
+def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Tensor, impl:str=None, state_dtype:torch.dtype=torch.float32):
+    "Step `opt` (recognised as `plan`) over per-param `masters` with the fused kernels, writing the half params, its state kept as `state_dtype`; a no-op on the device where `found_inf` is set"
     for params, kw in plan.groups(opt):
         ps = [p for p in params if p.grad is not None]
         if ps: fused_group_step(plan.kind, ps, opt.state, masters._half_of, found_inf, names=plan.names, impl=impl, bf16_of=masters._bf16_of,
-                                seeds_for=partial(masters.rounding_seeds, state=opt.state), **kw)
+                                seeds_for=partial(masters.rounding_seeds, state=opt.state), state_dtype=state_dtype, **kw)
 
 # %% ../nbs/14_engine.ipynb #e000000f
 def _clip(group:list, max_norm:float) -> torch.Tensor:
@@ -314,6 +321,18 @@ def put_model_params_back(optimizer, masters_of:dict, flats:dict=None) -> bool:
     adapter.set_groups(groups)
     return True
 
+def _check_lean(optimizer, state:str, flat:bool=False, shard:bool=False) -> str:
+    "`state` checked for `optimizer`: lean state ('bf16') needs an optimizer the fused steps know, per-param masters, and no sharding (yet)"
+    check_state_store(state, flat)
+    if state == 'fp32': return state
+    if fused_plan(optimizer) is None:
+        raise ValueError(f"state={state!r} is kept by the fused steps, which know torch's SGD, Adam and AdamW and fastai's SGD and Adam, "
+                         f"not {type(optimizer).__name__} (with these settings): use one of those, or state='fp32'")
+    if shard:
+        raise ValueError(f"state={state!r} with sharded masters (shard=True) is not built yet: the gathers that checkpoints and `to_fp32()` run "
+                         f"move fp32 state. Shard with state='fp32', or keep state={state!r} without shard=True")
+    return state
+
 STAGES = {'ready': "nothing pending: a new engine, or grads cleared",          # the engine's progress, as torch's `OptState`
           'scaled': "a loss scaled, its grads not yet unscaled (with gradient accumulation: the masters hold earlier unscaled grads too)",
           'unscaled': "the grads unscaled into the masters, a decision pending for `step`",
@@ -330,9 +349,11 @@ class StepEngine:
         impl:str=None,            # the ops' implementation: 'auto', 'fused' or 'ref' (default: `settings`)
         hint:str='',              # what to call, in this front end's words, when a backward skipped the scaling
         adapter:OptimizerAdapter=None, # how to read and set the optimizer's groups and state (default: `adapter_for(optimizer)`)
+        state:str='fp32',         # the optimizer's moments: 'fp32', or 'bf16' rounded stochastically (the fused steps keep them)
     ):
         self.optimizer, self.masters, self.scaler, self.clip, self.hint = optimizer, masters, scaler, clip, hint
         self.adapter = adapter if adapter is not None else adapter_for(optimizer)
+        self.state = _check_lean(optimizer, state, masters.flat, masters.shards is not None)
         self.decide, self.impl = _check_decide(decide) if decide is not None else None, impl
         self.found = self.last_found = None       # the pending decision and the last step's: 0-dim bool tensors (True: skip)
         self.loss_finite = None                   # every loss scaled since the last unscale was finite (0-dim bool tensor)
@@ -348,6 +369,7 @@ class StepEngine:
     def attach(cls, optimizer, masters_of:dict, names:dict=None, flat:bool=False, store:str='fp32', shard:bool=False, **kwargs):
         "The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its groups given the masters from `masters_of` (half param -> fp32 master; one flat master per group with `flat`; kept as `store` says; with `shard`, this rank's only) and its state moved onto them"
         adapter = adapter_for(optimizer)
+        _check_lean(optimizer, kwargs.get('state', 'fp32'), flat, shard)      # before anything changes
         return cls(optimizer, _swap_in(adapter, masters_of, names, kwargs.get('impl'), flat, store, shard), adapter=adapter, **kwargs)
 
     def detach(self):
@@ -372,7 +394,9 @@ class StepEngine:
     def choose(self):
         "Choose how the next step runs: a fused plan or the optimizer's own step, and where the skip is decided"
         self.recognised = fused_plan(self.optimizer)
-        self.plan = self.recognised if self.recognised is not None and fuses(self.masters, self.impl) else None
+        _check_lean(self.optimizer, self.state)
+        lean = self.state != 'fp32' and not self.masters.flat     # the references keep lean state too, where no kernels run
+        self.plan = self.recognised if self.recognised is not None and (fuses(self.masters, self.impl) or lean) else None
         when = self.decide or current_decide()
         self.on_device = self.plan is not None and self.plan.device_ok and when != 'never' and (when == 'always' or self.device.type == 'cuda')
 
@@ -423,7 +447,7 @@ class StepEngine:
     def _fused(self, found):
         "The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper (`Optimizer.profile_hook_step`), so its step hooks (`register_step_pre_hook`/`post_hook`, global ones too) run as for its own step"
         opt = self.optimizer
-        run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl)
+        run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl, STATE_DTYPES[self.state])
         if isinstance(opt, torch.optim.Optimizer):
             opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
             torch.optim.Optimizer.profile_hook_step(run)(opt)

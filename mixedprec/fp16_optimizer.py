@@ -11,7 +11,7 @@ from .scaler import LossScaler, ScalingError
 from .convert import masters_for
 from .engine import StepEngine
 from .ops import require_impl
-from .master import check_store
+from .master import check_store, check_state_store
 from .distributed import refuse_fsdp2, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
@@ -37,6 +37,7 @@ class FP16_Optimizer:
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
         masters:str='fp32',                   # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
         shard:bool=False,                     # under torch.distributed: each rank keeps the fp32 masters and optimizer state of its shard only (ZeRO stage 1)
+        state:str='fp32',                     # the optimizer's moments: 'fp32', or 'bf16' (rounded stochastically: half the bytes) for SGD, Adam, AdamW
     ):
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
@@ -52,7 +53,8 @@ class FP16_Optimizer:
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
         self.masters_of = masters_for(params)
-        self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard,
+        check_state_store(state)
+        self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard, state=state,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
 

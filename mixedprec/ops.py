@@ -577,7 +577,7 @@ def _step_lists(grads, params, states, out):
     _same_length(grads, params, *[s for s in states if s], *([out] if out else []))
     return grads, params, states, out
 
-def _check_ref_step(grads, params, states, out, lows=None, seeds=None):
+def _check_ref_step(grads, params, states, out, lows=None, seeds=None, state_seeds=None):
     "The checks the kernels make, for the reference steps"
     if lows is None and seeds is None:
         if any(p.dtype != torch.float32 for p in params): raise ValueError("the fused optimizer steps update fp32 master params (bf16 params need `lows` or `seeds`)")
@@ -587,7 +587,14 @@ def _check_ref_step(grads, params, states, out, lows=None, seeds=None):
         _same_length(params, lows if lows is not None else seeds)
         if lows is not None and any(l.dtype != torch.int16 or l.shape != p.shape for l, p in zip(lows, params)):
             raise ValueError("each low half must be an int16 tensor of its param's shape")
-    if any(s.dtype != torch.float32 for st in states for s in st): raise ValueError("optimizer state must be fp32")
+    kinds = {s.dtype for st in states for s in st}
+    if not kinds <= {torch.float32} and kinds != {torch.bfloat16}: raise ValueError("optimizer state must be all fp32 or all bf16")
+    bf16_state = kinds == {torch.bfloat16}
+    if bf16_state != (state_seeds is not None):
+        raise ValueError("bf16 optimizer state is rounded stochastically: pass `state_seeds`" if bf16_state else
+                         "`state_seeds` are for bf16 optimizer state, and this state is fp32")
+    if state_seeds is not None and (len(state_seeds) != len(params) or any(len(s) != len([st for st in states if st]) for s in state_seeds)):
+        raise ValueError("`state_seeds` holds one seed per param and state list")
     _check_lists(grads, params, *[s for s in states if s], *([out] if out else []))
 
 def _on_masters_ref(params, lows, seeds, found_inf, run):
@@ -601,6 +608,18 @@ def _on_masters_ref(params, lows, seeds, found_inf, run):
             if lows is not None: hi, lo = split_bf16_ref(m); p.copy_(hi); lows[i].copy_(lo)
             else: p.copy_(round_stochastic_ref(m, seeds[i]))
 
+def _on_state_ref(states, state_seeds, found_inf, run):
+    "Run a reference step `run(fp32 states)` on the state lists `states`, or on fp32 copies of bf16 ones, rounded back stochastically with `state_seeds[i][j]` (param i, list j)"
+    live = [st for st in states if st]
+    if state_seeds is None: return run(states)
+    if bool(found_inf): return
+    with torch.no_grad():
+        copies = [[s.float() for s in st] for st in live]
+        it = iter(copies)
+        run([next(it) if st else st for st in states])
+        for j, (st, cs) in enumerate(zip(live, copies)):
+            for i, (s, c) in enumerate(zip(st, cs)): s.copy_(round_stochastic_ref(c, state_seeds[i][j]))
+
 def _bf16_lists(lows, seeds):
     "`lows` as a list (or None), refusing both bf16 master layouts at once"
     if lows is not None and seeds is not None: raise ValueError("pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
@@ -611,25 +630,30 @@ def _bf16_args(params, lows, seeds, g):
     if seeds is None: return (_pick(lows, g) if lows is not None else []), None
     return [], torch.tensor([int(seeds[i]) for i in g], dtype=torch.int64).to(params[0].device)     # int64 seeds: the kernels read their bits as uint64
 
+def _state_seeds_arg(state_seeds, g, device):
+    "The `state_seeds` argument of one fused launch over the params at `g`: a params x lists int64 tensor, or None"
+    if state_seeds is None: return None
+    return torch.tensor([[int(s) for s in state_seeds[i]] for i in g], dtype=torch.int64).reshape(len(g), -1).to(device)
+
 def _launches(grads, out):
     "Index groups of one fused launch each: one per (grad dtype, out dtype)"
     return _groups(grads, out) if out else _groups(grads)
 
 def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, momentum:float=0., dampening:float=0., weight_decay:float=0.,
-              nesterov:bool=False, first_run:bool=False, decoupled:bool=False, lows:list=None, seeds:list=None, impl:str=None):
+              nesterov:bool=False, first_run:bool=False, decoupled:bool=False, lows:list=None, seeds:list=None, state_seeds:list=None, impl:str=None):
     "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`); a no-op when `found_inf` is set"
     grads, params, (bufs,), out = _step_lists(grads, params, [bufs], out)
     lows = _bf16_lists(lows, seeds)
     if not params: return
     ext = _ext_for(params[0], impl)
     if ext is None:
-        _check_ref_step(grads, params, [bufs], out, lows, seeds)
-        return _on_masters_ref(params, lows, seeds, found_inf, lambda ms: sgd_step_ref_(grads, ms, bufs, out, found_inf, inv_scale, lr, momentum, dampening,
-                                                                                         weight_decay, nesterov, first_run, decoupled))
+        _check_ref_step(grads, params, [bufs], out, lows, seeds, state_seeds)
+        return _on_masters_ref(params, lows, seeds, found_inf, lambda ms: _on_state_ref([bufs], state_seeds, found_inf, lambda sts: sgd_step_ref_(
+            grads, ms, sts[0], out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled)))
     for g in _launches(grads, out):
         ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [], found_inf, float(inv_scale),
                      float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run), bool(decoupled),
-                     *_bf16_args(params, lows, seeds, g))
+                     *_bf16_args(params, lows, seeds, g), _state_seeds_arg(state_seeds, g, params[0].device))
 
 def _advance(step, steps, found_inf):
     "Add 1 to the step count(s) unless `found_inf` is set, on their device (no host read of a device flag)"
@@ -645,7 +669,7 @@ def _check_steps(steps, params):
         if s.device != p.device: raise ValueError(f"a step count must be on its param's device ({p.device}), got {s.device}")
 
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
-               eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None, impl:str=None):
+               eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None, state_seeds:list=None, impl:str=None):
     "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`); a no-op when `found_inf` is set"
     grads, params, (exp_avgs, exp_avg_sqs), out = _step_lists(grads, params, [exp_avgs, exp_avg_sqs], out)
     lows = _bf16_lists(lows, seeds)
@@ -656,13 +680,13 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
         raise ValueError("a list of step counts holds one per param; for one count shared by all params pass that tensor itself")
     ext = _ext_for(params[0], impl)
     if ext is None:
-        _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out, lows, seeds)
+        _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out, lows, seeds, state_seeds)
         _check_steps(steps, params)
-        _on_masters_ref(params, lows, seeds, found_inf, lambda ms: adam_step_ref_(grads, ms, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr,
-                                                                                  beta1, beta2, eps, weight_decay, decoupled))
+        _on_masters_ref(params, lows, seeds, found_inf, lambda ms: _on_state_ref([exp_avgs, exp_avg_sqs], state_seeds, found_inf, lambda sts: adam_step_ref_(
+            grads, ms, sts[0], sts[1], out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled)))
     else:
         for g in _launches(grads, out):
             ext.adam_step(_pick(grads, g), _pick(params, g), _pick(exp_avgs, g), _pick(exp_avg_sqs, g), _pick(out, g) if out else [], found_inf,
                           _pick(steps, g), float(inv_scale), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-                          *_bf16_args(params, lows, seeds, g))
+                          *_bf16_args(params, lows, seeds, g), _state_seeds_arg(state_seeds, g, params[0].device))
     _advance(step, steps, found_inf)                        # after the update, which used count + 1: a refused call changes nothing

@@ -247,3 +247,27 @@ def test_packs_compile_to_vector_instructions(tmp_path):
                     '-DTORCH_EXTENSION_NAME=mixedprec_ptx', *includes, str(CSRC / 'scale_kernels.cu'), '-o', str(ptx)], check=True, capture_output=True)
     text = ptx.read_text()
     for instruction in ('ld.global.v4.f32', 'st.global.v4.f32', 'ld.global.v4.u16', 'st.global.v4.u16'): assert instruction in text, instruction
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ['sgd', 'adam'])
+def test_bf16_state_steps_bit_exact(device, mode, layout, kind):
+    "Lean optimizer state: bf16 moments, read as fp32 and rounded back stochastically, from each list's own seed and index"
+    sizes = SIZES['tiny'] + SIZES['ragged']
+    runs = []
+    for impl in ('ref', 'fused'):
+        params, out, kw = step_lists(sizes, mode, layout, seed=50, device=device)
+        m = make(sizes, torch.bfloat16, layout, 3, seed=51, scale=0.1, device=device)
+        v = [t.abs() for t in make(sizes, torch.bfloat16, layout, 4, seed=52, scale=0.01, device=device)]
+        for i in range(3):
+            grads = make(sizes, torch.float16, layout, 0, seed=60 + i, scale=1024., device=device)
+            found = torch.tensor(i == 1, device=device)
+            if kind == 'sgd':
+                ops.sgd_step_(grads, params, m, out, found, 1 / 1024, 0.1, 0.9, 0., 1e-2, False, first_run=False, impl=impl,
+                              state_seeds=[(900 + k + 10 * i,) for k in range(len(sizes))], **kw)
+            else:
+                steps = [torch.tensor([float(k)], device=device) for k in range(len(sizes))]
+                ops.adam_step_(grads, params, m, v, out, found, steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, impl=impl,
+                               state_seeds=[(900 + k + 10 * i, 950 + k + 10 * i) for k in range(len(sizes))], **kw)
+        runs.append(snapshot(params, m, v, out, kw.get('lows', [])))
+    assert_same(*runs)

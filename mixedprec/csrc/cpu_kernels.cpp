@@ -185,14 +185,26 @@ static void round_block_stochastic(const float* __restrict buf, uint16_t* __rest
   for (int64_t i = 0; i < n; ++i) out[i] = round_stochastic(buf[i], rounding_bits32(base + (uint32_t)i, key_lo, key_hi));
 }
 
-// Run `update(p, begin, n)` on fp32 masters over each span of tensor `s.tensor`: on the master itself (then write the half
-// copy), or on a block-sized fp32 buffer joined from a bf16 master and split (or rounded) back after the update.
+// The optimizer state of a step: up to two lists of fp32 tensors, or of bf16 tensors rounded stochastically on the way
+// back with one seed per tensor and list (`seeds[tensor * lists + list]`, bf16_bits.h).
+struct StateStore {
+  std::vector<const std::vector<at::Tensor>*> lists;
+  const int64_t* seeds;                      // bf16 state only
+  bool bf16() const { return !lists.empty() && !lists[0]->empty() && (*lists[0])[0].scalar_type() == at::kBFloat16; }
+};
+
+// Run `update(p, states, begin, n)` on fp32 masters and fp32 state over each span of tensor `s.tensor` (states[j]: list
+// j's elements begin..begin+n-1): on the tensors themselves (then write the half copy), or, when the masters or the
+// state are bf16, on block-sized fp32 buffers joined from them and split (or rounded) back after the update.
 template <typename Update>
-static void on_masters(const MasterStore& st, const Span& s, Update update) {
+static void on_masters(const MasterStore& st, const StateStore& ss, const Span& s, Update update) {
   const int64_t t = s.tensor;
-  if (!st.bf16()) {
+  const int k = (int)ss.lists.size();
+  float* direct[2] = {nullptr, nullptr};
+  if (!st.bf16() && !ss.bf16()) {
     float* p = st.params[t].data_ptr<float>() + s.begin;
-    update(p, s.begin, s.end - s.begin);
+    for (int j = 0; j < k; ++j) direct[j] = (*ss.lists[j])[t].data_ptr<float>() + s.begin;
+    update(p, direct, s.begin, s.end - s.begin);
     if (!st.out.empty()) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_out", [&] {
         copy_out(p, st.out[t].data_ptr<scalar_t>() + s.begin, s.end - s.begin);
@@ -200,17 +212,37 @@ static void on_masters(const MasterStore& st, const Span& s, Update update) {
     }
     return;
   }
-  uint16_t* hi = reinterpret_cast<uint16_t*>(st.params[t].data_ptr<at::BFloat16>());
+  uint16_t* hi = st.bf16() ? reinterpret_cast<uint16_t*>(st.params[t].data_ptr<at::BFloat16>()) : nullptr;
+  float* fp = st.bf16() ? nullptr : st.params[t].data_ptr<float>();
   int16_t* lo = st.lows.empty() ? nullptr : st.lows[t].data_ptr<int16_t>();
   const uint64_t seed = st.seeds ? (uint64_t)st.seeds[t] : 0;
-  float buf[kBlock];
+  uint16_t* sbits[2] = {nullptr, nullptr};
+  for (int j = 0; j < k; ++j) {
+    if (ss.bf16()) sbits[j] = reinterpret_cast<uint16_t*>((*ss.lists[j])[t].data_ptr<at::BFloat16>());
+    else direct[j] = (*ss.lists[j])[t].data_ptr<float>();
+  }
+  float buf[kBlock], sbuf[2][kBlock];
   for (int64_t b = s.begin; b < s.end; b += kBlock) {
     const int64_t n = std::min(kBlock, s.end - b);
-    if (lo) for (int64_t i = 0; i < n; ++i) buf[i] = join_bf16(hi[b + i], lo[b + i]);
-    else for (int64_t i = 0; i < n; ++i) buf[i] = bits_float((uint32_t)hi[b + i] << 16);
-    update(buf, b, n);
-    if (lo) for (int64_t i = 0; i < n; ++i) split_bf16(buf[i], hi[b + i], lo[b + i]);
-    else round_block_stochastic(buf, hi + b, n, seed, (uint64_t)b);
+    float* p = fp ? fp + b : buf;
+    if (hi && lo) for (int64_t i = 0; i < n; ++i) buf[i] = join_bf16(hi[b + i], lo[b + i]);
+    else if (hi) for (int64_t i = 0; i < n; ++i) buf[i] = bits_float((uint32_t)hi[b + i] << 16);
+    float* states[2] = {nullptr, nullptr};
+    for (int j = 0; j < k; ++j) {
+      if (!sbits[j]) { states[j] = direct[j] + b; continue; }
+      for (int64_t i = 0; i < n; ++i) sbuf[j][i] = bits_float((uint32_t)sbits[j][b + i] << 16);
+      states[j] = sbuf[j];
+    }
+    update(p, states, b, n);
+    if (hi && lo) for (int64_t i = 0; i < n; ++i) split_bf16(buf[i], hi[b + i], lo[b + i]);
+    else if (hi) round_block_stochastic(buf, hi + b, n, seed, (uint64_t)b);
+    else if (!st.out.empty()) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_out", [&] {
+        copy_out(p, st.out[t].data_ptr<scalar_t>() + b, n);
+      });
+    }
+    for (int j = 0; j < k; ++j)
+      if (sbits[j]) round_block_stochastic(sbuf[j], sbits[j] + b, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b);
   }
 }
 
@@ -223,20 +255,22 @@ static const int64_t* seeds_of(const std::optional<at::Tensor>& seeds) {
 void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                   const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled,
-                  const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
+                  const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& state_seeds) {
   require_cpu(params, "sgd_step");
   if (found_inf.item<bool>()) return;
   auto spans = spans_of(params);
   const MasterStore store{params, out, lows, seeds_of(seeds)};
+  const StateStore states{!bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
+                          seeds_of(state_seeds)};
   const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening;
   const float wd = decoupled ? 0.0f : (float)weight_decay, decay = decoupled ? 1.0 - lr * weight_decay : 1.0f;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       const Span& s = spans[k];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_sgd", [&] {
-        on_masters(store, s, [&](float* p, int64_t begin, int64_t n) {
+        on_masters(store, states, s, [&](float* p, float* const* st, int64_t begin, int64_t n) {
           const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + begin;
-          float* m = !bufs.empty() ? bufs[s.tensor].data_ptr<float>() + begin : nullptr;
+          float* m = !bufs.empty() ? st[0] : nullptr;
           int64_t i = 0;
           if constexpr (vectorizable<scalar_t>) {
             const Vec visc(isc), vwd(wd), vmom(mom), vdamp(damp), vlr(flr), vdecay(decay);
@@ -279,7 +313,8 @@ void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Te
 void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
                    const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
                    const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
+                   double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds,
+                   const std::optional<at::Tensor>& state_seeds) {
   require_cpu(params, "adam_step");
   if (found_inf.item<bool>()) return;
   std::vector<float> step_size(params.size()), bc2_sqrt(params.size());
@@ -290,6 +325,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
   }
   auto spans = spans_of(params);
   const MasterStore store{params, out, lows, seeds_of(seeds)};
+  const StateStore states{{&exp_avgs, &exp_avg_sqs}, seeds_of(state_seeds)};
   const float isc = inv_scale, b1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
   const float decay = decoupled ? 1.0 - lr * weight_decay : 1.0f, l2 = decoupled ? 0.0f : (float)weight_decay;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
@@ -297,10 +333,10 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
       const Span& s = spans[k];
       const float ss = step_size[s.tensor], bc = bc2_sqrt[s.tensor];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[s.tensor].scalar_type(), "mixedprec_adam", [&] {
-        on_masters(store, s, [&](float* p, int64_t begin, int64_t n) {
+        on_masters(store, states, s, [&](float* p, float* const* st, int64_t begin, int64_t n) {
           const scalar_t* g = grads[s.tensor].data_ptr<scalar_t>() + begin;
-          float* m = exp_avgs[s.tensor].data_ptr<float>() + begin;
-          float* v = exp_avg_sqs[s.tensor].data_ptr<float>() + begin;
+          float* m = st[0];
+          float* v = st[1];
           int64_t i = 0;
           if constexpr (vectorizable<scalar_t>) {
             const Vec visc(isc), vdecay(decay), vl2(l2), vb1(b1), vb2(b2), vomb2(omb2), vbc(bc), veps(fe), vss(ss);

@@ -16,17 +16,17 @@ std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>&);
 using TV = std::vector<at::Tensor>;
 using Seeds = std::optional<at::Tensor>;
 void sgd_step_cpu(const TV&, const TV&, const TV&, const TV&, const at::Tensor&, double, double, double, double, double, bool, bool, bool,
-                  const TV&, const Seeds&);
+                  const TV&, const Seeds&, const Seeds&);
 void adam_step_cpu(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
-                   double, bool, const TV&, const Seeds&);
+                   double, bool, const TV&, const Seeds&, const Seeds&);
 #ifdef WITH_CUDA
 at::Tensor scale_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 at::Tensor scale_add_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 std::vector<at::Tensor> l2norm_cuda(const std::vector<at::Tensor>&);
 void sgd_step_cuda(const TV&, const TV&, const TV&, const TV&, const at::Tensor&, double, double, double, double, double, bool, bool, bool,
-                   const TV&, const Seeds&);
+                   const TV&, const Seeds&, const Seeds&);
 void adam_step_cuda(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
-                    double, bool, const TV&, const Seeds&);
+                    double, bool, const TV&, const Seeds&, const Seeds&);
 #endif
 
 using TL = at::TensorList;
@@ -48,7 +48,7 @@ static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::
 // their int16 low halves in `lows`, or rounded stochastically with one int64 seed per param in `seeds` (bf16_bits.h).
 static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
                              const std::vector<const std::vector<at::Tensor>*>& states, const std::vector<at::Tensor>& out,
-                             const std::vector<at::Tensor>& lows, const Seeds& seeds, const char* op) {
+                             const std::vector<at::Tensor>& lows, const Seeds& seeds, const Seeds& state_seeds, const char* op) {
   check_pairs(grads, params, op);
   for (auto st : states) check_pairs(params, *st, op);          // state lists the step uses: as long as params
   if (!out.empty()) check_pairs(params, out, op);
@@ -74,8 +74,25 @@ static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::ve
     TORCH_CHECK_VALUE(seeds->scalar_type() == at::kLong && seeds->dim() == 1 && seeds->numel() == (int64_t)params.size() && seeds->is_contiguous() &&
                       (params.empty() || seeds->device() == params[0].device()),
                       msg(op, ": `seeds` must be a 1-d int64 tensor with one seed per param, on the params' device"));
+  // The optimizer state: all fp32, or all bf16 rounded stochastically with one int64 seed per tensor and state list in
+  // `state_seeds` (params x lists), laid out as its param.
+  const bool has_state_seeds = state_seeds.has_value() && state_seeds->defined();
+  const bool bf16_state = !states.empty() && !states[0]->empty() && (*states[0])[0].scalar_type() == at::kBFloat16;
+  const auto state_type = bf16_state ? at::kBFloat16 : at::kFloat;
   for (auto st : states)
-    for (size_t i = 0; i < st->size(); ++i) TORCH_CHECK_VALUE((*st)[i].scalar_type() == at::kFloat, msg(op, ": optimizer state must be fp32 (tensor ", i, ")"));
+    for (size_t i = 0; i < st->size(); ++i) {
+      TORCH_CHECK_VALUE((*st)[i].scalar_type() == state_type, msg(op, ": optimizer state must be all fp32 or all bf16, tensor ", i, " is ",
+                        (*st)[i].scalar_type(), " and the first is ", state_type));
+      TORCH_CHECK_VALUE(!bf16_state || (*st)[i].strides() == params[i].strides(), msg(op, ": bf16 state tensor ", i, " must be laid out as its param"));
+    }
+  TORCH_CHECK_VALUE(bf16_state == has_state_seeds, msg(op, bf16_state ? ": bf16 optimizer state is rounded stochastically: pass `state_seeds`"
+                                                                     : ": `state_seeds` are for bf16 optimizer state, and this state is fp32"));
+  if (has_state_seeds)
+    TORCH_CHECK_VALUE(state_seeds->scalar_type() == at::kLong && state_seeds->dim() == 2 && state_seeds->size(0) == (int64_t)params.size() &&
+                      state_seeds->size(1) == (int64_t)states.size() && state_seeds->is_contiguous() &&
+                      (params.empty() || state_seeds->device() == params[0].device()),
+                      msg(op, ": `state_seeds` must be a contiguous int64 tensor of one seed per param and state list (", params.size(), " x ",
+                          states.size(), "), on the params' device"));
 }
 
 // Every tensor of every list on one device; on CUDA, each dense in a layout the kernels index (contiguous or channels-last).
@@ -129,24 +146,27 @@ std::tuple<at::Tensor, at::Tensor> l2norm_op(TL ts_) {
 
 template <bool Cuda>
 void sgd_step_op(TL grads_, TL params_, TL bufs_, TL out_, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled, TL lows_, const Seeds& seeds) {
+                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled, TL lows_, const Seeds& seeds,
+                 const Seeds& state_seeds) {
   auto grads = grads_.vec(), params = params_.vec(), bufs = bufs_.vec(), out = out_.vec(), lows = lows_.vec();
   check_step_pairs(grads, params, !bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
-                   out, lows, seeds, "sgd_step_");
+                   out, lows, seeds, state_seeds, "sgd_step_");
   one_device({&grads, &params, &bufs, &out, &lows}, "sgd_step_", Cuda);
 #ifdef WITH_CUDA
   if constexpr (Cuda) return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run,
-                                           decoupled, lows, seeds);
+                                           decoupled, lows, seeds, state_seeds);
 #endif
-  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled, lows, seeds);
+  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled, lows, seeds,
+               state_seeds);
 }
 
 template <bool Cuda>
 void adam_step_op(TL grads_, TL params_, TL exp_avgs_, TL exp_avg_sqs_, TL out_, const at::Tensor& found_inf, TL steps_, double inv_scale,
-                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled, TL lows_, const Seeds& seeds) {
+                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled, TL lows_, const Seeds& seeds,
+                  const Seeds& state_seeds) {
   auto grads = grads_.vec(), params = params_.vec(), exp_avgs = exp_avgs_.vec(), exp_avg_sqs = exp_avg_sqs_.vec(), out = out_.vec(), steps = steps_.vec();
   auto lows = lows_.vec();
-  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, lows, seeds, "adam_step_");
+  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, lows, seeds, state_seeds, "adam_step_");
   TORCH_CHECK_VALUE(steps.size() == params.size(), msg("adam_step_: one step count per param, got ", steps.size(), " for ", params.size(), " params"));
   for (size_t i = 0; i < steps.size(); ++i)
     TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == params[i].device(),
@@ -155,9 +175,10 @@ void adam_step_op(TL grads_, TL params_, TL exp_avgs_, TL exp_avg_sqs_, TL out_,
   one_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &out, &lows}, "adam_step_", Cuda);
 #ifdef WITH_CUDA
   if constexpr (Cuda) return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay,
-                                            decoupled, lows, seeds);
+                                            decoupled, lows, seeds, state_seeds);
 #endif
-  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, lows, seeds);
+  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, lows, seeds,
+                state_seeds);
 }
 
 }  // namespace mixedprec
@@ -167,10 +188,11 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("scale_add_check_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor? scale_tensor=None) -> Tensor");
   m.def("l2norm(Tensor[] tensors) -> (Tensor, Tensor)");
   m.def("sgd_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor(c!)[] out, Tensor found_inf, float inv_scale, float lr, "
-        "float momentum, float dampening, float weight_decay, bool nesterov, bool first_run, bool decoupled, Tensor(d!)[] lows, Tensor? seeds) -> ()");
+        "float momentum, float dampening, float weight_decay, bool nesterov, bool first_run, bool decoupled, Tensor(d!)[] lows, Tensor? seeds, "
+        "Tensor? state_seeds=None) -> ()");
   m.def("adam_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] out, Tensor found_inf, "
         "Tensor[] steps, float inv_scale, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor(e!)[] lows, "
-        "Tensor? seeds) -> ()");
+        "Tensor? seeds, Tensor? state_seeds=None) -> ()");
 }
 
 #define MIXEDPREC_IMPLS(KEY, CUDA)                                                  \

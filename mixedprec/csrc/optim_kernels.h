@@ -48,37 +48,64 @@ MIXEDPREC_HD void store_masters(const float (&x)[W], ParamBits<Mode>* p, int16_t
   }
 }
 
+// How a functor finds the optimizer state: fp32 tensors, or bf16 ones (raw bits) rounded stochastically on the way back,
+// with a seed per tensor and state list, from an index space of its own per list (bf16_bits.h).
+enum StateMode { kStateFp32 = 0, kStateBf16 = 1 };
+template <int SMode> using StateBits = std::conditional_t<SMode == kStateFp32, float, uint16_t>;
+
+template <int SMode, int W> MIXEDPREC_HD void load_state(const StateBits<SMode>* s, int64_t i, float (&x)[W]) {
+  if constexpr (SMode == kStateFp32) load<W>(s, i, x);
+  else {
+    uint16_t bits[W];
+    load<W>(s, i, bits);
+    MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) x[j] = bits_float((uint32_t)bits[j] << 16);
+  }
+}
+
+template <int SMode, int W> MIXEDPREC_HD void store_state(const float (&x)[W], StateBits<SMode>* s, uint64_t seed, int64_t i) {
+  if constexpr (SMode == kStateFp32) store<W>(s, i, x);
+  else {
+    uint16_t bits[W];
+    MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) bits[j] = round_stochastic(x[j], rounding_bits(seed, (uint64_t)(i + j)));
+    store<W>(s, i, bits);
+  }
+}
+
 // The lists of the tensor that a lane's block steps, and the block's element range in it: grads, params, optimizer state
 // (up to two), low halves or half copy.
-template <typename G, typename O, int Mode> struct StepLists {
+template <typename G, typename O, int Mode, int SMode> struct StepLists {
   int64_t begin, end;                          // declared before slot, whose initializer sets them
   int slot;
-  const G* g; ParamBits<Mode>* p; float* s0; float* s1; int16_t* lo; O* o; uint64_t seed;
+  const G* g; ParamBits<Mode>* p; StateBits<SMode>* s0; StateBits<SMode>* s1; int16_t* lo; O* o; uint64_t seed, sseed0, sseed1;
   template <typename Table>
-  MIXEDPREC_HD StepLists(const Table& t, const Lane& lane, int64_t chunk, int states, bool has_s0, bool has_out, const int64_t* seeds)
+  MIXEDPREC_HD StepLists(const Table& t, const Lane& lane, int64_t chunk, int states, bool has_s0, bool has_out, const int64_t* seeds,
+                         const int64_t* state_seeds)
       : slot(block_range(t, lane, chunk, begin, end)),
         g(static_cast<const G*>(t.addr[0][slot])), p(static_cast<ParamBits<Mode>*>(t.addr[1][slot])),
-        s0(has_s0 ? static_cast<float*>(t.addr[2][slot]) : nullptr), s1(states > 1 ? static_cast<float*>(t.addr[3][slot]) : nullptr),
+        s0(has_s0 ? static_cast<StateBits<SMode>*>(t.addr[2][slot]) : nullptr),
+        s1(states > 1 ? static_cast<StateBits<SMode>*>(t.addr[3][slot]) : nullptr),
         lo(Mode == kSplit ? static_cast<int16_t*>(t.addr[2 + states][slot]) : nullptr),
         o(Mode == kFp32 && has_out ? static_cast<O*>(t.addr[2 + states][slot]) : nullptr),
-        seed(Mode == kStochastic ? (uint64_t)seeds[t.global_index[slot]] : 0) {}
+        seed(Mode == kStochastic ? (uint64_t)seeds[t.global_index[slot]] : 0),
+        sseed0(SMode == kStateBf16 && has_s0 ? (uint64_t)state_seeds[(int64_t)t.global_index[slot] * states] : 0),
+        sseed1(SMode == kStateBf16 && states > 1 ? (uint64_t)state_seeds[(int64_t)t.global_index[slot] * states + 1] : 0) {}
   MIXEDPREC_HD int head() const { return pack_head(g, p, s0, s1, lo, o); }
 };
 
-template <typename G, typename O, int Mode> struct SgdFunctor {
+template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
   template <typename Table>
   MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, float lr, float momentum, float damp,
                                float wd, float decay, bool decoupled, bool nesterov, bool first_run, bool has_buf, bool has_out,
-                               const int64_t* seeds) const {
+                               const int64_t* seeds, const int64_t* state_seeds) const {
     if (*noop) return;
-    const StepLists<G, O, Mode> l(t, lane, chunk, 1, has_buf, has_out, seeds);
+    const StepLists<G, O, Mode, SMode> l(t, lane, chunk, 1, has_buf, has_out, seeds, state_seeds);
     walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
       constexpr int W = decltype(width)::value;
       G gs[W];
       float p0[W], m[W], p1[W];
       load<W>(l.g, i, gs);
       load_masters<Mode, W>(l.p, l.lo, i, p0);
-      if (l.s0 && !first_run) load<W>(l.s0, i, m);
+      if (l.s0 && !first_run) load_state<SMode, W>(l.s0, i, m);
       MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
         float gi = mul_rn(to_float(gs[j]), inv_scale);
         if (wd != 0.f) gi = add_rn(gi, mul_rn(wd, p0[j]));
@@ -89,7 +116,7 @@ template <typename G, typename O, int Mode> struct SgdFunctor {
         const float pv = decoupled ? mul_rn(p0[j], decay) : p0[j];
         p1[j] = sub_rn(pv, mul_rn(lr, gi));
       }
-      if (l.s0) store<W>(l.s0, i, m);
+      if (l.s0) store_state<SMode, W>(m, l.s0, l.sseed0, i);
       store_masters<Mode, W>(p1, l.p, l.lo, l.o, l.seed, i);
     });
   }
@@ -98,13 +125,13 @@ template <typename G, typename O, int Mode> struct SgdFunctor {
 // The scalars arrive as the host computes them (in double, rounded once to float), as the reference's Python scalars do;
 // the per-step factors come from each tensor's own step count (t.scalar[slot], beside the params) plus one; the caller
 // advances the counts afterwards, on the device, unless the flag is set.
-template <typename G, typename O, int Mode> struct AdamFunctor {
+template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
   template <typename Table>
   MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, double lr, double beta1, double beta2,
                                float omb1, float b2, float omb2, float eps, float l2, float decay, bool decoupled, bool has_out,
-                               const int64_t* seeds) const {
+                               const int64_t* seeds, const int64_t* state_seeds) const {
     if (*noop) return;
-    const StepLists<G, O, Mode> l(t, lane, chunk, 2, true, has_out, seeds);
+    const StepLists<G, O, Mode, SMode> l(t, lane, chunk, 2, true, has_out, seeds, state_seeds);
     const double s = (double)*t.scalar[l.slot] + 1.0;         // this step's count; the caller advances it afterwards
     const float step_size = (float)(lr / (1.0 - pow(beta1, s)));
     const float bc2_sqrt = (float)sqrt(1.0 - pow(beta2, s));
@@ -114,8 +141,8 @@ template <typename G, typename O, int Mode> struct AdamFunctor {
       float pv[W], m[W], v[W];
       load<W>(l.g, i, gs);
       load_masters<Mode, W>(l.p, l.lo, i, pv);
-      load<W>(l.s0, i, m);
-      load<W>(l.s1, i, v);
+      load_state<SMode, W>(l.s0, i, m);
+      load_state<SMode, W>(l.s1, i, v);
       MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
         float gi = mul_rn(to_float(gs[j]), inv_scale);
         if (decoupled) pv[j] = mul_rn(pv[j], decay);
@@ -125,8 +152,8 @@ template <typename G, typename O, int Mode> struct AdamFunctor {
         const float denom = add_rn(div_rn(sqrt_rn(v[j]), bc2_sqrt), eps);
         pv[j] = sub_rn(pv[j], mul_rn(step_size, div_rn(m[j], denom)));
       }
-      store<W>(l.s0, i, m);
-      store<W>(l.s1, i, v);
+      store_state<SMode, W>(m, l.s0, l.sseed0, i);
+      store_state<SMode, W>(v, l.s1, l.sseed1, i);
       store_masters<Mode, W>(pv, l.p, l.lo, l.o, l.seed, i);
     });
   }
@@ -144,6 +171,21 @@ inline int master_mode(const std::vector<at::Tensor>& lows, const std::optional<
     default: { constexpr int kMode = kFp32; __VA_ARGS__(); break; }                                         \
   }
 
+// The state mode of a call: bf16 when the first state tensor is (the bindings check that all are alike).
+inline int state_mode(const std::vector<at::Tensor>& state) {
+  return !state.empty() && state[0].scalar_type() == at::kBFloat16 ? kStateBf16 : kStateFp32;
+}
+
+#define MIXEDPREC_STATE_MODES(SMODE, ...)                                                                   \
+  switch (SMODE) {                                                                                          \
+    case kStateBf16: { constexpr int kSMode = kStateBf16; __VA_ARGS__(); break; }                           \
+    default: { constexpr int kSMode = kStateFp32; __VA_ARGS__(); break; }                                   \
+  }
+
+inline const int64_t* seeds_ptr(const std::optional<at::Tensor>& seeds) {
+  return seeds.has_value() && seeds->defined() ? seeds->data_ptr<int64_t>() : nullptr;
+}
+
 // The overflow flag as the kernels' int no-op flag, on the params' device (a CPU flag is copied there).
 inline at::Tensor as_int_flag(const at::Tensor& found_inf, const at::Tensor& like) { return found_inf.to(like.device(), at::kInt); }
 
@@ -151,12 +193,14 @@ template <typename Grid>
 void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                  const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
                  double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled,
-                 const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
+                 const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& state_seeds) {
   if (params.empty()) return;
   const typename Grid::Guard guard(params[0].device());
   auto flag = as_int_flag(found_inf, params[0]);
   const bool has_out = !out.empty();
   const bool has_buf = !bufs.empty();
+  const int smode = state_mode(bufs);
+  const int64_t* state_seed_ptr = seeds_ptr(state_seeds);
   const int mode = master_mode(lows, seeds);
   const int64_t* seed_ptr = mode == kStochastic ? seeds->data_ptr<int64_t>() : nullptr;
   const auto& m = has_buf ? bufs : params;            // an unused list when there is no momentum buffer
@@ -166,9 +210,12 @@ void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Ten
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, has_out ? o[0].scalar_type() : at::kFloat, "mixedprec_sgd_out", [&] {
       using O = scalar_t;
       MIXEDPREC_MODES(mode, [&] {
-        multi_tensor_apply<Grid, 4>(flag, {grads, params, m, o}, SgdFunctor<G, O, kMode>(), (float)inv_scale, (float)lr, (float)momentum,
-                                    (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
-                                    decoupled ? (float)(1.0 - lr * weight_decay) : 1.f, decoupled, nesterov, first_run, has_buf, has_out, seed_ptr);
+        MIXEDPREC_STATE_MODES(smode, [&] {
+          multi_tensor_apply<Grid, 4>(flag, {grads, params, m, o}, SgdFunctor<G, O, kMode, kSMode>(), (float)inv_scale, (float)lr, (float)momentum,
+                                      (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
+                                      decoupled ? (float)(1.0 - lr * weight_decay) : 1.f, decoupled, nesterov, first_run, has_buf, has_out, seed_ptr,
+                                      state_seed_ptr);
+        });
       });
     });
   });
@@ -181,11 +228,14 @@ template <typename Grid>
 void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
                   const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
                   const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
-                  double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
+                  double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds,
+                  const std::optional<at::Tensor>& state_seeds) {
   if (params.empty()) return;
   const typename Grid::Guard guard(params[0].device());
   auto flag = as_int_flag(found_inf, params[0]);
   const bool has_out = !out.empty();
+  const int smode = state_mode(exp_avgs);
+  const int64_t* state_seed_ptr = seeds_ptr(state_seeds);
   const int mode = master_mode(lows, seeds);
   const int64_t* seed_ptr = mode == kStochastic ? seeds->data_ptr<int64_t>() : nullptr;
   const auto& o = mode == kSplit ? lows : has_out ? out : params;
@@ -196,8 +246,11 @@ void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Te
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, has_out ? o[0].scalar_type() : at::kFloat, "mixedprec_adam_out", [&] {
       using O = scalar_t;
       MIXEDPREC_MODES(mode, [&] {
-        multi_tensor_apply_with_scalars<Grid, 5>(flag, {grads, params, exp_avgs, exp_avg_sqs, o}, steps, AdamFunctor<G, O, kMode>(),
-                                                 (float)inv_scale, lr, beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out, seed_ptr);
+        MIXEDPREC_STATE_MODES(smode, [&] {
+          multi_tensor_apply_with_scalars<Grid, 5>(flag, {grads, params, exp_avgs, exp_avg_sqs, o}, steps, AdamFunctor<G, O, kMode, kSMode>(),
+                                                   (float)inv_scale, lr, beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out, seed_ptr,
+                                                   state_seed_ptr);
+        });
       });
     });
   });
