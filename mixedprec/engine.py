@@ -231,6 +231,9 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
         params, kw = sel, dict(impl=impl)
         lists = (1 if keep_buffer else 0) if kind == 'sgd' else 2
         lean = state_dtype != torch.float32 and lists > 0
+        if (at == 'none' or lean) and torch.compiler.is_compiling():
+            raise NotImplementedError("stochastic rounding (masters='none', state='bf16') inside torch.compile: its seeds are host ints that change at "
+                                      "every step. Compile the model (the forward and backward), and let mixedprec's step run eagerly")
         seeds = seeds_for(sel) if at == 'none' or lean else None     # this step's rounding seed of each param (its stream advances once)
         if at in ('split', 'none'):
             params = [bf16_of[id(p)].param for p in sel]

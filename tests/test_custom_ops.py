@@ -39,6 +39,11 @@ def test_every_op_passes_opcheck(kernels, device):
         opcheck(k['sgd_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [], flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, lows, sd))
         opcheck(k['adam_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], [], flag,
                                   [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, lows, sd))
+    b16 = lambda: [torch.zeros_like(m, dtype=torch.bfloat16) for m in m32]                 # bf16 state, with a seed per param and state list
+    ss = torch.arange(2 * len(m32), dtype=torch.int64, device=device).reshape(len(m32), 2)
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], b16(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, ss[:, :1].contiguous()))
+    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], b16(), b16(), out, flag, [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9,
+                              0.999, 1e-8, 1e-2, True, [], None, ss))
 
 def test_the_ops_live_in_the_builds_namespace(kernels):
     assert kernels.namespace.startswith('mixedprec_') and hasattr(torch.ops, kernels.namespace)
@@ -83,13 +88,14 @@ def test_a_compiled_model_trains_without_a_graph_break_from_mixedprec(front):
         opt.step(); opt.zero_grad(); losses.append(loss.item())
     assert losses[-1] < losses[0]
 
-def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager():
+def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state='fp32'):
     from mixedprec import engine
+    from mixedprec.master import STATE_DTYPES
     def run(compiled):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0, decide='always', max_loss_scale=2.**10)
+        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0, decide='always', max_loss_scale=2.**10, state=state)
         e = opt._mixedprec_engine
         step = torch.compile(engine.fused_opt_step, fullgraph=True) if compiled else engine.fused_opt_step
         g = torch.Generator().manual_seed(1)
@@ -98,10 +104,25 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager():
             with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * (1e6 if i == 3 else 1), opt) as s: s.backward()
             if i == 0: opt.step()                              # the first step makes the optimizer state, eagerly
             else:                                             # what `StepEngine.step` does around the kernels, the skip read on the device
-                step(opt, e.plan, e.masters, e.found); e.last_found, e.found, e.stage = e.found, None, 'stepped'; e.masters.mark_written()
+                step(opt, e.plan, e.masters, e.found, None, STATE_DTYPES[state]); e.last_found, e.found, e.stage = e.found, None, 'stepped'; e.masters.mark_written()
             opt.zero_grad()
         return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
     torch._dynamo.reset()
     (eager, steps), (compiled, csteps) = run(False), run(True)
     assert steps == csteps == [5.] * 4                        # the overflowed step counted by neither
     for a, b in zip(eager, compiled): assert torch.equal(a, b)
+
+def test_a_compiled_step_with_stochastic_rounding_says_to_compile_the_model_instead():
+    # the rounding seeds are host ints that change every step; dynamo would recompile for each, then overflow int64 in inductor
+    from mixedprec import engine
+    from mixedprec.master import STATE_DTYPES
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', verbosity=0, state='bf16')
+    e = opt._mixedprec_engine
+    with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as s: s.backward()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="inside torch.compile.*Compile the model"):
+        torch.compile(engine.fused_opt_step, fullgraph=True)(opt, e.plan, e.masters, e.found, None, STATE_DTYPES['bf16'])
+    opt.step()                                                   # eagerly it steps
+    assert {v.dtype for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0} == {torch.bfloat16}
