@@ -4,6 +4,8 @@ accuracy, side by side in one run. Prints markdown tables (the README's and nbs/
     python bench/bf16_masters.py memory   [--layers 8 --width 1024]    # bytes per param and peak memory of a training step (~100M params)
     python bench/bf16_masters.py speed    [--threads 1,2]              # the fused AdamW step alone, ~100M params
     python bench/bf16_masters.py accuracy [--seeds 3]                  # digits CNN and a transformer on a synthetic task
+    python bench/bf16_masters.py lm       [--seeds 3 --steps 2000]     # a character-level LM: bytes per param, final loss, step time,
+                                                                       # lean optimizer state (state='bf16') and the anchors that install
 
 Memory is the process's peak resident set (VmHWM, reset after setup) on the CPU, or torch.cuda.max_memory_allocated on a GPU;
 each configuration runs in its own process, with glibc returning freed blocks at once (MALLOC_MMAP_THRESHOLD_).
@@ -12,13 +14,24 @@ import argparse, json, os, statistics, subprocess, sys, time
 import torch
 from torch import nn
 
-CONFIGS = {                                  # name -> (amp opt_level, masters) or None for plain fp32
+CONFIGS = {                                  # name -> (amp opt_level, masters, optimizer state) or None for plain fp32
     'fp32 (no mixed precision)': None,
-    'bf16, fp32 masters (O2)': ('O2', 'fp32'),
-    "bf16, split masters (masters='split')": ('O2', 'split'),
-    "bf16, stochastic rounding (masters='none')": ('O2', 'none'),
-    'bf16, no masters (O3, round to nearest)': ('O3', 'fp32'),
+    'bf16, fp32 masters (O2)': ('O2', 'fp32', 'fp32'),
+    "bf16, split masters (masters='split')": ('O2', 'split', 'fp32'),
+    "bf16, stochastic rounding (masters='none')": ('O2', 'none', 'fp32'),
+    'bf16, no masters (O3, round to nearest)': ('O3', 'fp32', 'fp32'),
+    "bf16, fp32 masters, bf16 state (state='bf16')": ('O2', 'fp32', 'bf16'),
+    "bf16, split masters, bf16 state (masters='split', state='bf16')": ('O2', 'split', 'bf16'),
 }
+ANCHORS = {                                  # beside them in `lm`, when installed: name -> how to build the optimizer
+    "torch-optimi AdamW, bf16 weights, Kahan summation": 'optimi',
+    "torchao AdamW8bit, fp32 weights": 'torchao',
+}
+
+def initialize(model, opt, how):
+    "The model and optimizer under amp as `how` (a `CONFIGS` value) says"
+    from mixedprec import amp
+    return amp.initialize(model, opt, opt_level=how[0], half_dtype='bf16', masters=how[1], state=how[2], verbosity=0)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import cpu_name as cpu_units                        # the CPU's model name and its half-precision units
@@ -40,6 +53,8 @@ def transformer(layers, width, vocab=1000):
 def _unique_bytes(tensors) -> int:
     seen, n = set(), 0
     for t in tensors:
+        if hasattr(t, '__tensor_flatten__') and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):   # a subclass (torchao's 8-bit state): its parts
+            n += _unique_bytes([getattr(t, k) for k in t.__tensor_flatten__()[0]]); continue
         s = t.untyped_storage()
         if s.data_ptr() in seen: continue
         seen.add(s.data_ptr()); n += s.nbytes()
@@ -70,7 +85,7 @@ def memory_worker(config, layers, width, steps, bs, seq):
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     how = CONFIGS[config]
-    if how is not None: model, opt = amp.initialize(model, opt, opt_level=how[0], half_dtype='bf16', masters=how[1], verbosity=0)
+    if how is not None: model, opt = initialize(model, opt, how)
     ids = torch.randint(0, 1000, (bs, seq), device=device)
     def step():
         loss = nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
@@ -179,7 +194,7 @@ def train_task(task, config, seed, epochs):
         model, lr, bs, flat = sort_model(), 1e-3, 64, True
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     how = CONFIGS[config]
-    if how is not None: model, opt = amp.initialize(model, opt, opt_level=how[0], half_dtype='bf16', masters=how[1], verbosity=0)
+    if how is not None: model, opt = initialize(model, opt, how)
     loss_of = lambda out, y: nn.functional.cross_entropy(out.float().flatten(0, 1) if flat else out.float(), y.flatten() if flat else y)
     for ep in range(epochs):
         model.train()
@@ -206,16 +221,108 @@ def accuracy(a):
             cells.append(f"{100 * statistics.mean(accs):.1f}% ({100 * min(accs):.1f}-{100 * max(accs):.1f})")
         print(f"| {config} | {' | '.join(cells)} |", flush=True)
 
+def char_text():
+    "Text that ships with Python: the standard library's sources of a few modules, as bytes below 128"
+    import argparse as _a, difflib, textwrap, inspect as _i, json.decoder as _j
+    text = ''.join(open(m.__file__, encoding='utf-8').read() for m in (_a, difflib, textwrap, _i, _j))
+    data = torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
+    n = int(len(data) * 0.9)
+    return data[:n], data[n:]
+
+def char_lm(width=128, layers=2, ctx=64, vocab=128):
+    "A small causal transformer over characters"
+    class CharLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos = nn.Embedding(vocab, width), nn.Parameter(torch.randn(ctx, width) * 0.02)
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0., batch_first=True, norm_first=True), layers,
+                                             enable_nested_tensor=False)
+            self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+            self.register_buffer('mask', nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
+        def forward(self, x):
+            h = self.emb(x) + self.pos[:x.shape[1]].to(self.emb.weight.dtype)
+            return self.head(self.norm(self.enc(h, mask=self.mask[:x.shape[1], :x.shape[1]].to(h.dtype), is_causal=True)))
+    return CharLM()
+
+def lm_run(config, seed, steps, bs=16, ctx=64, lr=2e-3):
+    "Train the char LM for `steps` AdamW steps under `config`: final validation loss (nats/char), bytes per param held, median step time"
+    from mixedprec import amp
+    torch.manual_seed(seed)
+    train, valid = char_text()
+    model = char_lm(ctx=ctx)
+    n = sum(p.numel() for p in model.parameters())
+    anchor, how = ANCHORS.get(config), CONFIGS.get(config)
+    if anchor == 'optimi':
+        import optimi
+        model = model.bfloat16(); opt = optimi.AdamW(model.parameters(), lr=lr, weight_decay=0.01, kahan_sum=True)
+    elif anchor == 'torchao':
+        from torchao.optim import AdamW8bit
+        opt = AdamW8bit(model.parameters(), lr=lr, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        if how is not None: model, opt = initialize(model, opt, how)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, cycle_momentum=False)
+    g = torch.Generator().manual_seed(seed)
+    half_in = anchor == 'optimi'
+    times = []
+    for i in range(steps):
+        idx = torch.randint(0, len(train) - ctx - 1, (bs,), generator=g)
+        x, y = torch.stack([train[j:j + ctx] for j in idx]), torch.stack([train[j + 1:j + ctx + 1] for j in idx])
+        t = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        if how is None: loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as sl: sl.backward()
+        opt.step(); opt.zero_grad(); sched.step()
+        times.append(time.perf_counter() - t)
+    held = persistent_bytes(model, opt)
+    model.eval()
+    with torch.no_grad():
+        xs = valid[:(len(valid) - 1) // ctx * ctx]
+        x, y = xs.view(-1, ctx), valid[1:len(xs) + 1].view(-1, ctx)
+        val = nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).item()
+    return dict(loss=val, bytes={k: v / n for k, v in held.items()}, step=statistics.median(times), params=n)
+
+def lm(a):
+    configs = [c for c in CONFIGS if a.only is None or any(o in c for o in a.only)]
+    for name, mod in ANCHORS.items():
+        if a.only is not None and not any(o in name for o in a.only): continue
+        try: __import__({'optimi': 'optimi', 'torchao': 'torchao.optim'}[mod]); configs.append(name)
+        except ImportError: print(f"(not installed, so not measured: {name})")
+    rows = []
+    for config in configs:
+        runs = [lm_run(config, s, a.steps) for s in range(a.seeds)]
+        rows.append((config, runs))
+        print(f"  {config}: {[round(r['loss'], 4) for r in runs]}", file=sys.stderr, flush=True)
+    ref = next(runs for c, runs in rows if c == 'fp32 (no mixed precision)') if any(c.startswith('fp32') for c, _ in rows) else rows[0][1]
+    ref_losses, ref_step = [r['loss'] for r in ref], statistics.median(r['step'] for r in ref)
+    lo, hi = min(ref_losses), max(ref_losses)
+    print(f"\ncharacter-level transformer LM ({rows[0][1][0]['params'] / 1e6:.2f}M params, 2 layers of width 128, context 64, on Python's stdlib "
+          f"sources), {a.steps} AdamW steps of 16 sequences, one-cycle schedule; seeds {list(range(a.seeds))}; torch {torch.__version__}; {cpu_name()}\n")
+    print("| configuration | weights | masters | optimizer state | grads kept | bytes/param in all | final validation loss (nats/char), mean (min-max) | within fp32's spread | step time vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for config, runs in rows:
+        b = {k: statistics.mean(r['bytes'][k] for r in runs) for k in runs[0]['bytes']}
+        ls = [r['loss'] for r in runs]
+        m = statistics.mean(ls)
+        inside = 'yes' if lo - (hi - lo) <= m <= hi + (hi - lo) else 'no'
+        print(f"| {config} | {b['weights']:.1f} | {b['masters']:.1f} | {b['state']:.1f} | {b['grads']:.1f} | {sum(b.values()):.1f} | "
+              f"{m:.4f} ({min(ls):.4f}-{max(ls):.4f}) | {inside} | {statistics.median(r['step'] for r in runs) / ref_step:.2f}x |", flush=True)
+    print(f"\n('within fp32's spread': the mean lies within the fp32 runs' range widened by that range on each side, {lo:.4f}-{hi:.4f} "
+          f"± {hi - lo:.4f}; bytes per param held between steps, measured from the tensors)")
+
 if __name__ == '__main__':
     if len(sys.argv) > 1 and sys.argv[1] == '_memory_worker':
         c, layers, width, steps, bs, seq = sys.argv[2:]
         print(json.dumps(memory_worker(c, int(layers), int(width), int(steps), int(bs), int(seq))))
         raise SystemExit
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('what', choices=['memory', 'speed', 'accuracy'])
+    ap.add_argument('what', choices=['memory', 'speed', 'accuracy', 'lm'])
+    ap.add_argument('--only', nargs='*', default=None, help="lm: only the configurations whose names hold one of these")
     ap.add_argument('--layers', type=int, default=8); ap.add_argument('--width', type=int, default=1024)
     ap.add_argument('--steps', type=int, default=3); ap.add_argument('--bs', type=int, default=4); ap.add_argument('--seq', type=int, default=64)
     ap.add_argument('--repeat', type=int, default=5); ap.add_argument('--threads', type=lambda s: [int(x) for x in s.split(',')], default=[1, 2])
     ap.add_argument('--seeds', type=int, default=3); ap.add_argument('--epochs-digits', type=int, default=8); ap.add_argument('--epochs-sort', type=int, default=15)
     a = ap.parse_args()
-    {'memory': memory, 'speed': speed, 'accuracy': accuracy}[a.what](a)
+    if a.what == 'lm' and '--steps' not in sys.argv: a.steps = 2000
+    {'memory': memory, 'speed': speed, 'accuracy': accuracy, 'lm': lm}[a.what](a)

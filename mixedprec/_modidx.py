@@ -205,6 +205,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'mixedprec.distributed.fsdp2_sharded': ( 'distributed.html#fsdp2_sharded',
                                                                                 'mixedprec/distributed.py'),
                                        'mixedprec.distributed.rank': ('distributed.html#rank', 'mixedprec/distributed.py'),
+                                       'mixedprec.distributed.rank0s': ('distributed.html#rank0s', 'mixedprec/distributed.py'),
                                        'mixedprec.distributed.refuse_fsdp2': ('distributed.html#refuse_fsdp2', 'mixedprec/distributed.py'),
                                        'mixedprec.distributed.set_process_group': ( 'distributed.html#set_process_group',
                                                                                     'mixedprec/distributed.py'),

@@ -24,7 +24,7 @@ from fastcore.foundation import L
 from .master import (MasterParams, clip_grads_, master_value, load_master_, CheckpointError, check_master_value, check_state_value,
                               fp32_state, split_flat_state, flat_slice, _like, _mix, STATE_DTYPES, check_state_store)
 from .convert import masters_for
-from .distributed import agree, sum_over_ranks, Shards
+from .distributed import agree, sum_over_ranks, Shards, rank0s
 
 # %% ../nbs/14_engine.ipynb #e0000007
 DECIDE = ['cuda']                                  # where a front end decides the skip unless told: 'cuda', 'always' or 'never' (process-wide)
@@ -324,16 +324,12 @@ def put_model_params_back(optimizer, masters_of:dict, flats:dict=None) -> bool:
     adapter.set_groups(groups)
     return True
 
-def _check_lean(optimizer, state:str, flat:bool=False, shard:bool=False) -> str:
-    "`state` checked for `optimizer`: lean state ('bf16') needs an optimizer the fused steps know, per-param masters, and no sharding (yet)"
+def _check_lean(optimizer, state:str, flat:bool=False) -> str:
+    "`state` checked for `optimizer`: lean state ('bf16') needs an optimizer the fused steps know, and per-param masters"
     check_state_store(state, flat)
-    if state == 'fp32': return state
-    if fused_plan(optimizer) is None:
+    if state != 'fp32' and fused_plan(optimizer) is None:
         raise ValueError(f"state={state!r} is kept by the fused steps, which know torch's SGD, Adam and AdamW and fastai's SGD and Adam, "
                          f"not {type(optimizer).__name__} (with these settings): use one of those, or state='fp32'")
-    if shard:
-        raise ValueError(f"state={state!r} with sharded masters (shard=True) is not built yet: the gathers that checkpoints and `to_fp32()` run "
-                         f"move fp32 state. Shard with state='fp32', or keep state={state!r} without shard=True")
     return state
 
 STAGES = {'ready': "nothing pending: a new engine, or grads cleared",          # the engine's progress, as torch's `OptState`
@@ -356,7 +352,9 @@ class StepEngine:
     ):
         self.optimizer, self.masters, self.scaler, self.clip, self.hint = optimizer, masters, scaler, clip, hint
         self.adapter = adapter if adapter is not None else adapter_for(optimizer)
-        self.state = _check_lean(optimizer, state, masters.flat, masters.shards is not None)
+        self.state = _check_lean(optimizer, state, masters.flat)
+        if self.state != 'fp32' or masters.store == 'none':     # stochastic rounding: every rank draws the same bits, whatever its torch seed
+            masters.rounding_seed = rank0s(masters.rounding_seed)
         self.decide, self.impl = _check_decide(decide) if decide is not None else None, impl
         self.found = self.last_found = None       # the pending decision and the last step's: 0-dim bool tensors (True: skip)
         self.loss_finite = None                   # every loss scaled since the last unscale was finite (0-dim bool tensor)
@@ -372,7 +370,7 @@ class StepEngine:
     def attach(cls, optimizer, masters_of:dict, names:dict=None, flat:bool=False, store:str='fp32', shard:bool=False, **kwargs):
         "The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its groups given the masters from `masters_of` (half param -> fp32 master; one flat master per group with `flat`; kept as `store` says; with `shard`, this rank's only) and its state moved onto them"
         adapter = adapter_for(optimizer)
-        _check_lean(optimizer, kwargs.get('state', 'fp32'), flat, shard)      # before anything changes
+        _check_lean(optimizer, kwargs.get('state', 'fp32'), flat)      # before anything changes
         return cls(optimizer, _swap_in(adapter, masters_of, names, kwargs.get('impl'), flat, store, shard), adapter=adapter, **kwargs)
 
     def detach(self):

@@ -151,7 +151,7 @@ class Gain(nn.Module):
     def __init__(self): super().__init__(); self.gain = nn.Parameter(torch.ones(1))
     def forward(self, x): return x.float() * self.gain
 
-def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=None, resume=False):
+def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=None, resume=False, state='fp32'):
     """FP16_Optimizer (sharded or not) over a half MLP and an fp32 param, clipped, with an inf and a nan written into one rank's grads
     after the reduction; with `ddp=False` every rank trains on the whole batch (identical grads at any world size)"""
     from mixedprec.fp16_optimizer import FP16_Optimizer
@@ -160,7 +160,9 @@ def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=
     net = DDP(model) if (world > 1 and ddp) else model
     params = [{'params': list(model.parameters())[:4]}, {'params': list(model.parameters())[4:], 'lr': 5e-3}]
     inner = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3) if opt_name == 'adam' else torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
-    opt = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**10, scale_window=3), verbose=False, shard=shard)
+    if state != 'fp32': torch.manual_seed(1000 + rank)        # each rank its own torch seed: the stochastic rounding must not follow it
+    opt = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**10, scale_window=3), verbose=False, shard=shard,
+                         state=state)
     start = 0
     if resume:
         ck = torch.load(os.path.join(outdir, 'sharded.pt'), weights_only=False)

@@ -25,6 +25,16 @@ def test_sharded_equals_unsharded_ddp_bit_for_bit(world, opt, tmp_path):
     total, largest = plain[0]['nbytes'], 24 * 32 * 16                  # the largest param's fp32 master + Adam's two states (bytes)
     assert all(s['nbytes'] < total / world + largest for s in sharded)
 
+def test_bf16_state_sharded_equals_unsharded_and_every_rank_rounds_alike(tmp_path):
+    # the ranks start from different torch seeds; the rounding seed is rank 0's on every rank, so plain DDP keeps identical
+    # state and weights on all ranks, and ZeRO-1 shards the bf16 state as it shards fp32 state
+    sharded = spawn('sharded', tmp_path, True, 'adam', True, None, False, 'bf16', world=2)
+    plain = spawn('sharded', tmp_path, False, 'adam', True, None, False, 'bf16', world=2)
+    for r in range(2):
+        same(plain[r], plain[0]); same(sharded[r], plain[r])
+    kinds = {v.dtype for st in plain[0]['state'] for k, v in st if isinstance(v, torch.Tensor) and v.dim() > 0}
+    assert kinds == {torch.bfloat16}
+
 def test_a_checkpoint_saved_at_2_ranks_resumes_at_1_and_3_as_the_uninterrupted_run(tmp_path):
     whole = spawn('sharded', tmp_path, True, 'adam', False, 5, world=2)   # every rank on the whole batch: the same grads at any world size
     one = W.sharded(0, 1, str(tmp_path), False, 'adam', False, None, True)  # a single process, unsharded
