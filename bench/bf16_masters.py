@@ -209,12 +209,12 @@ def train_task(task, config, seed, epochs):
     return (pred == yv).float().mean().item()
 
 def accuracy(a):
-    tasks = {'digits CNN': a.epochs_digits, 'transformer, sort 16 tokens': a.epochs_sort}
+    tasks = {t: e for t, e in {'digits CNN': a.epochs_digits, 'transformer, sort 16 tokens': a.epochs_sort}.items() if a.tasks is None or any(k in t for k in a.tasks)}
     print(f"\nvalidation accuracy, mean and spread (min-max) over seeds {list(range(a.seeds))}; AdamW; torch {torch.__version__}; {cpu_name()}\n")
     print(f"| configuration | {' | '.join(f'{t} ({e} epochs)' for t, e in tasks.items())} |")
     print(f"|---|{'---|' * len(tasks)}")
     from mixedprec import amp
-    for config in CONFIGS:
+    for config in [c for c in CONFIGS if a.only is None or any(o in c for o in a.only)]:
         cells = []
         for task, epochs in tasks.items():
             accs = [train_task(task, config, s, epochs) for s in range(a.seeds)]
@@ -318,7 +318,8 @@ if __name__ == '__main__':
         raise SystemExit
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('what', choices=['memory', 'speed', 'accuracy', 'lm'])
-    ap.add_argument('--only', nargs='*', default=None, help="lm: only the configurations whose names hold one of these")
+    ap.add_argument('--only', nargs='*', default=None, help="lm, accuracy: only the configurations whose names hold one of these")
+    ap.add_argument('--tasks', nargs='*', default=None, help="accuracy: only the tasks whose names hold one of these ('digits', 'sort')")
     ap.add_argument('--layers', type=int, default=8); ap.add_argument('--width', type=int, default=1024)
     ap.add_argument('--steps', type=int, default=3); ap.add_argument('--bs', type=int, default=4); ap.add_argument('--seq', type=int, default=64)
     ap.add_argument('--repeat', type=int, default=5); ap.add_argument('--threads', type=lambda s: [int(x) for x in s.split(',')], default=[1, 2])
