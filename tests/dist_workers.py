@@ -382,3 +382,18 @@ def fastai_distrib_ctx(rank, world, outdir, shard=True):
     with learn.distrib_ctx(cpu=True, sync_bn=False):
         learn.fit(3, cbs=[Inject(), SaveModelCallback(fname=f'best{shard}', with_opt=True, every_epoch=False)])
     return fastai_results(learn, sharded=learn.mixed_precision.masters.shards is not None, model_type=type(learn.model).__name__)
+
+def rounding_ranks(rank, world, masters='none', state='fp32'):
+    "FP16_Optimizer over a bf16 MLP under DDP, each rank seeded apart before it is built: what stochastic rounding leaves on each rank"
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    model = deep_mlp().bfloat16()
+    net = DDP(model)
+    torch.manual_seed(1000 + rank)                       # each rank its own torch seed, as launchers leave it when nobody seeds
+    opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), verbose=False, masters=masters, state=state)
+    for step in range(6):
+        x, y = data(step)
+        opt.zero_grad()
+        opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).bfloat16()).float(), shard_rows(y, rank, world)))
+        opt.step()
+    return dict(params=[p.detach().clone() for p in model.parameters()],
+                state=[v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])

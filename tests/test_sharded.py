@@ -35,6 +35,15 @@ def test_bf16_state_sharded_equals_unsharded_and_every_rank_rounds_alike(tmp_pat
     kinds = {v.dtype for st in plain[0]['state'] for k, v in st if isinstance(v, torch.Tensor) and v.dim() > 0}
     assert kinds == {torch.bfloat16}
 
+@pytest.mark.parametrize("masters,state", [('none', 'fp32'), ('split', 'bf16')])
+def test_ranks_seeded_apart_round_alike_under_ddp(masters, state, tmp_path):
+    # stochastic rounding of the weights (masters='none') or of the state must draw the same bits on every rank, or the
+    # replicated weights drift apart with no error
+    ranks = spawn('rounding_ranks', tmp_path, masters, state, world=2)
+    for k in ('params', 'state'):
+        assert len(ranks[0][k]) and all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                                    b.view(torch.int16) if b.dtype == torch.bfloat16 else b) for a, b in zip(ranks[0][k], ranks[1][k])), k
+
 def test_a_checkpoint_saved_at_2_ranks_resumes_at_1_and_3_as_the_uninterrupted_run(tmp_path):
     whole = spawn('sharded', tmp_path, True, 'adam', False, 5, world=2)   # every rank on the whole batch: the same grads at any world size
     one = W.sharded(0, 1, str(tmp_path), False, 'adam', False, None, True)  # a single process, unsharded
