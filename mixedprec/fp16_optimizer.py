@@ -11,7 +11,7 @@ from .scaler import LossScaler, ScalingError
 from .convert import masters_for
 from .engine import StepEngine
 from .ops import require_impl
-from .master import check_store, check_state_store
+from .master import check_store
 from .distributed import refuse_fsdp2, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
@@ -53,7 +53,6 @@ class FP16_Optimizer:
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
         self.masters_of = masters_for(params)
-        check_state_store(state)
         self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard, state=state,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
