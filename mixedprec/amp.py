@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
 from .convert import convert_model, masters_for, to_fp32, check_half_dtype, HALF_DTYPES
-from .engine import StepEngine, scale_into, unscale_into, _check_decide
+from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
 from .master import check_store, check_state_store
 from .distributed import refuse_fsdp2
@@ -78,7 +78,7 @@ NO_FLOOR = 2.**-126                              # `min_loss_scale=None`: the sm
 _HINT = ("wrap the backward in `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` "
          "(with `delay_unscale=True`, the last loss before the step must be scaled without it)")
 
-_engines = weakref.WeakKeyDictionary()          # the optimizer a user passed to `initialize` -> its engine (so `scale_loss` takes either handle)
+_engines = weakref.WeakKeyDictionary()          # the optimizer a user passed to `initialize`, and the `AmpOptimizer` it returned -> their engine
 
 def _refuse_own_step(engine_ref):
     "A step pre-hook for the optimizer passed to `initialize`: its own `step()` would step the masters without the skip or the copy into the model"
@@ -94,7 +94,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     "What `amp.initialize` returns for each optimizer: the one passed in (its groups, state, hooks and hyper-parameters, shared), stepped through its step engine"
     def __init__(self, optimizer:torch.optim.Optimizer, engine:StepEngine):
         self.__dict__.update(optimizer=optimizer, _mixedprec_engine=engine)
-        _engines[optimizer] = engine
+        _engines[optimizer] = _engines[self] = engine
         optimizer.register_step_pre_hook(_refuse_own_step(weakref.ref(engine)))
 
     engine = property(lambda self: self._mixedprec_engine, doc="The step engine")
@@ -167,8 +167,9 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
                                "twice and make masters from its rounded weights. Call amp.initialize once, with every model and optimizer in one call")
     for o in opt_list:
         if not isinstance(o, torch.optim.Optimizer): raise TypeError(f"amp.initialize takes torch.optim.Optimizers, got {type(o).__name__} (do not wrap them in FP16_Optimizer)")
-        if hasattr(o, '_mixedprec_engine') or o in _engines: raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
+        if o in _engines: raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
         refuse_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize")
+        _check_lean(o, state)                                   # an optimizer the fused steps do not know, with lean state: before any model is converted
     if not (isinstance(num_losses, int) and num_losses >= 1): raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
     check_store(masters, props['dtype'])
@@ -211,15 +212,15 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
 def _engines_of(optimizers) -> list:
     "The step engine of each optimizer"
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    missing = [type(o).__name__ for o in opts if not hasattr(o, '_mixedprec_engine') and o not in _engines]
+    missing = [type(o).__name__ for o in opts if o not in _engines]
     if missing: raise ValueError(f"these optimizers were not passed to amp.initialize: {missing}")
-    return [o._mixedprec_engine if hasattr(o, '_mixedprec_engine') else _engines[o] for o in opts]
+    return [_engines[o] for o in opts]
 
 @contextlib.contextmanager
 def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_unscale:bool=False, delay_overflow_check:bool=False):
     "Yield `loss.float()*scale`; on exit unscale into the master grads of `optimizers`, check, and update the scale"
     if _state is None: raise RuntimeError("call amp.initialize(model, optimizer, ...) before amp.scale_loss")
-    if not _state.enabled and not any(hasattr(o, '_mixedprec_engine') or o in _engines for o in (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])):
+    if not _state.enabled and not any(o in _engines for o in (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])):
         yield loss; return
     engines = _engines_of(optimizers)
     for ref in getattr(engines[0].amp, 'models', []):      # a model wrapped by `fully_shard` after initialize would run, and never train
@@ -232,7 +233,7 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
 # %% ../nbs/17_amp.ipynb #939c780f
 def master_params(optimizer, local:bool=False):
     "The params `optimizer` owns, as an iterator: the fp32 masters at O2, the model's params otherwise. Refused with sharded masters (each rank's clip would use its own shard's norm) unless `local=True`"
-    e = getattr(optimizer, '_mixedprec_engine', None) or _engines.get(optimizer)
+    e = _engines.get(optimizer)
     if not local and e is not None and e.masters.shards is not None and e.masters.shards.world > 1:
         raise RuntimeError("amp.master_params(optimizer) with shard=True gives this rank's shard of the masters, so "
                            "`clip_grad_norm_(amp.master_params(optimizer), max_norm)` would clip each rank by the norm of its own shard and "

@@ -448,14 +448,18 @@ def _attach(learn, cb):
     require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)   # kernels that cannot run: refused before anything changes
     learn.to_fp32()
     learn.add_cb(cb)
-    cb.prepare()
-    if not cb.conversion.masters: return learn      # nothing to convert: the callback only casts inputs and outputs
-    old = learn.opt
-    held = {id(p) for g in old.param_lists for p in g} if old is not None else set()
-    if old is None or any(id(p) not in held for p in learn.model.parameters()):
-        learn.create_opt()                           # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
-        if old is not None: adapter_for(learn.opt).take_state(adapter_for(old), list(learn.model.parameters()))
-    cb.attach_opt()
+    try:
+        cb.prepare()
+        if not cb.conversion.masters: return learn      # nothing to convert: the callback only casts inputs and outputs
+        old = learn.opt
+        held = {id(p) for g in old.param_lists for p in g} if old is not None else set()
+        if old is None or any(id(p) not in held for p in learn.model.parameters()):
+            learn.create_opt()                           # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
+            if old is not None: adapter_for(learn.opt).take_state(adapter_for(old), list(learn.model.parameters()))
+        cb.attach_opt()
+    except BaseException:
+        learn.to_fp32()                                  # refused (an optimizer lean state cannot use, ...): the Learner is fp32 again, as it came
+        raise
     return learn
 
 @patch

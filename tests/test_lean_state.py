@@ -4,7 +4,8 @@ through checkpoints, and against the same run with fp32 state."""
 from functools import partial
 import pytest, torch
 from torch import nn
-from fastai.optimizer import Adam, SGD
+from fastai.optimizer import Adam, SGD, RAdam
+from mixedprec.callback import MixedPrecision
 from mixedprec import ops, amp
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from helpers import synth_learner, mlp
@@ -102,6 +103,18 @@ def test_bad_lean_state_input_says_what_to_do():
     with pytest.raises(ValueError, match="RMSprop.*state='fp32'"):
         FP16_Optimizer(torch.optim.RMSprop(model.parameters(), lr=1e-3), state='bf16', verbose=False)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())                      # refused before anything changed
+
+def test_an_optimizer_lean_state_cannot_use_leaves_the_model_as_it_was():
+    "amp refuses before converting; fastai's to_bf16 gives the Learner back in fp32, without the callback, and it trains"
+    model = mlp()
+    with pytest.raises(ValueError, match="RMSprop.*state='fp32'"):
+        amp.initialize(model, torch.optim.RMSprop(model.parameters(), lr=1e-3), opt_level='O2', half_dtype='bf16', state='bf16', verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    learn = synth_learner(opt_func=RAdam, lr=1e-3)
+    with pytest.raises(ValueError, match="RAdam.*state='fp32'|Optimizer.*state='fp32'"): learn.to_bf16(state='bf16')
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters()) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
+    learn.fit(1)
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
 
 def state_tensors(opt):
     return [v for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
