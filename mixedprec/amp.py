@@ -134,7 +134,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, sd:dict):
         "Checked against the masters first (torch checks the group sizes only); sharded, every rank loads the whole state and keeps its shard's"
         self.engine.check_optimizer_state(sd, "optimizer.load_state_dict")
-        with self.engine.consolidated(gather=False): self.optimizer.load_state_dict(sd)
+        self.engine.load_optimizer_state(sd)
 
 class AutocastForward:
     "`model.forward` under `torch.autocast` for `dtype` on the params' device, with fp32 outputs (O1); copies and pickles of the model keep it, bound to the copy"

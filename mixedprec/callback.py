@@ -26,7 +26,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
-from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_state_value
+from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_param_state
 from .engine import StepEngine, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
 from fastcore.xtras import join_path_file
@@ -89,7 +89,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
         masters:str='fp32',           # bf16 only: 'split' keeps the exact master as the bf16 weight + an int16 half, 'none' rounds stochastically
         shard:bool=False,             # under torch.distributed (`distrib_ctx`): each rank keeps the fp32 masters and optimizer state of its shard only
-        state:str='fp32',             # the optimizer's moments: 'fp32', or 'bf16' (rounded stochastically: half the bytes) for fastai's or torch's SGD and Adam
+        state:str='fp32',             # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for fastai's or torch's SGD and Adam
         **kwargs):                    # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size (and GradScaler's names)
         loss_scale, max_noskip, kwargs = _gradscaler_names(loss_scale, max_noskip, kwargs)
         bad = [k for k in kwargs if k not in _SCALER_KWARGS]
@@ -390,7 +390,7 @@ class MixedPrecisionOpt(GetAttr):
         names = masters.names
         for i, (p, s) in enumerate(zip(params, sd['state'])):
             if not isinstance(s, dict): raise CheckpointError(f"{what}: the state of param {i} is a {type(s).__name__}, not a dict; nothing was loaded")
-            for k, v in s.items(): check_state_value(v, p, k, f"param {i} ({names.get(p, 'param')})", what)
+            check_param_state(s, p, f"param {i} ({names.get(p, 'param')})", what)
         if 'mixedprec' in sd: cb.scaler.check_state(sd['mixedprec']['scaler'])
 
     def load_state_dict(self, sd:dict):

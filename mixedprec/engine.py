@@ -21,8 +21,8 @@ from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
 from torch import nn
 from fastcore.foundation import L
-from .master import (MasterParams, clip_grads_, master_value, load_master_, CheckpointError, check_master_value, check_state_value,
-                              fp32_state, split_flat_state, flat_slice, _like, _mix, STATE_DTYPES, check_state_store)
+from .master import (MasterParams, clip_grads_, master_value, load_master_, CheckpointError, check_master_value,
+                              fp32_state, split_flat_state, flat_slice, _like, _mix, check_state_store, check_param_state, keep_state_as, is_codes, SCALES)
 from .convert import masters_for
 from .distributed import agree, sum_over_ranks, Shards, rank0s
 
@@ -204,8 +204,8 @@ def _step_count(st, p):
 def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:torch.Tensor, lr:float, weight_decay=0., decoupled:bool=False,
                      momentum:float=0., dampening:float=0., nesterov:bool=False, betas:tuple=(0.9, 0.999), eps:float=1e-8,
                      keep_buffer:bool=None, names:dict=TORCH_STATE, impl:str=None, bf16_of:dict=None, seeds_for:Callable=None,
-                     state_dtype:torch.dtype=torch.float32):
-    "One param group's fused 'sgd' or 'adam' step over fp32 `params` with grads, keeping their state in `state` under `names` (as `state_dtype`: bf16 is rounded stochastically); `weight_decay` may be a function of the param. Masters in `bf16_of` live in their bf16 params (split, or rounded with `seeds_for(masters)`)"
+                     store:str='fp32'):
+    "One param group's fused 'sgd' or 'adam' step over fp32 `params` with grads, keeping their state in `state` under `names` (as `store` says: 'fp32', or 'bf16' or '8bit' rounded stochastically); `weight_decay` may be a function of the param. Masters in `bf16_of` live in their bf16 params (split, or rounded with `seeds_for(masters)`)"
     bf16_of = bf16_of or {}
     where = lambda p: bf16_of[id(p)].kind if id(p) in bf16_of else 'copy' if id(p) in half_of else 'own'   # how the kernels reach each master
     wd_of = weight_decay if callable(weight_decay) else (lambda p: weight_decay)
@@ -214,31 +214,32 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
     for p in params:
         st = state[p]
         like = bf16_of[id(p)].param if id(p) in bf16_of else p            # new state is laid out as the tensor the kernels step
-        zeros = lambda: torch.zeros_like(like, dtype=state_dtype)
+        keep = lambda k: keep_state_as(st, k, like, store, signed=k != names['sqr'])
         for k in (names['buf'],) if kind == 'sgd' else (names['avg'], names['sqr']):    # state made elsewhere (a load, the optimizer's own step): as kept here
-            if isinstance(st.get(k), torch.Tensor) and st[k].dtype != state_dtype: st[k] = _like(like, st[k].to(state_dtype))
+            if st.get(k) is not None: keep(k)
         if kind == 'sgd':
             first = keep_buffer and st.get(names['buf']) is None
-            if first: st[names['buf']] = zeros()
+            if first: keep(names['buf'])                                  # zeros
             key = (first and dampening != 0, where(p), wd_of(p))   # from a zero buffer, only dampening makes the first step differ
         else:
-            if st.get(names['avg']) is None: st[names['avg']], st[names['sqr']] = zeros(), zeros()
+            if st.get(names['avg']) is None: keep(names['avg']); keep(names['sqr'])
             _step_count(st, p)
             key = (False, where(p), wd_of(p))
         runs.setdefault(key, []).append(p)
     for (first, at, wd), sel in runs.items():
         st, grads, out = [state[p] for p in sel], [p.grad for p in sel], [half_of[id(p)] for p in sel] if at == 'copy' else []
         params, kw = sel, dict(impl=impl)
-        lists = (1 if keep_buffer else 0) if kind == 'sgd' else 2
-        lean = state_dtype != torch.float32 and lists > 0
+        keys = ([names['buf']] if keep_buffer else []) if kind == 'sgd' else [names['avg'], names['sqr']]
+        lists, lean = len(keys), store != 'fp32' and len(keys) > 0
         if (at == 'none' or lean) and torch.compiler.is_compiling():
-            raise NotImplementedError("stochastic rounding (masters='none', state='bf16') inside torch.compile: its seeds are host ints that change at "
+            raise NotImplementedError("stochastic rounding (masters='none', state='bf16' or '8bit') inside torch.compile: its seeds are host ints that change at "
                                       "every step. Compile the model (the forward and backward), and let mixedprec's step run eagerly")
         seeds = seeds_for(sel) if at == 'none' or lean else None     # this step's rounding seed of each param (its stream advances once)
         if at in ('split', 'none'):
             params = [bf16_of[id(p)].param for p in sel]
             kw.update(lows=[bf16_of[id(p)].low for p in sel]) if at == 'split' else kw.update(seeds=seeds)
         if lean: kw.update(state_seeds=[tuple(_mix(s, j + 1) for j in range(lists)) for s in seeds])   # a stream per state list, apart from the weight's
+        if lean and store == '8bit': kw.update(state_scales=[[s[k + SCALES] for s in st] for k in keys])
         if kind == 'sgd':
             sgd_step_(grads, params, [s[names['buf']] for s in st] if keep_buffer else [], out, found_inf, 1., lr, momentum, dampening, wd, nesterov,
                       first_run=first, decoupled=decoupled, **kw)
@@ -246,12 +247,12 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
             adam_step_(grads, params, [s[names['avg']] for s in st], [s[names['sqr']] for s in st], out, found_inf, [s['step'] for s in st], 1.,
                        lr, betas[0], betas[1], eps, wd, decoupled, **kw)
 
-def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Tensor, impl:str=None, state_dtype:torch.dtype=torch.float32):
-    "Step `opt` (recognised as `plan`) over per-param `masters` with the fused kernels, writing the half params, its state kept as `state_dtype`; a no-op on the device where `found_inf` is set"
+def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Tensor, impl:str=None, store:str='fp32'):
+    "Step `opt` (recognised as `plan`) over per-param `masters` with the fused kernels, writing the half params, its state kept as `store` says ('fp32', 'bf16' or '8bit'); a no-op on the device where `found_inf` is set"
     for params, kw in plan.groups(opt):
         ps = [p for p in params if p.grad is not None]
         if ps: fused_group_step(plan.kind, ps, opt.state, masters._half_of, found_inf, names=plan.names, impl=impl, bf16_of=masters._bf16_of,
-                                seeds_for=partial(masters.rounding_seeds, state=opt.state), state_dtype=state_dtype, **kw)
+                                seeds_for=partial(masters.rounding_seeds, state=opt.state), store=store, **kw)
 
 # %% ../nbs/14_engine.ipynb #e000000f
 def _clip(group:list, max_norm:float) -> torch.Tensor:
@@ -280,7 +281,7 @@ def _check_state_shapes(opt_sd:dict, groups:list, what:str):
                          f"{[len(ps) for ps in groups]}: it comes from another model; nothing was loaded")
     params = [p for ps in groups for p in ps]
     for n, (i, p) in enumerate(zip(saved, params)):
-        for k, v in opt_sd.get('state', {}).get(i, {}).items(): check_state_value(v, p, k, f"param {n}", what)
+        check_param_state(opt_sd.get('state', {}).get(i, {}), p, f"param {n}", what)
 
 def shards_for(groups:list, shard:bool) -> Shards:
     "The `Shards` of the params in `groups` (lists of model params) when `shard` is asked for, else None"
@@ -325,7 +326,7 @@ def put_model_params_back(optimizer, masters_of:dict, flats:dict=None) -> bool:
     return True
 
 def _check_lean(optimizer, state:str, flat:bool=False) -> str:
-    "`state` checked for `optimizer`: lean state ('bf16') needs an optimizer the fused steps know, and per-param masters"
+    "`state` checked for `optimizer`: lean state ('bf16', '8bit') needs an optimizer the fused steps know, and per-param masters"
     check_state_store(state, flat)
     if state != 'fp32' and fused_plan(optimizer) is None:
         raise ValueError(f"state={state!r} is kept by the fused steps, which know torch's SGD, Adam and AdamW and fastai's SGD and Adam, "
@@ -348,7 +349,7 @@ class StepEngine:
         impl:str=None,            # the ops' implementation: 'auto', 'fused' or 'ref' (default: `settings`)
         hint:str='',              # what to call, in this front end's words, when a backward skipped the scaling
         adapter:OptimizerAdapter=None, # how to read and set the optimizer's groups and state (default: `adapter_for(optimizer)`)
-        state:str='fp32',         # the optimizer's moments: 'fp32', or 'bf16' rounded stochastically (the fused steps keep them)
+        state:str='fp32',         # the optimizer's moments: 'fp32', or 'bf16' or '8bit' rounded stochastically (the fused steps keep them)
     ):
         self.optimizer, self.masters, self.scaler, self.clip, self.hint = optimizer, masters, scaler, clip, hint
         self.adapter = adapter if adapter is not None else adapter_for(optimizer)
@@ -364,6 +365,7 @@ class StepEngine:
         own = optimizer.step                      # what `step()` meant before a front end handed it to the engine
         self._own = own if not isinstance(getattr(own, '__self__', None), StepEngine) else None
         self._layouts_followed, self._own_layout_due = False, True   # masters laid out as the params yet; state in the optimizer's own layout
+        if self.state != '8bit': self._decode_state()            # 8-bit state is only ever read by the fused steps that keep it
         self.choose()
 
     @classmethod
@@ -374,8 +376,9 @@ class StepEngine:
         return cls(optimizer, _swap_in(adapter, masters_of, names, kwargs.get('impl'), flat, store, shard), adapter=adapter, **kwargs)
 
     def detach(self):
-        "The way out: give the optimizer back the model params, with their state in its own layout (a no-op when its groups were replaced since)"
+        "The way out: give the optimizer back the model params, with their state in its own layout and lean moments as fp32 (a no-op when its groups were replaced since)"
         self.own_layout()
+        if self.state != 'fp32': self._decode_state()
         if {id(p) for g in self.adapter.groups() for p in g} != {id(p) for p in self.masters.master_params}: return
         for state in self.adapter.states(): self.masters.move_state_to_model(state)
         self.adapter.set_groups(self.masters.model_groups)
@@ -448,7 +451,7 @@ class StepEngine:
     def _fused(self, found):
         "The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper (`Optimizer.profile_hook_step`), so its step hooks (`register_step_pre_hook`/`post_hook`, global ones too) run as for its own step"
         opt = self.optimizer
-        run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl, STATE_DTYPES[self.state])
+        run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl, self.state)
         if isinstance(opt, torch.optim.Optimizer):
             opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
             torch.optim.Optimizer.profile_hook_step(run)(opt)
@@ -490,6 +493,11 @@ class StepEngine:
         if self.recognised is not None and self.recognised.own_layout is not None:
             for state in self.adapter.states(): self.recognised.own_layout(state)
         self._own_layout_due = False
+
+    def _decode_state(self):
+        "Lean moments (bf16, 8-bit) back to fp32, where the optimizer's own step reads them: its own step keeps fp32 state"
+        for state in self.adapter.states():
+            for p, st in list(state.items()): state[p] = fp32_state(st)
 
     def zero_grad(self, set_to_none:bool=True, masters:bool=True):
         "Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would (zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own `zero_grad` clears the masters'"
@@ -549,7 +557,7 @@ class StepEngine:
 
     def state_onto_masters(self, state:dict) -> dict:
         "State keyed by model param (read from a file) as the optimizer over the masters holds it: cast to fp32, keyed by master (flat: concatenated), other ranks' dropped"
-        state = {p: fp32_state(s) for p, s in state.items()}
+        state = {p: fp32_state(s, keep_codes=self.state == '8bit') for p, s in state.items()}
         self.masters.move_state_to_masters(state)
         self.masters.drop_remote_state([state])
         return state
@@ -575,6 +583,15 @@ class StepEngine:
     def check_optimizer_state(self, opt_sd:dict, what:str='the state_dict'):
         "Raise, naming the first misfit, unless a torch optimizer state dict fits this optimizer's masters"
         _check_state_shapes(opt_sd, [g['params'] for g in self.optimizer.param_groups], what)
+
+    def load_optimizer_state(self, opt_sd:dict):
+        "Load a (checked) torch optimizer state dict into the optimizer over the masters. torch casts every state tensor to its param's dtype, which would turn 8-bit codes into floats and train on garbage: those and their scales are put back as saved"
+        codes = {i: {k: v for k, v in s.items() if is_codes(s, k) or k.endswith(SCALES) and is_codes(s, k[:-len(SCALES)])} for i, s in opt_sd['state'].items()}
+        with self.consolidated(gather=False):              # sharded masters: every rank loads the whole state and keeps its shard's
+            self.optimizer.load_state_dict(opt_sd)
+            ids = [i for g in opt_sd['param_groups'] for i in g['params']]
+            for i, p in zip(ids, [p for g in self.optimizer.param_groups for p in g['params']]):
+                if codes.get(i): self.optimizer.state[p].update({k: v.to(p.device, copy=True) for k, v in codes[i].items()})
 
     def state_dict(self) -> dict:
         "The scaler's state and the fp32 masters"

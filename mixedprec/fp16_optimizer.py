@@ -37,7 +37,7 @@ class FP16_Optimizer:
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
         masters:str='fp32',                   # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
         shard:bool=False,                     # under torch.distributed: each rank keeps the fp32 masters and optimizer state of its shard only (ZeRO stage 1)
-        state:str='fp32',                     # the optimizer's moments: 'fp32', or 'bf16' (rounded stochastically: half the bytes) for SGD, Adam, AdamW
+        state:str='fp32',                     # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for SGD, Adam, AdamW
     ):
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
@@ -134,9 +134,8 @@ class FP16_Optimizer:
         self.engine.check_optimizer_state(sd['optimizer_state_dict'])
         self.scaler.check_state(sd['loss_scaler'])
         self.scaler.load_state_dict(sd['loss_scaler'])
-        with self.engine.consolidated(gather=False):  # sharded masters: every rank loads all, then keeps its shard
-            self.optimizer.load_state_dict(sd['optimizer_state_dict'])
-            self.engine.load_masters(sd['fp32_from_fp16'])
+        self.engine.load_optimizer_state(sd['optimizer_state_dict'])   # sharded masters: every rank loads all, then keeps its shard
+        with self.engine.consolidated(gather=False): self.engine.load_masters(sd['fp32_from_fp16'])
         # 'overflow' is kept for apex's readers only: it tells of a step taken (or skipped) before the save, and the grads it was about are not in the checkpoint
 
     def add_param_group(self, param_group:dict):

@@ -271,3 +271,37 @@ def test_bf16_state_steps_bit_exact(device, mode, layout, kind):
                                state_seeds=[(900 + k + 10 * i, 950 + k + 10 * i) for k in range(len(sizes))], **kw)
         runs.append(snapshot(params, m, v, out, kw.get('lows', [])))
     assert_same(*runs)
+
+def state8(sizes, layout, which, seed, scale, signed, device):
+    "8-bit optimizer state of `sizes`: codes laid out as `layout` says (list `which`), quantised from random values, and their scales"
+    codes = make(sizes, torch.int8 if signed else torch.uint8, layout, which, seed, scale=0., device=device)
+    scales = []
+    for c, x in zip(codes, make(sizes, torch.float32, 'aligned', which, seed, scale=scale, device=device)):
+        x = x * torch.logspace(-6, 0, x.numel(), device=device)[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(seed)).to(device)]
+        q, s = ops.quantize8_ref(x if signed else x.abs(), None, signed)
+        c.copy_(q); scales.append(s)
+    return codes, scales
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ['sgd', 'adam'])
+def test_8bit_state_steps_bit_exact(device, mode, layout, kind):
+    "8-bit optimizer state: codes and a scale per 256 elements, decoded, updated and encoded again in one pass, a block per thread (on the small grid, blocks that start in one chunk and end in the next), as the reference"
+    sizes = SIZES['tiny'] + SIZES['ragged'] + [255, 256, 257, 70000]
+    runs = []
+    for impl in ('ref', 'fused'):
+        params, out, kw = step_lists(sizes, mode, layout, seed=70, device=device)
+        m, msc = state8(sizes, layout, 3, 71, 0.1, True, device)
+        v, vsc = state8(sizes, layout, 4, 72, 0.01, False, device)
+        for i in range(3):
+            grads = make(sizes, torch.float16, layout, 0, seed=80 + i, scale=1024., device=device)
+            found = torch.tensor(i == 1, device=device)
+            if kind == 'sgd':
+                ops.sgd_step_(grads, params, m, out, found, 1 / 1024, 0.1, 0.9, 0., 1e-2, False, first_run=i == 0, impl=impl,
+                              state_seeds=[(900 + k + 10 * i,) for k in range(len(sizes))], state_scales=[msc], **kw)
+            else:
+                steps = [torch.tensor([float(k)], device=device) for k in range(len(sizes))]
+                ops.adam_step_(grads, params, m, v, out, found, steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, impl=impl,
+                               state_seeds=[(900 + k + 10 * i, 950 + k + 10 * i) for k in range(len(sizes))], state_scales=[msc, vsc], **kw)
+        runs.append(snapshot(params, m, v, msc, vsc, out, kw.get('lows', [])))
+    assert_same(*runs)

@@ -30,20 +30,25 @@ def test_every_op_passes_opcheck(kernels, device):
     opcheck(k['scale_add_check_'], (g16, [torch.zeros_like(m) for m in m32], 0.5, None))
     opcheck(k['l2norm'], (m32,))
     out = [torch.empty_like(g) for g in g16]
-    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None))
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, None, []))
     opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], out, flag,
-                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, [], None))
+                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, [], None, None, []))
     hi, lo = zip(*[ops.split_bf16_ref(m) for m in m32])                       # bf16 masters: split, and stochastic rounding
     seeds = torch.arange(len(m32), dtype=torch.int64, device=device)
     for lows, sd in (([l.clone() for l in lo], None), ([], seeds)):
-        opcheck(k['sgd_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [], flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, lows, sd))
+        opcheck(k['sgd_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [], flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, lows, sd, None, []))
         opcheck(k['adam_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], [], flag,
-                                  [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, lows, sd))
+                                  [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, lows, sd, None, []))
     b16 = lambda: [torch.zeros_like(m, dtype=torch.bfloat16) for m in m32]                 # bf16 state, with a seed per param and state list
     ss = torch.arange(2 * len(m32), dtype=torch.int64, device=device).reshape(len(m32), 2)
-    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], b16(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, ss[:, :1].contiguous()))
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], b16(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, ss[:, :1].contiguous(), []))
     opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], b16(), b16(), out, flag, [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9,
-                              0.999, 1e-8, 1e-2, True, [], None, ss))
+                              0.999, 1e-8, 1e-2, True, [], None, ss, []))
+    q8 = lambda dtype=torch.int8: [torch.zeros_like(m, dtype=dtype) for m in m32]         # 8-bit state: codes, and a scale per 256 elements
+    sc = lambda: [torch.zeros(1, device=device) for m in m32]
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], q8(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, ss[:, :1].contiguous(), sc()))
+    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], q8(), q8(torch.uint8), out, flag, [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9,
+                              0.999, 1e-8, 1e-2, True, [], None, ss, sc() + sc()))
 
 def test_the_ops_live_in_the_builds_namespace(kernels):
     assert kernels.namespace.startswith('mixedprec_') and hasattr(torch.ops, kernels.namespace)
@@ -90,7 +95,6 @@ def test_a_compiled_model_trains_without_a_graph_break_from_mixedprec(front):
 
 def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state='fp32'):
     from mixedprec import engine
-    from mixedprec.master import STATE_DTYPES
     def run(compiled):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -104,7 +108,7 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state=
             with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * (1e6 if i == 3 else 1), opt) as s: s.backward()
             if i == 0: opt.step()                              # the first step makes the optimizer state, eagerly
             else:                                             # what `StepEngine.step` does around the kernels, the skip read on the device
-                step(opt, e.plan, e.masters, e.found, None, STATE_DTYPES[state]); e.last_found, e.found, e.stage = e.found, None, 'stepped'; e.masters.mark_written()
+                step(opt, e.plan, e.masters, e.found, None, state); e.last_found, e.found, e.stage = e.found, None, 'stepped'; e.masters.mark_written()
             opt.zero_grad()
         return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
     torch._dynamo.reset()
@@ -112,17 +116,18 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state=
     assert steps == csteps == [5.] * 4                        # the overflowed step counted by neither
     for a, b in zip(eager, compiled): assert torch.equal(a, b)
 
-def test_a_compiled_step_with_stochastic_rounding_says_to_compile_the_model_instead():
+@pytest.mark.parametrize("state", ['bf16', '8bit'])
+def test_a_compiled_step_with_stochastic_rounding_says_to_compile_the_model_instead(state):
     # the rounding seeds are host ints that change every step; dynamo would recompile for each, then overflow int64 in inductor
     from mixedprec import engine
-    from mixedprec.master import STATE_DTYPES
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', verbosity=0, state='bf16')
+    model, opt = amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', verbosity=0, state=state)
     e = opt._mixedprec_engine
     with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as s: s.backward()
     torch._dynamo.reset()
     with pytest.raises(Exception, match="inside torch.compile.*Compile the model"):
-        torch.compile(engine.fused_opt_step, fullgraph=True)(opt, e.plan, e.masters, e.found, None, STATE_DTYPES['bf16'])
+        torch.compile(engine.fused_opt_step, fullgraph=True)(opt, e.plan, e.masters, e.found, None, state)
     opt.step()                                                   # eagerly it steps
-    assert {v.dtype for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0} == {torch.bfloat16}
+    assert {v.dtype for s in opt.state.values() for k, v in s.items() if k in ('exp_avg', 'exp_avg_sq')} == (
+        {torch.bfloat16} if state == 'bf16' else {torch.int8, torch.uint8})

@@ -94,10 +94,10 @@ def test_bad_lean_state_input_says_what_to_do():
     for impl in ('ref', 'fused'):
         with pytest.raises(ValueError, match="state_seeds"):
             ops.adam_step_(grads[0], params, m, v, out, torch.tensor(False), [torch.tensor([0.])], 1., 1e-2, impl=impl)
-        with pytest.raises(ValueError, match="all fp32 or all bf16"):
+        with pytest.raises(ValueError, match="all fp32, all bf16 or all 8-bit"):
             ops.adam_step_(grads[0], params, m, [t.float() for t in v], out, torch.tensor(False), [torch.tensor([0.])], 1., 1e-2,
                            state_seeds=[(1, 2)], impl=impl)
-    with pytest.raises(ValueError, match=r"state must be one of \('fp32', 'bf16'\)"): synth_learner().to_bf16(state='8bit')
+    with pytest.raises(ValueError, match=r"state must be one of \('fp32', 'bf16', '8bit'\)"): synth_learner().to_bf16(state='4bit')
     with pytest.raises(ValueError, match="flat_master=False"): synth_learner().to_bf16(state='bf16', flat_master=True)
     model = mlp().bfloat16()
     with pytest.raises(ValueError, match="RMSprop.*state='fp32'"):

@@ -25,17 +25,18 @@ def test_sharded_equals_unsharded_ddp_bit_for_bit(world, opt, tmp_path):
     total, largest = plain[0]['nbytes'], 24 * 32 * 16                  # the largest param's fp32 master + Adam's two states (bytes)
     assert all(s['nbytes'] < total / world + largest for s in sharded)
 
-def test_bf16_state_sharded_equals_unsharded_and_every_rank_rounds_alike(tmp_path):
+@pytest.mark.parametrize("state", ['bf16', '8bit'])
+def test_lean_state_sharded_equals_unsharded_and_every_rank_rounds_alike(state, tmp_path):
     # the ranks start from different torch seeds; the rounding seed is rank 0's on every rank, so plain DDP keeps identical
     # state and weights on all ranks, and ZeRO-1 shards the bf16 state as it shards fp32 state
-    sharded = spawn('sharded', tmp_path, True, 'adam', True, None, False, 'bf16', world=2)
-    plain = spawn('sharded', tmp_path, False, 'adam', True, None, False, 'bf16', world=2)
+    sharded = spawn('sharded', tmp_path, True, 'adam', True, None, False, state, world=2)
+    plain = spawn('sharded', tmp_path, False, 'adam', True, None, False, state, world=2)
     for r in range(2):
         same(plain[r], plain[0]); same(sharded[r], plain[r])
-    kinds = {v.dtype for st in plain[0]['state'] for k, v in st if isinstance(v, torch.Tensor) and v.dim() > 0}
-    assert kinds == {torch.bfloat16}
+    kinds = {v.dtype for st in plain[0]['state'] for k, v in st if k in ('exp_avg', 'exp_avg_sq')}
+    assert kinds == ({torch.bfloat16} if state == 'bf16' else {torch.int8, torch.uint8})
 
-@pytest.mark.parametrize("masters,state", [('none', 'fp32'), ('split', 'bf16')])
+@pytest.mark.parametrize("masters,state", [('none', 'fp32'), ('split', 'bf16'), ('split', '8bit')])
 def test_ranks_seeded_apart_round_alike_under_ddp(masters, state, tmp_path):
     # stochastic rounding of the weights (masters='none') or of the state must draw the same bits on every rank, or the
     # replicated weights drift apart with no error

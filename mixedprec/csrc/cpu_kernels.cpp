@@ -13,6 +13,7 @@
 #include <vector>
 #include "messages.h"
 #include "bf16_bits.h"
+#include "state8_bits.h"
 
 namespace mixedprec {
 
@@ -186,22 +187,41 @@ static void round_block_stochastic(const float* __restrict buf, uint16_t* __rest
 }
 
 // The optimizer state of a step: up to two lists of fp32 tensors, or of bf16 tensors rounded stochastically on the way
-// back with one seed per tensor and list (`seeds[tensor * lists + list]`, bf16_bits.h).
+// back with one seed per tensor and list (`seeds[tensor * lists + list]`, bf16_bits.h), or of 8-bit codes with their
+// per-block scales (`scales[list * tensors + tensor]`; list 0 signed int8, list 1 unsigned uint8; state8_bits.h), rounded alike.
 struct StateStore {
   std::vector<const std::vector<at::Tensor>*> lists;
-  const int64_t* seeds;                      // bf16 state only
-  bool bf16() const { return !lists.empty() && !lists[0]->empty() && (*lists[0])[0].scalar_type() == at::kBFloat16; }
+  const int64_t* seeds;                      // bf16 and 8-bit state only
+  const std::vector<at::Tensor>& scales;     // 8-bit state only
+  at::ScalarType type() const { return !lists.empty() && !lists[0]->empty() ? (*lists[0])[0].scalar_type() : at::kFloat; }
+  bool lean() const { return type() != at::kFloat; }
 };
+
+// Quantise a block of n <= kBlock fp32 state elements starting at element `first` (a multiple of kQBlock) of its
+// tensor into 8-bit codes and one scale per kQBlock elements (state8_bits.h), rounded with the same random bits as
+// round_block_stochastic.
+static void encode_block8(const float* __restrict buf, uint8_t* __restrict codes, float* __restrict scales, int64_t n, uint64_t seed,
+                          uint64_t first, bool is_signed) {
+  const uint32_t key_lo = (uint32_t)seed, key_hi = (uint32_t)(seed >> 32) ^ (uint32_t)(first >> 32), base = (uint32_t)first;
+  for (int64_t q = 0; q < n; q += kQBlock) {
+    const int64_t e = std::min(n, q + kQBlock);
+    uint32_t most = 0;
+    for (int64_t i = q; i < e; ++i) most = std::max(most, float_bits(buf[i]) & 0x7fffffffu);
+    const float sc = q8_scale(most);
+    scales[q / kQBlock] = sc;
+    for (int64_t i = q; i < e; ++i) codes[i] = q8_encode(buf[i], sc, rounding_bits32(base + (uint32_t)i, key_lo, key_hi), is_signed);
+  }
+}
 
 // Run `update(p, states, begin, n)` on fp32 masters and fp32 state over each span of tensor `s.tensor` (states[j]: list
 // j's elements begin..begin+n-1): on the tensors themselves (then write the half copy), or, when the masters or the
-// state are bf16, on block-sized fp32 buffers joined from them and split (or rounded) back after the update.
+// state are bf16 (or 8-bit), on block-sized fp32 buffers joined from them and split (or rounded) back after the update.
 template <typename Update>
 static void on_masters(const MasterStore& st, const StateStore& ss, const Span& s, Update update) {
   const int64_t t = s.tensor;
   const int k = (int)ss.lists.size();
   float* direct[2] = {nullptr, nullptr};
-  if (!st.bf16() && !ss.bf16()) {
+  if (!st.bf16() && !ss.lean()) {
     float* p = st.params[t].data_ptr<float>() + s.begin;
     for (int j = 0; j < k; ++j) direct[j] = (*ss.lists[j])[t].data_ptr<float>() + s.begin;
     update(p, direct, s.begin, s.end - s.begin);
@@ -216,10 +236,15 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
   float* fp = st.bf16() ? nullptr : st.params[t].data_ptr<float>();
   int16_t* lo = st.lows.empty() ? nullptr : st.lows[t].data_ptr<int16_t>();
   const uint64_t seed = st.seeds ? (uint64_t)st.seeds[t] : 0;
+  const bool q8 = ss.type() == at::kChar;
   uint16_t* sbits[2] = {nullptr, nullptr};
+  uint8_t* codes[2] = {nullptr, nullptr};
+  float* scales[2] = {nullptr, nullptr};
   for (int j = 0; j < k; ++j) {
-    if (ss.bf16()) sbits[j] = reinterpret_cast<uint16_t*>((*ss.lists[j])[t].data_ptr<at::BFloat16>());
-    else direct[j] = (*ss.lists[j])[t].data_ptr<float>();
+    const at::Tensor& x = (*ss.lists[j])[t];
+    if (q8) { codes[j] = static_cast<uint8_t*>(x.data_ptr()); scales[j] = ss.scales[j * ss.lists[j]->size() + t].data_ptr<float>(); }
+    else if (ss.lean()) sbits[j] = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+    else direct[j] = x.data_ptr<float>();
   }
   float buf[kBlock], sbuf[2][kBlock];
   for (int64_t b = s.begin; b < s.end; b += kBlock) {
@@ -229,8 +254,9 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
     else if (hi) for (int64_t i = 0; i < n; ++i) buf[i] = bits_float((uint32_t)hi[b + i] << 16);
     float* states[2] = {nullptr, nullptr};
     for (int j = 0; j < k; ++j) {
-      if (!sbits[j]) { states[j] = direct[j] + b; continue; }
-      for (int64_t i = 0; i < n; ++i) sbuf[j][i] = bits_float((uint32_t)sbits[j][b + i] << 16);
+      if (direct[j]) { states[j] = direct[j] + b; continue; }
+      if (codes[j]) for (int64_t i = 0; i < n; ++i) sbuf[j][i] = q8_decode(codes[j][b + i], scales[j][(b + i) / kQBlock], j == 0);
+      else for (int64_t i = 0; i < n; ++i) sbuf[j][i] = bits_float((uint32_t)sbits[j][b + i] << 16);
       states[j] = sbuf[j];
     }
     update(p, states, b, n);
@@ -241,8 +267,10 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
         copy_out(p, st.out[t].data_ptr<scalar_t>() + b, n);
       });
     }
-    for (int j = 0; j < k; ++j)
-      if (sbits[j]) round_block_stochastic(sbuf[j], sbits[j] + b, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b);
+    for (int j = 0; j < k; ++j) {
+      if (codes[j]) encode_block8(sbuf[j], codes[j] + b, scales[j] + b / kQBlock, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b, j == 0);
+      else if (sbits[j]) round_block_stochastic(sbuf[j], sbits[j] + b, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b);
+    }
   }
 }
 
@@ -255,13 +283,14 @@ static const int64_t* seeds_of(const std::optional<at::Tensor>& seeds) {
 void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                   const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled,
-                  const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& state_seeds) {
+                  const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& state_seeds,
+                  const std::vector<at::Tensor>& state_scales) {
   require_cpu(params, "sgd_step");
   if (found_inf.item<bool>()) return;
   auto spans = spans_of(params);
   const MasterStore store{params, out, lows, seeds_of(seeds)};
   const StateStore states{!bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
-                          seeds_of(state_seeds)};
+                          seeds_of(state_seeds), state_scales};
   const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening;
   const float wd = decoupled ? 0.0f : (float)weight_decay, decay = decoupled ? 1.0 - lr * weight_decay : 1.0f;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
@@ -314,7 +343,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
                    const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
                    const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
                    double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds,
-                   const std::optional<at::Tensor>& state_seeds) {
+                   const std::optional<at::Tensor>& state_seeds, const std::vector<at::Tensor>& state_scales) {
   require_cpu(params, "adam_step");
   if (found_inf.item<bool>()) return;
   std::vector<float> step_size(params.size()), bc2_sqrt(params.size());
@@ -325,7 +354,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
   }
   auto spans = spans_of(params);
   const MasterStore store{params, out, lows, seeds_of(seeds)};
-  const StateStore states{{&exp_avgs, &exp_avg_sqs}, seeds_of(state_seeds)};
+  const StateStore states{{&exp_avgs, &exp_avg_sqs}, seeds_of(state_seeds), state_scales};
   const float isc = inv_scale, b1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
   const float decay = decoupled ? 1.0 - lr * weight_decay : 1.0f, l2 = decoupled ? 0.0f : (float)weight_decay;
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {

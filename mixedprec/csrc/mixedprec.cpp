@@ -16,23 +16,24 @@ std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>&);
 using TV = std::vector<at::Tensor>;
 using Seeds = std::optional<at::Tensor>;
 void sgd_step_cpu(const TV&, const TV&, const TV&, const TV&, const at::Tensor&, double, double, double, double, double, bool, bool, bool,
-                  const TV&, const Seeds&, const Seeds&);
+                  const TV&, const Seeds&, const Seeds&, const TV&);
 void adam_step_cpu(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
-                   double, bool, const TV&, const Seeds&, const Seeds&);
+                   double, bool, const TV&, const Seeds&, const Seeds&, const TV&);
 #ifdef WITH_CUDA
 at::Tensor scale_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 at::Tensor scale_add_check_cuda(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double, const float*);
 std::vector<at::Tensor> l2norm_cuda(const std::vector<at::Tensor>&);
 void sgd_step_cuda(const TV&, const TV&, const TV&, const TV&, const at::Tensor&, double, double, double, double, double, bool, bool, bool,
-                   const TV&, const Seeds&, const Seeds&);
+                   const TV&, const Seeds&, const Seeds&, const TV&);
 void adam_step_cuda(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
-                    double, bool, const TV&, const Seeds&, const Seeds&);
+                    double, bool, const TV&, const Seeds&, const Seeds&, const TV&);
 #endif
 
 using TL = at::TensorList;
 
-// Paired tensors of two lists: as many on each side, dense, one memory layout per pair, the same numel, floating point.
-static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* op) {
+// Paired tensors of two lists: as many on each side, dense, one memory layout per pair, the same numel, floating point
+// (with `codes`, b's may be the int8 or uint8 codes of 8-bit optimizer state instead).
+static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* op, bool codes = false) {
   TORCH_CHECK_VALUE(a.size() == b.size(), msg(op, ": tensor lists must have the same length, got ", a.size(), " and ", b.size()));
   for (size_t i = 0; i < a.size(); ++i) {
     TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), msg(op, ": paired tensors must have the same number of elements, tensor ", i, " has ",
@@ -40,7 +41,8 @@ static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::
     TORCH_CHECK_VALUE(a[i].is_non_overlapping_and_dense() && b[i].is_non_overlapping_and_dense() &&
                       (a[i].strides() == b[i].strides() || (a[i].is_contiguous() && b[i].is_contiguous()) || a[i].numel() <= 1),
                       msg(op, ": tensor pair ", i, " is not dense or its two memory layouts differ; call .contiguous() on both"));
-    TORCH_CHECK_VALUE(at::isFloatingType(a[i].scalar_type()) && at::isFloatingType(b[i].scalar_type()), msg(op, ": tensor ", i, " is not floating point"));
+    TORCH_CHECK_VALUE(at::isFloatingType(a[i].scalar_type()) && (at::isFloatingType(b[i].scalar_type()) || (codes && (b[i].scalar_type() == at::kChar || b[i].scalar_type() == at::kByte))),
+                      msg(op, ": tensor ", i, " is not floating point"));
   }
 }
 
@@ -48,9 +50,10 @@ static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::
 // their int16 low halves in `lows`, or rounded stochastically with one int64 seed per param in `seeds` (bf16_bits.h).
 static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
                              const std::vector<const std::vector<at::Tensor>*>& states, const std::vector<at::Tensor>& out,
-                             const std::vector<at::Tensor>& lows, const Seeds& seeds, const Seeds& state_seeds, const char* op) {
+                             const std::vector<at::Tensor>& lows, const Seeds& seeds, const Seeds& state_seeds,
+                             const std::vector<at::Tensor>& state_scales, const char* op) {
   check_pairs(grads, params, op);
-  for (auto st : states) check_pairs(params, *st, op);          // state lists the step uses: as long as params
+  for (auto st : states) check_pairs(params, *st, op, true);    // state lists the step uses: as long as params
   if (!out.empty()) check_pairs(params, out, op);
   const bool has_seeds = seeds.has_value() && seeds->defined();
   const bool bf16 = !lows.empty() || has_seeds;
@@ -74,25 +77,43 @@ static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::ve
     TORCH_CHECK_VALUE(seeds->scalar_type() == at::kLong && seeds->dim() == 1 && seeds->numel() == (int64_t)params.size() && seeds->is_contiguous() &&
                       (params.empty() || seeds->device() == params[0].device()),
                       msg(op, ": `seeds` must be a 1-d int64 tensor with one seed per param, on the params' device"));
-  // The optimizer state: all fp32, or all bf16 rounded stochastically with one int64 seed per tensor and state list in
-  // `state_seeds` (params x lists), laid out as its param.
+  // The optimizer state: all fp32, or all bf16, or 8-bit codes (state8_bits.h: the first list signed, int8; the second
+  // unsigned, uint8), rounded stochastically with one int64 seed per tensor and state list in `state_seeds` (params x
+  // lists), laid out as its param. 8-bit codes come with their scales in `state_scales`: list-major (list j's of param i
+  // at j * params + i), 1-d fp32, one per 256 elements.
   const bool has_state_seeds = state_seeds.has_value() && state_seeds->defined();
-  const bool bf16_state = !states.empty() && !states[0]->empty() && (*states[0])[0].scalar_type() == at::kBFloat16;
-  const auto state_type = bf16_state ? at::kBFloat16 : at::kFloat;
-  for (auto st : states)
-    for (size_t i = 0; i < st->size(); ++i) {
-      TORCH_CHECK_VALUE((*st)[i].scalar_type() == state_type, msg(op, ": optimizer state must be all fp32 or all bf16, tensor ", i, " is ",
-                        (*st)[i].scalar_type(), " and the first is ", state_type));
-      TORCH_CHECK_VALUE(!bf16_state || (*st)[i].strides() == params[i].strides(), msg(op, ": bf16 state tensor ", i, " must be laid out as its param"));
+  const auto state_type = !states.empty() && !states[0]->empty() ? (*states[0])[0].scalar_type() : at::kFloat;
+  TORCH_CHECK_VALUE(state_type == at::kFloat || state_type == at::kBFloat16 || state_type == at::kChar,
+                    msg(op, ": optimizer state must be fp32, bf16 or 8-bit codes (int8 first moments, uint8 second moments), got ", state_type));
+  const bool lean = state_type != at::kFloat, codes = state_type == at::kChar;
+  for (size_t j = 0; j < states.size(); ++j)
+    for (size_t i = 0; i < states[j]->size(); ++i) {
+      const auto want = codes && j == 1 ? at::kByte : state_type;
+      TORCH_CHECK_VALUE((*states[j])[i].scalar_type() == want, msg(op, ": optimizer state must be all fp32, all bf16 or all 8-bit codes (int8 first ",
+                        "moments, uint8 second moments): state list ", j, " tensor ", i, " is ", (*states[j])[i].scalar_type(), " where ", want, " belongs"));
+      TORCH_CHECK_VALUE(!lean || (*states[j])[i].strides() == params[i].strides(), msg(op, ": lean state tensor ", i, " must be laid out as its param"));
     }
-  TORCH_CHECK_VALUE(bf16_state == has_state_seeds, msg(op, bf16_state ? ": bf16 optimizer state is rounded stochastically: pass `state_seeds`"
-                                                                     : ": `state_seeds` are for bf16 optimizer state, and this state is fp32"));
+  TORCH_CHECK_VALUE(lean == has_state_seeds, msg(op, lean ? ": lean (bf16 or 8-bit) optimizer state is rounded stochastically: pass `state_seeds`"
+                                                         : ": `state_seeds` are for lean (bf16 or 8-bit) optimizer state, and this state is fp32"));
   if (has_state_seeds)
     TORCH_CHECK_VALUE(state_seeds->scalar_type() == at::kLong && state_seeds->dim() == 2 && state_seeds->size(0) == (int64_t)params.size() &&
                       state_seeds->size(1) == (int64_t)states.size() && state_seeds->is_contiguous() &&
                       (params.empty() || state_seeds->device() == params[0].device()),
                       msg(op, ": `state_seeds` must be a contiguous int64 tensor of one seed per param and state list (", params.size(), " x ",
                           states.size(), "), on the params' device"));
+  TORCH_CHECK_VALUE(codes || state_scales.empty(), msg(op, ": `state_scales` are for 8-bit optimizer state, and this state is ", state_type));
+  if (codes) {
+    TORCH_CHECK_VALUE(state_scales.size() == states.size() * params.size(), msg(op, ": 8-bit state needs its scales in `state_scales`, one tensor per param and state list (",
+                      states.size() * params.size(), "), got ", state_scales.size()));
+    for (size_t j = 0; j < states.size(); ++j)
+      for (size_t i = 0; i < params.size(); ++i) {
+        const at::Tensor& sc = state_scales[j * params.size() + i];
+        TORCH_CHECK_VALUE(sc.scalar_type() == at::kFloat && sc.dim() == 1 && sc.is_contiguous() && sc.numel() == (params[i].numel() + 255) / 256 &&
+                          sc.device() == params[i].device(),
+                          msg(op, ": the scales of 8-bit state list ", j, " of param ", i, " must be a contiguous 1-d fp32 tensor of ",
+                              (params[i].numel() + 255) / 256, " (one per 256 elements) on its param's device"));
+      }
+  }
 }
 
 // Every tensor of every list on one device; on CUDA, each dense in a layout the kernels index (contiguous or channels-last).
@@ -147,38 +168,38 @@ std::tuple<at::Tensor, at::Tensor> l2norm_op(TL ts_) {
 template <bool Cuda>
 void sgd_step_op(TL grads_, TL params_, TL bufs_, TL out_, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
                  double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled, TL lows_, const Seeds& seeds,
-                 const Seeds& state_seeds) {
-  auto grads = grads_.vec(), params = params_.vec(), bufs = bufs_.vec(), out = out_.vec(), lows = lows_.vec();
+                 const Seeds& state_seeds, TL state_scales_) {
+  auto grads = grads_.vec(), params = params_.vec(), bufs = bufs_.vec(), out = out_.vec(), lows = lows_.vec(), state_scales = state_scales_.vec();
   check_step_pairs(grads, params, !bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
-                   out, lows, seeds, state_seeds, "sgd_step_");
-  one_device({&grads, &params, &bufs, &out, &lows}, "sgd_step_", Cuda);
+                   out, lows, seeds, state_seeds, state_scales, "sgd_step_");
+  one_device({&grads, &params, &bufs, &out, &lows, &state_scales}, "sgd_step_", Cuda);
 #ifdef WITH_CUDA
   if constexpr (Cuda) return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run,
-                                           decoupled, lows, seeds, state_seeds);
+                                           decoupled, lows, seeds, state_seeds, state_scales);
 #endif
   sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled, lows, seeds,
-               state_seeds);
+               state_seeds, state_scales);
 }
 
 template <bool Cuda>
 void adam_step_op(TL grads_, TL params_, TL exp_avgs_, TL exp_avg_sqs_, TL out_, const at::Tensor& found_inf, TL steps_, double inv_scale,
                   double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled, TL lows_, const Seeds& seeds,
-                  const Seeds& state_seeds) {
+                  const Seeds& state_seeds, TL state_scales_) {
   auto grads = grads_.vec(), params = params_.vec(), exp_avgs = exp_avgs_.vec(), exp_avg_sqs = exp_avg_sqs_.vec(), out = out_.vec(), steps = steps_.vec();
-  auto lows = lows_.vec();
-  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, lows, seeds, state_seeds, "adam_step_");
+  auto lows = lows_.vec(), state_scales = state_scales_.vec();
+  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, lows, seeds, state_seeds, state_scales, "adam_step_");
   TORCH_CHECK_VALUE(steps.size() == params.size(), msg("adam_step_: one step count per param, got ", steps.size(), " for ", params.size(), " params"));
   for (size_t i = 0; i < steps.size(); ++i)
     TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == params[i].device(),
                       msg("adam_step_: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
                       "), got ", steps[i].scalar_type(), " on ", steps[i].device()));
-  one_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &out, &lows}, "adam_step_", Cuda);
+  one_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &out, &lows, &state_scales}, "adam_step_", Cuda);
 #ifdef WITH_CUDA
   if constexpr (Cuda) return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay,
-                                            decoupled, lows, seeds, state_seeds);
+                                            decoupled, lows, seeds, state_seeds, state_scales);
 #endif
   adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, lows, seeds,
-                state_seeds);
+                state_seeds, state_scales);
 }
 
 }  // namespace mixedprec
@@ -189,10 +210,10 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("l2norm(Tensor[] tensors) -> (Tensor, Tensor)");
   m.def("sgd_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor(c!)[] out, Tensor found_inf, float inv_scale, float lr, "
         "float momentum, float dampening, float weight_decay, bool nesterov, bool first_run, bool decoupled, Tensor(d!)[] lows, Tensor? seeds, "
-        "Tensor? state_seeds=None) -> ()");
+        "Tensor? state_seeds, Tensor(e!)[] state_scales) -> ()");
   m.def("adam_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] out, Tensor found_inf, "
         "Tensor[] steps, float inv_scale, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor(e!)[] lows, "
-        "Tensor? seeds, Tensor? state_seeds=None) -> ()");
+        "Tensor? seeds, Tensor? state_seeds, Tensor(f!)[] state_scales) -> ()");
 }
 
 #define MIXEDPREC_IMPLS(KEY, CUDA)                                                  \

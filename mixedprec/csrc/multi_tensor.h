@@ -39,8 +39,8 @@ constexpr int kBlockSize = 512;                // threads per block on the GPU
 constexpr int64_t kCudaChunk = 2048 * 32;      // elements per block
 constexpr int kPack = 4;                       // elements per vector access: 16 bytes of fp32, 8 of a half type
 static_assert(kCudaChunk % kPack == 0, "a chunk must hold whole packs, so that every chunk starts aligned as its tensor does");
-// Tensors per table for list depth 1..5, so that the table stays under the kernel-argument limit.
-constexpr int kMaxTensorsFor[6] = {0, 110, 64, 48, 36, 30};
+// Tensors per table for list depth 1..7, so that the table stays under the kernel-argument limit.
+constexpr int kMaxTensorsFor[8] = {0, 110, 64, 48, 36, 30, 26, 24};
 constexpr int kMaxBlocks = 320;
 
 template <int Depth, bool WithScalar = false> struct TensorTable {

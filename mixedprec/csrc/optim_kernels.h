@@ -3,6 +3,7 @@
 // is decided on the device, with no host sync (the caller advances Adam's step counts by 1 - flag, on the device too).
 #pragma once
 #include "multi_tensor.h"
+#include "state8_bits.h"
 
 namespace mixedprec {
 
@@ -49,9 +50,10 @@ MIXEDPREC_HD void store_masters(const float (&x)[W], ParamBits<Mode>* p, int16_t
 }
 
 // How a functor finds the optimizer state: fp32 tensors, or bf16 ones (raw bits) rounded stochastically on the way back,
-// with a seed per tensor and state list, from an index space of its own per list (bf16_bits.h).
-enum StateMode { kStateFp32 = 0, kStateBf16 = 1 };
-template <int SMode> using StateBits = std::conditional_t<SMode == kStateFp32, float, uint16_t>;
+// with a seed per tensor and state list, from an index space of its own per list (bf16_bits.h), or 8-bit codes with a
+// scale per kQBlock elements, rounded alike (state8_bits.h; the first list signed int8, the second unsigned uint8).
+enum StateMode { kStateFp32 = 0, kStateBf16 = 1, kState8 = 2 };
+template <int SMode> using StateBits = std::conditional_t<SMode == kStateFp32, float, std::conditional_t<SMode == kStateBf16, uint16_t, uint8_t>>;
 
 template <int SMode, int W> MIXEDPREC_HD void load_state(const StateBits<SMode>* s, int64_t i, float (&x)[W]) {
   if constexpr (SMode == kStateFp32) load<W>(s, i, x);
@@ -77,6 +79,8 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
   int64_t begin, end;                          // declared before slot, whose initializer sets them
   int slot;
   const G* g; ParamBits<Mode>* p; StateBits<SMode>* s0; StateBits<SMode>* s1; int16_t* lo; O* o; uint64_t seed, sseed0, sseed1;
+  float* q0; float* q1;                        // 8-bit state: the scales of each list, after the low halves or half copy
+  int64_t numel;
   template <typename Table>
   MIXEDPREC_HD StepLists(const Table& t, const Lane& lane, int64_t chunk, int states, bool has_s0, bool has_out, const int64_t* seeds,
                          const int64_t* state_seeds)
@@ -87,10 +91,25 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
         lo(Mode == kSplit ? static_cast<int16_t*>(t.addr[2 + states][slot]) : nullptr),
         o(Mode == kFp32 && has_out ? static_cast<O*>(t.addr[2 + states][slot]) : nullptr),
         seed(Mode == kStochastic ? (uint64_t)seeds[t.global_index[slot]] : 0),
-        sseed0(SMode == kStateBf16 && has_s0 ? (uint64_t)state_seeds[(int64_t)t.global_index[slot] * states] : 0),
-        sseed1(SMode == kStateBf16 && states > 1 ? (uint64_t)state_seeds[(int64_t)t.global_index[slot] * states + 1] : 0) {}
+        sseed0(SMode != kStateFp32 && has_s0 ? (uint64_t)state_seeds[(int64_t)t.global_index[slot] * states] : 0),
+        sseed1(SMode != kStateFp32 && states > 1 ? (uint64_t)state_seeds[(int64_t)t.global_index[slot] * states + 1] : 0),
+        q0(SMode == kState8 && has_s0 ? static_cast<float*>(t.addr[3 + states][slot]) : nullptr),
+        q1(SMode == kState8 && states > 1 ? static_cast<float*>(t.addr[4 + states][slot]) : nullptr), numel(t.numel[slot]) {}
   MIXEDPREC_HD int head() const { return pack_head(g, p, s0, s1, lo, o); }
 };
+
+// 8-bit state: the quantisation blocks that start in the chunk [begin, end), one per thread at a time (a block may run past
+// the chunk's end: it belongs to the chunk it starts in), as body(first, last) over the block's elements [first, last).
+// A block's scale depends on all its new values, so the body makes two passes: the first finds the largest magnitude of
+// each list's new state, the second computes the same values again, encodes them and writes everything.
+template <typename Body>
+MIXEDPREC_HD void walk_qblocks(const Lane& lane, int64_t begin, int64_t end, int64_t numel, Body&& body) {
+  const int64_t first = (begin + kQBlock - 1) / kQBlock * kQBlock;
+  for (int64_t q = first + (int64_t)lane.thread * kQBlock; q < end; q += (int64_t)lane.threads * kQBlock)
+    body(q, q + kQBlock < numel ? q + kQBlock : numel);
+}
+
+MIXEDPREC_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
 template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
   template <typename Table>
@@ -99,6 +118,39 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
                                const int64_t* seeds, const int64_t* state_seeds) const {
     if (*noop) return;
     const StepLists<G, O, Mode, SMode> l(t, lane, chunk, 1, has_buf, has_out, seeds, state_seeds);
+    auto update = [&](float g, float p0, float& m) {           // one element: the new master, and the new buffer in m
+      float gi = mul_rn(g, inv_scale);
+      if (wd != 0.f) gi = add_rn(gi, mul_rn(wd, p0));
+      if (l.s0) {
+        m = first_run ? gi : add_rn(mul_rn(m, momentum), mul_rn(damp, gi));
+        gi = nesterov ? add_rn(gi, mul_rn(momentum, m)) : m;
+      }
+      const float pv = decoupled ? mul_rn(p0, decay) : p0;
+      return sub_rn(pv, mul_rn(lr, gi));
+    };
+    if constexpr (SMode == kState8) {
+      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) {
+        const float sc = l.q0[qb / kQBlock];
+        auto element = [&](int64_t i, float& m) {
+          G gs[1]; float p0[1];
+          load<1>(l.g, i, gs);
+          load_masters<Mode, 1>(l.p, l.lo, i, p0);
+          m = first_run ? 0.f : q8_decode(l.s0[i], sc, true);
+          return update(to_float(gs[0]), p0[0], m);
+        };
+        uint32_t most = 0;
+        for (int64_t i = qb; i < qe; ++i) { float m; element(i, m); most = most > magnitude_bits(m) ? most : magnitude_bits(m); }
+        const float nsc = q8_scale(most);
+        for (int64_t i = qb; i < qe; ++i) {
+          float m;
+          const float p1[1] = {element(i, m)};
+          l.s0[i] = q8_encode(m, nsc, rounding_bits(l.sseed0, (uint64_t)i), true);
+          store_masters<Mode, 1>(p1, l.p, l.lo, l.o, l.seed, i);
+        }
+        l.q0[qb / kQBlock] = nsc;
+      });
+      return;
+    } else {
     walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
       constexpr int W = decltype(width)::value;
       G gs[W];
@@ -106,19 +158,11 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
       load<W>(l.g, i, gs);
       load_masters<Mode, W>(l.p, l.lo, i, p0);
       if (l.s0 && !first_run) load_state<SMode, W>(l.s0, i, m);
-      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
-        float gi = mul_rn(to_float(gs[j]), inv_scale);
-        if (wd != 0.f) gi = add_rn(gi, mul_rn(wd, p0[j]));
-        if (l.s0) {
-          m[j] = first_run ? gi : add_rn(mul_rn(m[j], momentum), mul_rn(damp, gi));
-          gi = nesterov ? add_rn(gi, mul_rn(momentum, m[j])) : m[j];
-        }
-        const float pv = decoupled ? mul_rn(p0[j], decay) : p0[j];
-        p1[j] = sub_rn(pv, mul_rn(lr, gi));
-      }
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) p1[j] = update(to_float(gs[j]), p0[j], m[j]);
       if (l.s0) store_state<SMode, W>(m, l.s0, l.sseed0, i);
       store_masters<Mode, W>(p1, l.p, l.lo, l.o, l.seed, i);
     });
+    }
   }
 };
 
@@ -135,6 +179,47 @@ template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
     const double s = (double)*t.scalar[l.slot] + 1.0;         // this step's count; the caller advances it afterwards
     const float step_size = (float)(lr / (1.0 - pow(beta1, s)));
     const float bc2_sqrt = (float)sqrt(1.0 - pow(beta2, s));
+    auto update = [&](float g, float p0, float& m, float& v) {  // one element: the new master, and the new moments in m and v
+      float gi = mul_rn(g, inv_scale);
+      float pv = p0;
+      if (decoupled) pv = mul_rn(pv, decay);
+      else if (l2 != 0.f) gi = add_rn(gi, mul_rn(l2, pv));
+      m = add_rn(m, mul_rn(omb1, sub_rn(gi, m)));
+      v = add_rn(mul_rn(v, b2), mul_rn(mul_rn(omb2, gi), gi));
+      const float denom = add_rn(div_rn(sqrt_rn(v), bc2_sqrt), eps);
+      return sub_rn(pv, mul_rn(step_size, div_rn(m, denom)));
+    };
+    if constexpr (SMode == kState8) {
+      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) {
+        const float sc0 = l.q0[qb / kQBlock], sc1 = l.q1[qb / kQBlock];
+        auto element = [&](int64_t i, float& m, float& v) {
+          G gs[1]; float p0[1];
+          load<1>(l.g, i, gs);
+          load_masters<Mode, 1>(l.p, l.lo, i, p0);
+          m = q8_decode(l.s0[i], sc0, true);
+          v = q8_decode(l.s1[i], sc1, false);
+          return update(to_float(gs[0]), p0[0], m, v);
+        };
+        uint32_t most0 = 0, most1 = 0;
+        for (int64_t i = qb; i < qe; ++i) {
+          float m, v;
+          element(i, m, v);
+          most0 = most0 > magnitude_bits(m) ? most0 : magnitude_bits(m);
+          most1 = most1 > magnitude_bits(v) ? most1 : magnitude_bits(v);
+        }
+        const float nsc0 = q8_scale(most0), nsc1 = q8_scale(most1);
+        for (int64_t i = qb; i < qe; ++i) {
+          float m, v;
+          const float p1[1] = {element(i, m, v)};
+          l.s0[i] = q8_encode(m, nsc0, rounding_bits(l.sseed0, (uint64_t)i), true);
+          l.s1[i] = q8_encode(v, nsc1, rounding_bits(l.sseed1, (uint64_t)i), false);
+          store_masters<Mode, 1>(p1, l.p, l.lo, l.o, l.seed, i);
+        }
+        l.q0[qb / kQBlock] = nsc0;
+        l.q1[qb / kQBlock] = nsc1;
+      });
+      return;
+    } else {
     walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
       constexpr int W = decltype(width)::value;
       G gs[W];
@@ -143,19 +228,12 @@ template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
       load_masters<Mode, W>(l.p, l.lo, i, pv);
       load_state<SMode, W>(l.s0, i, m);
       load_state<SMode, W>(l.s1, i, v);
-      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
-        float gi = mul_rn(to_float(gs[j]), inv_scale);
-        if (decoupled) pv[j] = mul_rn(pv[j], decay);
-        else if (l2 != 0.f) gi = add_rn(gi, mul_rn(l2, pv[j]));
-        m[j] = add_rn(m[j], mul_rn(omb1, sub_rn(gi, m[j])));
-        v[j] = add_rn(mul_rn(v[j], b2), mul_rn(mul_rn(omb2, gi), gi));
-        const float denom = add_rn(div_rn(sqrt_rn(v[j]), bc2_sqrt), eps);
-        pv[j] = sub_rn(pv[j], mul_rn(step_size, div_rn(m[j], denom)));
-      }
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) pv[j] = update(to_float(gs[j]), pv[j], m[j], v[j]);
       store_state<SMode, W>(m, l.s0, l.sseed0, i);
       store_state<SMode, W>(v, l.s1, l.sseed1, i);
       store_masters<Mode, W>(pv, l.p, l.lo, l.o, l.seed, i);
     });
+    }
   }
 };
 
@@ -171,14 +249,22 @@ inline int master_mode(const std::vector<at::Tensor>& lows, const std::optional<
     default: { constexpr int kMode = kFp32; __VA_ARGS__(); break; }                                         \
   }
 
-// The state mode of a call: bf16 when the first state tensor is (the bindings check that all are alike).
+// The state mode of a call: bf16 or 8-bit when the first state tensor is (the bindings check that all are alike).
 inline int state_mode(const std::vector<at::Tensor>& state) {
-  return !state.empty() && state[0].scalar_type() == at::kBFloat16 ? kStateBf16 : kStateFp32;
+  if (state.empty()) return kStateFp32;
+  return state[0].scalar_type() == at::kBFloat16 ? kStateBf16 : state[0].scalar_type() == at::kChar ? kState8 : kStateFp32;
+}
+
+// List j of the scales of 8-bit state (`state_scales` is list-major, `n` tensors per list), or `fill` (an unused list).
+inline std::vector<at::Tensor> scale_list(const std::vector<at::Tensor>& state_scales, size_t j, size_t n, const std::vector<at::Tensor>& fill) {
+  if (state_scales.size() < (j + 1) * n) return fill;
+  return std::vector<at::Tensor>(state_scales.begin() + j * n, state_scales.begin() + (j + 1) * n);
 }
 
 #define MIXEDPREC_STATE_MODES(SMODE, ...)                                                                   \
   switch (SMODE) {                                                                                          \
     case kStateBf16: { constexpr int kSMode = kStateBf16; __VA_ARGS__(); break; }                           \
+    case kState8: { constexpr int kSMode = kState8; __VA_ARGS__(); break; }                                 \
     default: { constexpr int kSMode = kStateFp32; __VA_ARGS__(); break; }                                   \
   }
 
@@ -193,7 +279,8 @@ template <typename Grid>
 void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
                  const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
                  double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled,
-                 const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& state_seeds) {
+                 const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& state_seeds,
+                 const std::vector<at::Tensor>& state_scales) {
   if (params.empty()) return;
   const typename Grid::Guard guard(params[0].device());
   auto flag = as_int_flag(found_inf, params[0]);
@@ -211,10 +298,14 @@ void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Ten
       using O = scalar_t;
       MIXEDPREC_MODES(mode, [&] {
         MIXEDPREC_STATE_MODES(smode, [&] {
-          multi_tensor_apply<Grid, 4>(flag, {grads, params, m, o}, SgdFunctor<G, O, kMode, kSMode>(), (float)inv_scale, (float)lr, (float)momentum,
-                                      (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
-                                      decoupled ? (float)(1.0 - lr * weight_decay) : 1.f, decoupled, nesterov, first_run, has_buf, has_out, seed_ptr,
-                                      state_seed_ptr);
+          auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
+            multi_tensor_apply<Grid, decltype(depth)::value>(flag, lists, SgdFunctor<G, O, kMode, kSMode>(), (float)inv_scale, (float)lr,
+                                                             (float)momentum, (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
+                                                             decoupled ? (float)(1.0 - lr * weight_decay) : 1.f, decoupled, nesterov, first_run, has_buf,
+                                                             has_out, seed_ptr, state_seed_ptr);
+          };
+          if constexpr (kSMode == kState8) run(Width<5>(), {grads, params, m, o, scale_list(state_scales, 0, params.size(), params)});
+          else run(Width<4>(), {grads, params, m, o});
         });
       });
     });
@@ -229,7 +320,7 @@ void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Te
                   const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
                   const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
                   double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds,
-                  const std::optional<at::Tensor>& state_seeds) {
+                  const std::optional<at::Tensor>& state_seeds, const std::vector<at::Tensor>& state_scales) {
   if (params.empty()) return;
   const typename Grid::Guard guard(params[0].device());
   auto flag = as_int_flag(found_inf, params[0]);
@@ -247,9 +338,15 @@ void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Te
       using O = scalar_t;
       MIXEDPREC_MODES(mode, [&] {
         MIXEDPREC_STATE_MODES(smode, [&] {
-          multi_tensor_apply_with_scalars<Grid, 5>(flag, {grads, params, exp_avgs, exp_avg_sqs, o}, steps, AdamFunctor<G, O, kMode, kSMode>(),
-                                                   (float)inv_scale, lr, beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out, seed_ptr,
-                                                   state_seed_ptr);
+          auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
+            multi_tensor_apply_with_scalars<Grid, decltype(depth)::value>(flag, lists, steps, AdamFunctor<G, O, kMode, kSMode>(), (float)inv_scale, lr,
+                                                                          beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out, seed_ptr,
+                                                                          state_seed_ptr);
+          };
+          if constexpr (kSMode == kState8)
+            run(Width<7>(), {grads, params, exp_avgs, exp_avg_sqs, o, scale_list(state_scales, 0, params.size(), params),
+                             scale_list(state_scales, 1, params.size(), params)});
+          else run(Width<5>(), {grads, params, exp_avgs, exp_avg_sqs, o});
         });
       });
     });

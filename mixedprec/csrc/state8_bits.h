@@ -1,0 +1,60 @@
+// 8-bit optimizer state (state='8bit'), element by element, for the CPU and CUDA kernels alike. The pure-PyTorch
+// references (mixedprec/ops.py: quantize8_ref, dequantize8_ref) compute the same bits.
+//
+// A state tensor is kept as one 8-bit code per element, laid out as its param (int8 for a signed code, uint8 for an
+// unsigned one, so that a tensor says how to read it), and one fp32 scale per block of kQBlock
+// elements (in memory order from the tensor's start). The scale is a power of two, 2^(e+1) where 2^e <= the block's
+// largest magnitude < 2^(e+1), so every element of the block divided by it lies in (-1, 1) and the division is exact.
+// The code is a small float relative to the scale, with 3 mantissa bits and gradual underflow:
+//   signed (first moments, momentum): sign, 4 exponent bits, 3 mantissa bits: magnitudes 2^-17 .. 1 of the scale;
+//   unsigned (Adam's second moment):  5 exponent bits, 3 mantissa bits: magnitudes 2^-33 .. 1 of the scale.
+// Encoding works on the fp32 bits, with integers only (so every implementation gets the same bits): the magnitude is
+// laid out as an fp32-like number with the code's exponent bias, and 16 random bits (bf16_bits.h's rounding_bits, from
+// the element's index and the list's seed) are added below the 3 kept mantissa bits before truncating: stochastic
+// rounding, unbiased to within 2^-16 of a code step, so that Adam's small per-step changes (0.1% of v at beta2=0.999,
+// far below a code step) accumulate in expectation instead of stagnating. A positive second moment never encodes to 0
+// (it rounds up to the smallest code instead), so a quantised denominator never undercuts the true one down to eps.
+// A block whose largest magnitude is below 2^-80 is all zeros (scale 0); a block holding inf or NaN gets a NaN scale, so
+// a diverged state stays loud. Decoding is exact: a code's value times a power of two, both exact in fp32.
+#pragma once
+#include "bf16_bits.h"
+
+namespace mixedprec {
+
+constexpr int64_t kQBlock = 256;               // elements per scale
+constexpr uint32_t kQ8SmallestExp = 127 - 80;  // biased exponent below which a block's largest magnitude counts as zero
+
+MIXEDPREC_HD int q8_bias(bool is_signed) { return is_signed ? 15 : 31; }
+
+// The scale of a block from its largest magnitude's bits (max over the block of bits & 0x7fffffff).
+MIXEDPREC_HD float q8_scale(uint32_t max_bits) {
+  const uint32_t e = max_bits >> 23;
+  if (e < kQ8SmallestExp) return 0.f;
+  if (e >= 254) return bits_float(0x7fc00000u);  // inf or NaN (or a magnitude whose scale would overflow): NaN
+  return bits_float((e + 1) << 23);
+}
+
+// The code of x in a block with scale `scale`, rounded stochastically with the 16 random bits r.
+MIXEDPREC_HD uint8_t q8_encode(float x, float scale, uint32_t r, bool is_signed) {
+  const uint32_t u = float_bits(x), mag = u & 0x7fffffffu, se = float_bits(scale) >> 23, ex = mag >> 23;
+  if (se == 0 || se == 255 || ex == 0) return (uint8_t)(!is_signed && mag != 0 && se != 0 && se != 255 ? 1u : 0u);
+  const int f = (int)ex - (int)se + q8_bias(is_signed);     // the code's exponent field
+  const uint32_t frac = mag & 0x7fffffu;
+  uint32_t t;
+  if (f >= 1) t = ((uint32_t)f << 23) | frac;
+  else t = 1 - f < 24 ? (frac | 0x800000u) >> (1 - f) : 0u;
+  uint32_t c = (t + (r << 4)) >> 20;
+  if (!is_signed) return (uint8_t)(c == 0 ? 1u : c);                 // a positive second moment stays positive
+  return (uint8_t)(c | ((u >> 24) & 0x80u));
+}
+
+// The value of code `c` in a block with scale `scale` (exact).
+MIXEDPREC_HD float q8_decode(uint8_t code, float scale, bool is_signed) {
+  const uint32_t c = is_signed ? code & 0x7fu : code, f = c >> 3, mant = c & 7u;
+  const uint32_t bias = (uint32_t)q8_bias(is_signed);
+  const float unit = f ? bits_float(((f + 127u - bias) << 23) | (mant << 20)) : (float)mant * bits_float((127u - 2u - bias) << 23);
+  const float v = unit * scale;
+  return is_signed && (code & 0x80u) ? -v : v;
+}
+
+}  // namespace mixedprec
