@@ -5,7 +5,7 @@ accuracy, side by side in one run. Prints markdown tables (the README's and nbs/
     python bench/bf16_masters.py speed    [--threads 1,2]              # the fused AdamW step alone, ~100M params
     python bench/bf16_masters.py accuracy [--seeds 3]                  # digits CNN and a transformer on a synthetic task
     python bench/bf16_masters.py lm       [--seeds 3 --steps 2000]     # a character-level LM: bytes per param, final loss, step time,
-                                                                       # lean optimizer state (state='bf16') and the anchors that install
+                                                                       # lean optimizer state (state='bf16', '8bit') and the anchors that install
 
 Memory is the process's peak resident set (VmHWM, reset after setup) on the CPU, or torch.cuda.max_memory_allocated on a GPU;
 each configuration runs in its own process, with glibc returning freed blocks at once (MALLOC_MMAP_THRESHOLD_).
@@ -22,6 +22,8 @@ CONFIGS = {                                  # name -> (amp opt_level, masters, 
     'bf16, no masters (O3, round to nearest)': ('O3', 'fp32', 'fp32'),
     "bf16, fp32 masters, bf16 state (state='bf16')": ('O2', 'fp32', 'bf16'),
     "bf16, split masters, bf16 state (masters='split', state='bf16')": ('O2', 'split', 'bf16'),
+    "bf16, fp32 masters, 8-bit state (state='8bit')": ('O2', 'fp32', '8bit'),
+    "bf16, split masters, 8-bit state (masters='split', state='8bit')": ('O2', 'split', '8bit'),
 }
 ANCHORS = {                                  # beside them in `lm`, when installed: name -> how to build the optimizer
     "torch-optimi AdamW, bf16 weights, Kahan summation": 'optimi',

@@ -536,6 +536,7 @@ def round_stochastic_ref(x:torch.Tensor, seed:int) -> torch.Tensor:
     hi = torch.where(special, (u >> 16) | torch.where((u & 0x7FFFFF) != 0, 0x40, 0), ((u + r) >> 16) & 0xFFFF)
     return torch.where(hi >= 2**15, hi - 2**16, hi).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
 
+# %% ../nbs/10_ops.ipynb #4f036ddd
 Q_BLOCK = 256          # elements per scale of 8-bit optimizer state
 
 def in_memory_order(t:torch.Tensor) -> torch.Tensor:
