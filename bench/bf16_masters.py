@@ -308,7 +308,7 @@ def lm(a):
         ls = [r['loss'] for r in runs]
         m = statistics.mean(ls)
         inside = 'yes' if lo - (hi - lo) <= m <= hi + (hi - lo) else 'no'
-        print(f"| {config} | {b['weights']:.1f} | {b['masters']:.1f} | {b['state']:.1f} | {b['grads']:.1f} | {sum(b.values()):.1f} | "
+        print(f"| {config} | {b['weights']:.1f} | {b['masters']:.1f} | {b['state']:.1f} | {b['grads']:.1f} | {sum(b.values()):.2f} | "
               f"{m:.4f} ({min(ls):.4f}-{max(ls):.4f}) | {inside} | {statistics.median(r['step'] for r in runs) / ref_step:.2f}x |", flush=True)
     print(f"\n('within fp32's spread': the mean lies within the fp32 runs' range widened by that range on each side, {lo:.4f}-{hi:.4f} "
           f"± {hi - lo:.4f}; bytes per param held between steps, measured from the tensors)")

@@ -22,7 +22,7 @@ from .scaler import LossScaler
 from torch import nn
 from fastcore.foundation import L
 from .master import (MasterParams, clip_grads_, master_value, load_master_, CheckpointError, check_master_value,
-                              fp32_state, split_flat_state, flat_slice, _like, _mix, check_state_store, check_param_state, keep_state_as, is_codes, SCALES)
+                              fp32_state, split_flat_state, flat_slice, _like, _mix, check_state_store, check_param_state, keep_state_as, is_codes, is_scales, SCALES)
 from .convert import masters_for
 from .distributed import agree, sum_over_ranks, Shards, rank0s
 
@@ -585,13 +585,16 @@ class StepEngine:
         _check_state_shapes(opt_sd, [g['params'] for g in self.optimizer.param_groups], what)
 
     def load_optimizer_state(self, opt_sd:dict):
-        "Load a (checked) torch optimizer state dict into the optimizer over the masters. torch casts every state tensor to its param's dtype, which would turn 8-bit codes into floats and train on garbage: those and their scales are put back as saved"
-        codes = {i: {k: v for k, v in s.items() if is_codes(s, k) or k.endswith(SCALES) and is_codes(s, k[:-len(SCALES)])} for i, s in opt_sd['state'].items()}
+        "Load a (checked) torch optimizer state dict into the optimizer over the masters. torch casts every state tensor to its param's dtype, which would turn 8-bit codes into floats and train on garbage: those and their scales are put back as saved (decoded, where this engine does not keep 8-bit state)"
+        codes = {i: {k: v for k, v in s.items() if is_codes(s, k) or is_scales(s, k)} for i, s in opt_sd['state'].items()}
         with self.consolidated(gather=False):              # sharded masters: every rank loads the whole state and keeps its shard's
             self.optimizer.load_state_dict(opt_sd)
             ids = [i for g in opt_sd['param_groups'] for i in g['params']]
             for i, p in zip(ids, [p for g in self.optimizer.param_groups for p in g['params']]):
-                if codes.get(i): self.optimizer.state[p].update({k: v.to(p.device, copy=True) for k, v in codes[i].items()})
+                if not codes.get(i): continue
+                st, saved = self.optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in codes[i].items()}
+                for k in saved: st.pop(k, None)
+                st.update(saved if self.state == '8bit' else fp32_state(saved))
 
     def state_dict(self) -> dict:
         "The scaler's state and the fp32 masters"

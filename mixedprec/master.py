@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['STORES', 'STATE_STORES', 'SCALES', 'clip_grads_', 'check_store', 'check_state_store', 'Bf16Master', 'bf16_master',
            'RemoteMaster', 'remote_master', 'master_value', 'set_master_', 'load_master_', 'CheckpointError',
-           'check_master_value', 'is_codes', 'check_param_state', 'check_state_value', 'mark_written', 'edited',
-           'take_model_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as', 'flat_like',
-           'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterParams']
+           'check_master_value', 'is_codes', 'is_scales', 'check_param_state', 'check_state_value', 'mark_written',
+           'edited', 'take_model_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as',
+           'flat_like', 'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket',
+           'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -128,12 +129,14 @@ def is_codes(st:dict, k:str) -> bool:
     v = st.get(k)
     return isinstance(v, torch.Tensor) and v.dtype in (torch.int8, torch.uint8) and isinstance(st.get(k + SCALES), torch.Tensor)
 
-def _scales_of_codes(st:dict, k:str) -> bool: return k.endswith(SCALES) and is_codes(st, k[:-len(SCALES)])
+def is_scales(st:dict, k:str) -> bool:
+    "True when `st[k]` (one param's optimizer state) holds the scales of 8-bit codes"
+    return k.endswith(SCALES) and is_codes(st, k[:-len(SCALES)])
 
 def check_param_state(st:dict, p:torch.Tensor, name:str, what:str):
     "Raise `CheckpointError` unless one param's optimizer state `st` fits param `p` (called `name`): each value as `check_state_value` says, 8-bit codes of `p`'s shape with their finite scales (one per 256 elements)"
     for k, v in st.items():
-        if _scales_of_codes(st, k): continue
+        if is_scales(st, k): continue
         if not is_codes(st, k): check_state_value(v, p, k, name, what); continue
         if v.shape != p.shape: _refuse(what, f"the 8-bit optimizer state {k!r} of {name} is {tuple(v.shape)}, the param is {tuple(p.shape)}: it comes from another model")
         sc, n = st[k + SCALES], -(-p.numel() // Q_BLOCK)
@@ -210,7 +213,7 @@ def fp32_state(st:dict, keep_codes:bool=False) -> dict:
     "A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on half params, as Adagrad's `sum`, or read from a file), and its 8-bit state decoded (with `keep_codes`, kept as codes and scales: the fused steps take them as they are)"
     res = {}
     for k, v in st.items():
-        if _scales_of_codes(st, k):
+        if is_scales(st, k):
             if keep_codes: res[k] = v
         elif is_codes(st, k): res[k] = v if keep_codes else dequantize8_ref(v, st[k + SCALES])
         else: res[k] = v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v
@@ -267,7 +270,7 @@ def _relayout_state(states:list, m:torch.Tensor, p:torch.Tensor):
     for st in states:
         s = st.get(m, {})
         for k, v in list(s.items()):
-            if k not in s or _scales_of_codes(s, k): continue
+            if k not in s or is_scales(s, k): continue
             if is_codes(s, k): s[k] = _like(p, dequantize8_ref(v, s.pop(k + SCALES)))
             elif isinstance(v, torch.Tensor) and v.shape == m.shape: s[k] = _like(p, v)
 

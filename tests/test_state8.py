@@ -12,7 +12,7 @@ from mixedprec.ops import quantize8_ref, dequantize8_ref, Q_BLOCK
 from mixedprec.master import CheckpointError, SCALES, _mix
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from helpers import synth_learner, mlp
-from test_lean_state import data, state_tensors
+from test_lean_state import data, state_tensors, train_fp16_optimizer
 
 def raw(t): return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -119,6 +119,23 @@ def test_cpu_kernels_equal_the_reference_bit_for_bit(sizes, store, kind, channel
         runs.append([*params, *out, *kw.get('lows', []), *m, *msc, *v, *vsc, *steps])
     assert_same(*runs)
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_kernels_equal_the_reference_on_fuzzed_sizes(seed):
+    "Sizes drawn around the edges that matter: a scale block, the CPU kernels' 1024-element buffers and 65536-element chunks"
+    import random
+    r = random.Random(seed)
+    sizes = [r.choice([r.randint(1, 700), 1024 * r.randint(1, 4) + r.randint(-300, 300), (1 << 16) + r.randint(-600, 600)]) for _ in range(8)]
+    runs = []
+    for impl in ('ref', 'fused'):
+        params, out, kw, m, msc, v, vsc, grads = lists(sizes, r.choice(['fp32', 'split', 'none']) if impl == 'ref' else store, seed=seed)
+        store = 'split' if 'lows' in kw else 'none' if 'seeds' in kw else 'fp32'
+        steps = [torch.tensor([float(k)]) for k in range(len(params))]
+        for i, g in enumerate(grads[:2]):
+            ops.adam_step_(g, params, m, v, out, torch.tensor(False), steps, 1 / 512, 1e-2, 0.9, 0.999, 1e-8, 0.1, True,
+                           state_seeds=[(7 * i + k, 11 * i + k) for k in range(len(params))], state_scales=[msc, vsc], impl=impl, **kw)
+        runs.append([*params, *out, *kw.get('lows', []), *m, *msc, *v, *vsc])
+    assert_same(*runs)
+
 def test_a_skipped_step_changes_no_state():
     params, out, kw, m, msc, v, vsc, grads = lists([1025, 7], 'split', seed=4)
     before = [t.clone() for t in [*params, *kw['lows'], *m, *msc, *v, *vsc]]
@@ -156,22 +173,6 @@ def test_bad_8bit_input_says_what_to_do():
         with pytest.raises(ValueError, match="int8 first moments, uint8 second moments"): step(impl=impl, v=[c.view(torch.int8) for c in v], sc=[msc, vsc])
 
 # The front ends
-
-def train_fp16_optimizer(state, opt_cls, steps=60, store='split', resume_at=None, tmp_path=None):
-    torch.manual_seed(0)
-    model = mlp().bfloat16()
-    make = lambda m: FP16_Optimizer(opt_cls(m.parameters(), lr=1e-2), masters=store, state=state, verbose=False)
-    opt, (x, y) = make(model), data()
-    for i in range(steps):
-        if i == resume_at:
-            torch.save({'model': model.state_dict(), 'opt': opt.state_dict()}, tmp_path / 'ck.pt')
-            torch.manual_seed(123)
-            model = mlp().bfloat16(); opt = make(model)
-            ck = torch.load(tmp_path / 'ck.pt', weights_only=False)
-            model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt'])
-        xb, yb = x[i % 8 * 32:(i % 8 + 1) * 32], y[i % 8 * 32:(i % 8 + 1) * 32]
-        opt.backward(nn.functional.mse_loss(model(xb.bfloat16()).float(), yb)); opt.step(); opt.zero_grad()
-    with torch.no_grad(): return nn.functional.mse_loss(model(x.bfloat16()).float(), y).item(), opt, model
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9)], ids=['adamw', 'sgd'])
 def test_fp16_optimizer_keeps_8bit_state_in_a_quarter_of_the_bytes_and_trains_as_with_fp32_state(opt_cls):
@@ -280,3 +281,27 @@ def test_8bit_state_over_a_long_run_stays_with_fp32_masters_and_fp32_state():
         with torch.no_grad(): return nn.functional.mse_loss(model(x.bfloat16()).float(), y).item()
     full, lean = run('fp32', 'fp32'), run('split', '8bit')
     assert full < 0.1 and lean == pytest.approx(full, rel=0.25, abs=0.01)
+
+@pytest.mark.parametrize("impl", ['fused', 'ref'])
+def test_an_8bit_checkpoint_loads_into_amp_with_fp32_state_decoded(impl):
+    "torch's load casts every state tensor to its param's dtype (int8 codes would become floats like -45.0); the engine puts them back, decoded where it keeps fp32 state, also where the optimizer's own step runs (impl='ref')"
+    def make(state):
+        torch.manual_seed(0)
+        model = mlp(); opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', verbosity=0, state=state, impl=impl if state == 'fp32' else None)
+    x, y = data()
+    model, opt = make('8bit')
+    for _ in range(5):
+        with amp.scale_loss(nn.functional.mse_loss(model(x[:64]), y[:64]), opt) as s: s.backward()
+        opt.step(); opt.zero_grad()
+    sd = opt.state_dict()
+    saved = {i: dequantize8_ref(s['exp_avg'], s['exp_avg' + SCALES]) for i, s in sd['state'].items()}
+    other_model, other = make('fp32')
+    other_model.load_state_dict(model.state_dict()); other.load_state_dict(sd)
+    masters = amp.master_params(other)
+    for i, m in enumerate(masters):
+        st = other.state[m]
+        assert st['exp_avg'].dtype == torch.float32 and torch.equal(st['exp_avg'], saved[i]) and not any(k.endswith(SCALES) for k in st)
+    with amp.scale_loss(nn.functional.mse_loss(other_model(x[:64]), y[:64]), other) as s: s.backward()
+    other.step()
+    assert all(torch.isfinite(m).all() for m in amp.master_params(other))

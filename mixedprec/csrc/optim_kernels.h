@@ -149,19 +149,18 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
         }
         l.q0[qb / kQBlock] = nsc;
       });
-      return;
     } else {
-    walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
-      constexpr int W = decltype(width)::value;
-      G gs[W];
-      float p0[W], m[W], p1[W];
-      load<W>(l.g, i, gs);
-      load_masters<Mode, W>(l.p, l.lo, i, p0);
-      if (l.s0 && !first_run) load_state<SMode, W>(l.s0, i, m);
-      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) p1[j] = update(to_float(gs[j]), p0[j], m[j]);
-      if (l.s0) store_state<SMode, W>(m, l.s0, l.sseed0, i);
-      store_masters<Mode, W>(p1, l.p, l.lo, l.o, l.seed, i);
-    });
+      walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
+        constexpr int W = decltype(width)::value;
+        G gs[W];
+        float p0[W], m[W], p1[W];
+        load<W>(l.g, i, gs);
+        load_masters<Mode, W>(l.p, l.lo, i, p0);
+        if (l.s0 && !first_run) load_state<SMode, W>(l.s0, i, m);
+        MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) p1[j] = update(to_float(gs[j]), p0[j], m[j]);
+        if (l.s0) store_state<SMode, W>(m, l.s0, l.sseed0, i);
+        store_masters<Mode, W>(p1, l.p, l.lo, l.o, l.seed, i);
+      });
     }
   }
 };
@@ -218,21 +217,20 @@ template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
         l.q0[qb / kQBlock] = nsc0;
         l.q1[qb / kQBlock] = nsc1;
       });
-      return;
     } else {
-    walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
-      constexpr int W = decltype(width)::value;
-      G gs[W];
-      float pv[W], m[W], v[W];
-      load<W>(l.g, i, gs);
-      load_masters<Mode, W>(l.p, l.lo, i, pv);
-      load_state<SMode, W>(l.s0, i, m);
-      load_state<SMode, W>(l.s1, i, v);
-      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) pv[j] = update(to_float(gs[j]), pv[j], m[j], v[j]);
-      store_state<SMode, W>(m, l.s0, l.sseed0, i);
-      store_state<SMode, W>(v, l.s1, l.sseed1, i);
-      store_masters<Mode, W>(pv, l.p, l.lo, l.o, l.seed, i);
-    });
+      walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
+        constexpr int W = decltype(width)::value;
+        G gs[W];
+        float pv[W], m[W], v[W];
+        load<W>(l.g, i, gs);
+        load_masters<Mode, W>(l.p, l.lo, i, pv);
+        load_state<SMode, W>(l.s0, i, m);
+        load_state<SMode, W>(l.s1, i, v);
+        MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) pv[j] = update(to_float(gs[j]), pv[j], m[j], v[j]);
+        store_state<SMode, W>(m, l.s0, l.sseed0, i);
+        store_state<SMode, W>(v, l.s1, l.sseed1, i);
+        store_masters<Mode, W>(pv, l.p, l.lo, l.o, l.seed, i);
+      });
     }
   }
 };
