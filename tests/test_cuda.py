@@ -31,11 +31,12 @@ def make_opt(kind, params):
             'adamw': lambda: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
             'adam': lambda: torch.optim.Adam(params, lr=1e-2)}[kind]()
 
-def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None, decide='cuda'):
+def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None, decide='cuda', masters='fp32', state='fp32'):
     "Train `cnn` with amp; returns the masters after each step and the scaler history"
     with settings(impl=impl, decide=decide):
         model = cnn()
-        model, opt = amp.initialize(model, make_opt(kind, model.parameters()), opt_level=level, verbosity=0, half_dtype=half_dtype)
+        model, opt = amp.initialize(model, make_opt(kind, model.parameters()), opt_level=level, verbosity=0, half_dtype=half_dtype, masters=masters,
+                                    state=state)
         snaps = []
         for i, (x, y) in enumerate(batches(n)):
             loss = F.cross_entropy(model(x), y)
@@ -116,6 +117,22 @@ def test_fastai_callback_trains_and_checkpoints_on_cuda(how, tmp_path):
     learn.fit(1, 1e-2)
     learn.load('ckpt')
     for a, b in zip(before, masters_of(learn)): assert torch.equal(a, b)
+
+@pytest.mark.parametrize("masters,state", [('fp32', 'bf16'), ('split', '8bit')])
+def test_lean_state_fused_matches_reference_on_cuda(masters, state):
+    ref, _, _ = amp_run('ref', 'adamw', half_dtype='bf16', masters=masters, state=state, inject_at=3)
+    fused, _, _ = amp_run('fused', 'adamw', half_dtype='bf16', masters=masters, state=state, inject_at=3)
+    for a, b in zip(ref, fused):
+        for x, y in zip(a, b): assert torch.equal(x, y)
+
+def test_8bit_state_follows_the_model_to_the_gpu(tmp_path):
+    learn = synth_learner(path=tmp_path).to_bf16(masters='split', state='8bit')
+    learn.fit(1, 1e-2)                                        # the codes and scales are made on the CPU
+    learn.dls.cuda()
+    learn.fit(1, 1e-2)                                        # fastai moves the model to the data's device; the state follows
+    held = [v for s in learn.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    assert held and all(t.is_cuda for t in held) and torch.int8 in {t.dtype for t in held}
+    assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] * 1.5
 
 def test_masters_follow_the_model_to_the_gpu():
     from mixedprec.convert import convert_model
