@@ -134,28 +134,33 @@ def speed(a):
     g = [torch.randn(s).float() * 1e-3 for s in shapes]
     print(f"\nthe fused AdamW step alone (unscaled fp32 grads in, as the engine passes them), {sum(t.numel() for t in g) / 1e6:.0f}M params in {len(shapes)} "
           f"tensors; best of {a.repeat}; torch {torch.__version__}; {cpu_units()}\n")
-    print("| threads | fp32 masters + bf16 copy | split (bf16 + int16) | stochastic rounding (bf16) |")
-    print("|---|---|---|---|")
+    print("| threads | fp32 masters + bf16 copy | split (bf16 + int16) | stochastic rounding (bf16) | split, bf16 state | split, 8-bit state |")
+    print("|---|---|---|---|---|---|")
     flag = torch.zeros((), dtype=torch.bool)
     for threads in a.threads:
         torch.set_num_threads(threads)
         res = {}
-        for mode in ('fp32', 'split', 'none'):
+        for mode, state in (('fp32', 'fp32'), ('split', 'fp32'), ('none', 'fp32'), ('split', 'bf16'), ('split', '8bit')):
             torch.manual_seed(0)
             m = [torch.randn(s) for s in shapes]
-            st = [[torch.zeros(s) for s in shapes] for _ in range(2)]
+            st = [[torch.zeros(s, dtype=torch.bfloat16 if state == 'bf16' else torch.float32) for s in shapes] for _ in range(2)]
             steps = [torch.zeros(()) for _ in shapes]
             if mode == 'fp32': params, kw, out = m, {}, [t.bfloat16() for t in m]
             elif mode == 'split':
                 params, lows = map(list, zip(*[ops.split_bf16_ref(t) for t in m])); kw, out = dict(lows=lows), []
             else: params, kw, out = [t.bfloat16() for t in m], dict(seeds=list(range(len(shapes)))), []
+            if state == '8bit':
+                st = [[torch.zeros(s, dtype=dt) for s in shapes] for dt in (torch.int8, torch.uint8)]
+                kw['state_scales'] = [[torch.zeros(-(-t.numel() // ops.Q_BLOCK)) for t in m] for _ in range(2)]
+            if state != 'fp32': kw['state_seeds'] = [(7 * i, 7 * i + 1) for i in range(len(shapes))]
             def run(): ops.adam_step_(g, params, st[0], st[1], out, flag, steps, 1., 1e-4, weight_decay=0.01, impl='fused', **kw)
             run()
             best = float('inf')
             for _ in range(a.repeat):
                 t = time.perf_counter(); run(); best = min(best, time.perf_counter() - t)
-            res[mode] = best
-        print(f"| {threads} | 1.00 ({res['fp32'] * 1e3:.0f} ms) | {res['split'] / res['fp32']:.2f} | {res['none'] / res['fp32']:.2f} |")
+            res[mode, state] = best
+        base = res['fp32', 'fp32']
+        print(f"| {threads} | 1.00 ({base * 1e3:.0f} ms) | " + ' | '.join(f"{res[k] / base:.2f}" for k in list(res)[1:]) + " |")
 
 def digits_data():
     from sklearn.datasets import load_digits

@@ -197,11 +197,20 @@ struct StateStore {
   bool lean() const { return type() != at::kFloat; }
 };
 
+// Decode n <= kBlock elements of 8-bit state starting at a multiple of kQBlock of its tensor into fp32 (state8_bits.h).
+template <bool Signed> static void decode_block8(const uint8_t* __restrict codes, const float* __restrict scales, float* __restrict out, int64_t n) {
+  for (int64_t q = 0; q < n; q += kQBlock) {
+    const int64_t e = std::min(n, q + kQBlock);
+    const float sc = scales[q / kQBlock];
+    for (int64_t i = q; i < e; ++i) out[i] = q8_decode(codes[i], sc, Signed);
+  }
+}
+
 // Quantise a block of n <= kBlock fp32 state elements starting at element `first` (a multiple of kQBlock) of its
 // tensor into 8-bit codes and one scale per kQBlock elements (state8_bits.h), rounded with the same random bits as
-// round_block_stochastic.
-static void encode_block8(const float* __restrict buf, uint8_t* __restrict codes, float* __restrict scales, int64_t n, uint64_t seed,
-                          uint64_t first, bool is_signed) {
+// round_block_stochastic. Each loop is branch-free, so that it vectorises.
+template <bool Signed> static void encode_block8(const float* __restrict buf, uint8_t* __restrict codes, float* __restrict scales, int64_t n,
+                                                 uint64_t seed, uint64_t first) {
   const uint32_t key_lo = (uint32_t)seed, key_hi = (uint32_t)(seed >> 32) ^ (uint32_t)(first >> 32), base = (uint32_t)first;
   for (int64_t q = 0; q < n; q += kQBlock) {
     const int64_t e = std::min(n, q + kQBlock);
@@ -209,7 +218,7 @@ static void encode_block8(const float* __restrict buf, uint8_t* __restrict codes
     for (int64_t i = q; i < e; ++i) most = std::max(most, float_bits(buf[i]) & 0x7fffffffu);
     const float sc = q8_scale(most);
     scales[q / kQBlock] = sc;
-    for (int64_t i = q; i < e; ++i) codes[i] = q8_encode(buf[i], sc, rounding_bits32(base + (uint32_t)i, key_lo, key_hi), is_signed);
+    for (int64_t i = q; i < e; ++i) codes[i] = q8_encode(buf[i], sc, rounding_bits32(base + (uint32_t)i, key_lo, key_hi), Signed);
   }
 }
 
@@ -255,7 +264,8 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
     float* states[2] = {nullptr, nullptr};
     for (int j = 0; j < k; ++j) {
       if (direct[j]) { states[j] = direct[j] + b; continue; }
-      if (codes[j]) for (int64_t i = 0; i < n; ++i) sbuf[j][i] = q8_decode(codes[j][b + i], scales[j][(b + i) / kQBlock], j == 0);
+      if (codes[j] && j == 0) decode_block8<true>(codes[j] + b, scales[j] + b / kQBlock, sbuf[j], n);
+      else if (codes[j]) decode_block8<false>(codes[j] + b, scales[j] + b / kQBlock, sbuf[j], n);
       else for (int64_t i = 0; i < n; ++i) sbuf[j][i] = bits_float((uint32_t)sbits[j][b + i] << 16);
       states[j] = sbuf[j];
     }
@@ -268,7 +278,8 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
       });
     }
     for (int j = 0; j < k; ++j) {
-      if (codes[j]) encode_block8(sbuf[j], codes[j] + b, scales[j] + b / kQBlock, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b, j == 0);
+      if (codes[j] && j == 0) encode_block8<true>(sbuf[j], codes[j] + b, scales[j] + b / kQBlock, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b);
+      else if (codes[j]) encode_block8<false>(sbuf[j], codes[j] + b, scales[j] + b / kQBlock, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b);
       else if (sbits[j]) round_block_stochastic(sbuf[j], sbits[j] + b, n, (uint64_t)ss.seeds[t * k + j], (uint64_t)b);
     }
   }

@@ -34,27 +34,29 @@ MIXEDPREC_HD float q8_scale(uint32_t max_bits) {
   return bits_float((e + 1) << 23);
 }
 
-// The code of x in a block with scale `scale`, rounded stochastically with the 16 random bits r.
+// The code of x in a block with scale `scale`, rounded stochastically with the 16 random bits r. Written without
+// branches (every case computed, then selected), so that the CPU's loops over a block vectorise.
 MIXEDPREC_HD uint8_t q8_encode(float x, float scale, uint32_t r, bool is_signed) {
   const uint32_t u = float_bits(x), mag = u & 0x7fffffffu, se = float_bits(scale) >> 23, ex = mag >> 23;
-  if (se == 0 || se == 255 || ex == 0) return (uint8_t)(!is_signed && mag != 0 && se != 0 && se != 255 ? 1u : 0u);
-  const int f = (int)ex - (int)se + q8_bias(is_signed);     // the code's exponent field
+  const int32_t f = (int32_t)ex - (int32_t)se + q8_bias(is_signed);     // the code's exponent field
+  const int32_t shift = 1 - f < 0 ? 0 : 1 - f > 31 ? 31 : 1 - f;         // below the normal range: gradual underflow
   const uint32_t frac = mag & 0x7fffffu;
-  uint32_t t;
-  if (f >= 1) t = ((uint32_t)f << 23) | frac;
-  else t = 1 - f < 24 ? (frac | 0x800000u) >> (1 - f) : 0u;
-  uint32_t c = (t + (r << 4)) >> 20;
-  if (!is_signed) return (uint8_t)(c == 0 ? 1u : c);                 // a positive second moment stays positive
-  return (uint8_t)(c | ((u >> 24) & 0x80u));
+  const uint32_t t = f >= 1 ? ((uint32_t)(f < 1 ? 1 : f) << 23) | frac : (frac | 0x800000u) >> shift;
+  const uint32_t c = (t + (r << 4)) >> 20;
+  const bool block = se != 0 && se != 255;                                // not a zero or diverged block
+  if (is_signed) return (uint8_t)(block && ex != 0 ? c | ((u >> 24) & 0x80u) : 0u);
+  return (uint8_t)(block && mag != 0 ? (ex == 0 || c == 0 ? 1u : c) : 0u);  // a positive second moment stays positive
 }
 
 // The value of code `c` in a block with scale `scale` (exact).
 MIXEDPREC_HD float q8_decode(uint8_t code, float scale, bool is_signed) {
   const uint32_t c = is_signed ? code & 0x7fu : code, f = c >> 3, mant = c & 7u;
   const uint32_t bias = (uint32_t)q8_bias(is_signed);
-  const float unit = f ? bits_float(((f + 127u - bias) << 23) | (mant << 20)) : (float)mant * bits_float((127u - 2u - bias) << 23);
-  const float v = unit * scale;
-  return is_signed && (code & 0x80u) ? -v : v;
+  const uint32_t normal = ((f + 127u - bias) << 23) | (mant << 20);
+  const uint32_t small = float_bits((float)mant * bits_float((127u - 2u - bias) << 23));
+  const uint32_t is_normal = 0u - (uint32_t)(f != 0);                 // all ones or zero: a select without a branch
+  const float v = bits_float((normal & is_normal) | (small & ~is_normal)) * scale;
+  return bits_float(float_bits(v) ^ (is_signed ? ((uint32_t)code & 0x80u) << 24 : 0u));   // the sign, without a branch
 }
 
 }  // namespace mixedprec
