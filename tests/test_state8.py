@@ -12,7 +12,7 @@ from mixedprec.ops import quantize8_ref, dequantize8_ref, Q_BLOCK
 from mixedprec.master import CheckpointError, SCALES, _mix
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from helpers import synth_learner, mlp
-from test_lean_state import data, state_tensors, train_fp16_optimizer
+from test_lean_state import data, state_tensors, train_fp16_optimizer, train_amp
 
 def raw(t): return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -192,19 +192,10 @@ def test_fp16_optimizer_8bit_state_resumes_bit_exact(tmp_path):
 
 @pytest.mark.parametrize("opt_level", ['O1', 'O2'])
 def test_amp_keeps_8bit_state(opt_level):
-    losses = {}
-    for state in ('fp32', '8bit'):
-        torch.manual_seed(0)
-        model = mlp(); opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        model, opt = amp.initialize(model, opt, opt_level=opt_level, half_dtype='bf16', verbosity=0, state=state)
-        x, y = data()
-        for i in range(40):
-            with amp.scale_loss(nn.functional.mse_loss(model(x[:64]), y[:64]), opt) as s: s.backward()
-            opt.step(); opt.zero_grad()
-        kinds = {t.dtype for t in state_tensors(opt)}
-        assert kinds == ({torch.int8, torch.uint8, torch.float32} if state == '8bit' else {torch.float32})
-        losses[state] = nn.functional.mse_loss(model(x), y).item()
-    assert losses['8bit'] == pytest.approx(losses['fp32'], rel=0.1)
+    (full, full_opt), (lean, opt) = train_amp('fp32', opt_level), train_amp('8bit', opt_level)
+    assert {t.dtype for t in state_tensors(full_opt)} == {torch.float32}
+    assert {t.dtype for t in state_tensors(opt)} == {torch.int8, torch.uint8, torch.float32}      # codes of each moment, and their scales
+    assert lean == pytest.approx(full, rel=0.1)
 
 @pytest.mark.parametrize("opt_func", [Adam, partial(SGD, mom=0.9)], ids=['adam', 'sgd'])
 def test_fastai_8bit_state_trains_saves_loads_and_leaves_as_fp32(opt_func, tmp_path):
