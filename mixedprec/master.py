@@ -221,9 +221,9 @@ def fp32_state(st:dict, keep_codes:bool=False) -> dict:
 
 def keep_state_as(st:dict, k:str, like:torch.Tensor, state:str, signed:bool=True):
     "Make one param's optimizer state `st[k]` kept as `state` ('fp32', 'bf16' or '8bit': `signed` codes, or unsigned for a second moment) says, laid out as `like`: zeros when there is none, else converted (state made elsewhere: a load, the optimizer's own step, another `state`)"
-    v = st.get(k)
+    v, dtype = st.get(k), torch.bfloat16 if state == 'bf16' else torch.float32      # what 'fp32' and 'bf16' keep
     if v is None:
-        if state != '8bit': st[k] = torch.zeros_like(like, dtype=torch.bfloat16 if state == 'bf16' else torch.float32)
+        if state != '8bit': st[k] = torch.zeros_like(like, dtype=dtype)
         else: st[k], st[k + SCALES] = torch.zeros_like(like, dtype=torch.int8 if signed else torch.uint8), torch.zeros(-(-like.numel() // Q_BLOCK), device=like.device)
         return
     if not isinstance(v, torch.Tensor): return
@@ -231,7 +231,7 @@ def keep_state_as(st:dict, k:str, like:torch.Tensor, state:str, signed:bool=True
         if state == '8bit' and v.stride() == like.stride() and (v.dtype == torch.int8) == signed: return
         v = dequantize8_ref(v, st.pop(k + SCALES))
     if state == '8bit': st[k], st[k + SCALES] = quantize8_ref(_like(like, v.float()), None, signed)
-    elif v.dtype != (torch.bfloat16 if state == 'bf16' else torch.float32): st[k] = _like(like, v.to(torch.bfloat16 if state == 'bf16' else torch.float32))
+    elif v.dtype != dtype: st[k] = _like(like, v.to(dtype))
 
 def flat_like(v, fm) -> bool:
     "True when `v` is a tensor laid out as flat master `fm`: its grad, or optimizer state of it, which splits into the params' slices"
