@@ -17,7 +17,7 @@ SHELL := /bin/bash
 PIP := $(BIN)/python -m pip install --disable-pip-version-check
 SHOW := { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR|error)' || true; }
 
-.PHONY: demo test docs export-check nbtest pytest
+.PHONY: demo test docs screenshots export-check nbtest pytest
 
 define install
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,3 +55,6 @@ pytest: $(STAMP)
 
 docs: $(DOCS_STAMP)
 	$(BIN)/python .ci/build_docs.py _docs
+
+screenshots: $(DOCS_STAMP)    # the docs, and PNGs of the index and a recipe page as headless Chromium renders them
+	$(BIN)/python .ci/build_docs.py _docs --screenshots

@@ -1,7 +1,9 @@
 """Build the docs site offline: each notebook (with its kept outputs, not run again) and the Markdown pages to HTML, with
 links between them, then check that every relative link points at a page or file that exists.
-Usage: python .ci/build_docs.py OUT_FOLDER   (what `make docs` runs; open OUT_FOLDER/index.html)"""
-import copy, html, json, re, sys
+Usage: python .ci/build_docs.py OUT_FOLDER [--screenshots]   (what `make docs` runs; open OUT_FOLDER/index.html)
+--screenshots: also look at the site as a reader would, with headless Chromium from the system packages: the index and
+one recipe page as PNGs in OUT_FOLDER/screenshots/ (`make screenshots`)."""
+import copy, html, json, re, shutil, subprocess, sys
 from pathlib import Path
 import markdown
 import nbformat
@@ -63,8 +65,31 @@ def markdown_html(path:Path, title:str) -> str:
             'code{background:#f6f8fa} table{border-collapse:collapse} td,th{border:1px solid #ccc;padding:2px 6px}</style>'
             f'</head><body>{body}</body></html>')
 
+# Long code lines scroll instead of being cut off at the page's edge
+WIDE_CODE = '<style>.jp-InputArea-editor, .jp-OutputArea-output pre, .highlight pre {overflow-x:auto}</style>'
+
 def add_nav(page:str, bar:str) -> str:
+    page = page.replace('</head>', WIDE_CODE + '</head>', 1)
     return re.sub(r'(<body[^>]*>)', lambda m: m.group(1) + bar, page, count=1)
+
+SCREENSHOT_PAGES = ('index.html', '01_recipes.html')
+BROWSERS = ('chromium', 'chromium-browser', 'google-chrome')
+
+def screenshots(out:Path, pages=SCREENSHOT_PAGES, size=(1280, 2400)) -> list:
+    "PNGs of `pages` as headless Chromium renders them, in out/screenshots/"
+    browser = next((b for b in map(shutil.which, BROWSERS) if b), None)
+    if browser is None: sys.exit(f"--screenshots needs Chromium ({' or '.join(BROWSERS)} on the PATH): install it from the system packages, "
+                                 "for example `apt-get install chromium`")
+    (out / 'screenshots').mkdir(exist_ok=True)
+    shots = []
+    for page in pages:
+        png = out / 'screenshots' / page.replace('.html', '.png')
+        png.unlink(missing_ok=True)
+        subprocess.run([browser, '--headless', '--no-sandbox', '--disable-gpu', '--hide-scrollbars', f'--screenshot={png}',
+                        f'--window-size={size[0]},{size[1]}', (out / page).as_uri()], capture_output=True, timeout=120)
+        if not png.exists(): sys.exit(f"{browser} wrote no screenshot of {page}")
+        shots.append(png)
+    return shots
 
 def check_links(out:Path) -> list:
     "Relative links in the built pages whose target does not exist"
@@ -75,10 +100,10 @@ def check_links(out:Path) -> list:
             if not (out / href).exists(): bad.append(f"{f.name} -> {href}")
     return bad
 
-def main(out:str='_docs'):
+def main(out:str='_docs', *flags):
     out = (ROOT / out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    exporter = HTMLExporter(template_name='lab')
+    exporter = HTMLExporter(template_name='lab', exclude_input_prompt=True, exclude_output_prompt=True)   # no "In [ ]:" beside kept outputs
     built = {}
     for nb in sorted((ROOT / 'nbs').glob('*.ipynb')):
         title, body = notebook_html(nb, exporter)
@@ -93,5 +118,7 @@ def main(out:str='_docs'):
     bad = check_links(out)
     if bad: sys.exit("broken links in the docs:\n  " + "\n  ".join(bad))
     print(f"docs: {len(built)} pages in {out}, every link resolves; open {out / 'index.html'}")
+    if '--screenshots' in flags:
+        print("screenshots, as headless Chromium shows the pages:", ', '.join(str(p) for p in screenshots(out)))
 
 if __name__ == '__main__': main(*sys.argv[1:])
