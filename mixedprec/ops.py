@@ -261,8 +261,8 @@ def _build_in(parent, final, name, verbose, **load_kw):
     try:
         if parent not in _said_compiling:
             _said_compiling.add(parent)
-            print(f"mixedprec: compiling the fused kernels for this machine into {parent} (once per machine: from half a minute "
-                  f"to several minutes, by the CPU)", file=sys.stderr, flush=True)
+            print(f"mixedprec: compiling the fused kernels for this machine into {parent} (once per machine: from about 10 seconds "
+                  f"to a few minutes, by the CPU)", file=sys.stderr, flush=True)
         with _build_env(load_kw.pop('cuda_home')):
             with _progress("compiling the fused kernels"): ext = cpp.load(name, build_directory=tmp, verbose=verbose, **load_kw)
         so = os.path.join(tmp, f'{name}.so')

@@ -2,7 +2,10 @@
 // C++ CPU kernels (cpu_kernels.cpp) registered for the CPU dispatch key and, in a CUDA build, the CUDA kernels (*.cu) for
 // the CUDA key. The dispatcher picks the device; each implementation checks its tensors. The namespace is the extension's
 // name (mixedprec_cpu_avx512, ...), so that two builds can live in one process. Fake kernels are registered in Python.
-#include <torch/extension.h>
+// The op registry and ATen's Tensor, and Python's C API for the module's two functions: not <torch/extension.h> (the
+// whole C++ API) nor pybind11, which took two thirds of the compile time.
+#include <Python.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 #include <vector>
 #include "messages.h"
@@ -234,13 +237,21 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, Autograd, m) {
   for (auto name : {"scale_check_", "scale_add_check_", "l2norm", "sgd_step_", "adam_step_"}) m.impl(name, torch::CppFunction::makeFallthrough());
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_cuda", []() {
+// The Python module the extension is imported as: which build this is. Python's C API, without pybind11.
+static PyObject* mixedprec_has_cuda(PyObject*, PyObject*) {
 #ifdef WITH_CUDA
-    return true;
+  Py_RETURN_TRUE;
 #else
-    return false;
+  Py_RETURN_FALSE;
 #endif
-  }, "True when this build holds the CUDA kernels");
-  m.def("namespace", []() { return std::string(MIXEDPREC_STR(TORCH_EXTENSION_NAME)); }, "The torch.ops namespace of this build's ops");
 }
+static PyObject* mixedprec_namespace(PyObject*, PyObject*) { return PyUnicode_FromString(MIXEDPREC_STR(TORCH_EXTENSION_NAME)); }
+static PyMethodDef mixedprec_methods[] = {
+  {"has_cuda", mixedprec_has_cuda, METH_NOARGS, "True when this build holds the CUDA kernels"},
+  {"namespace", mixedprec_namespace, METH_NOARGS, "The torch.ops namespace of this build's ops"},
+  {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef mixedprec_module = {PyModuleDef_HEAD_INIT, MIXEDPREC_STR(TORCH_EXTENSION_NAME),
+                                       "mixedprec's fused kernels: the ops are in torch.ops.<namespace()>", -1, mixedprec_methods};
+#define MIXEDPREC_CAT2(a, b) a##b
+#define MIXEDPREC_CAT(a, b) MIXEDPREC_CAT2(a, b)
+PyMODINIT_FUNC MIXEDPREC_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&mixedprec_module); }

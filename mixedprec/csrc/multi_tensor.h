@@ -15,7 +15,10 @@
 // flat buffers at other offsets), go element by element. The emulation's pack accesses check their alignment, which a
 // CPU would not, so a pack that the GPU would fault on fails the tests here.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>           // ATen's own headers, not <torch/extension.h>: a shorter compile
+#include <ATen/Dispatch.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>

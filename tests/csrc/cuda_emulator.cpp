@@ -2,6 +2,7 @@
 // compiled by the host compiler and run over an emulated grid (every block, every thread, one at a time), with pack
 // accesses that check their alignment as the GPU would. What it does not run: the kernel launch, the shared-memory block
 // sum (the same tree of additions, in a loop here) and nvcc's arithmetic intrinsics (the same IEEE operations).
+#include <torch/extension.h>                          // pybind11 and torch's type casters, for the module below
 #include <cstdint>
 namespace mixedprec_emulator { inline int64_t accesses[2] = {0, 0}; }   // element accesses, pack accesses
 #define MIXEDPREC_COUNT_ACCESS(width) (++mixedprec_emulator::accesses[(width) == 1 ? 0 : 1])
