@@ -73,6 +73,19 @@ template <int SMode, int W> MIXEDPREC_HD void store_state(const float (&x)[W], S
   }
 }
 
+// 8-bit state: the quantisation blocks that start in the chunk [begin, end), one per thread at a time (a block may run past
+// the chunk's end: it belongs to the chunk it starts in), as body(first, last) over the block's elements [first, last).
+// A block's scale depends on all its new values, so the body makes two passes: the first finds the largest magnitude of
+// each list's new state, the second computes the same values again, encodes them and writes everything.
+template <typename Body>
+MIXEDPREC_HD void walk_qblocks(const Lane& lane, int64_t begin, int64_t end, int64_t numel, Body&& body) {
+  const int64_t first = (begin + kQBlock - 1) / kQBlock * kQBlock;
+  for (int64_t q = first + (int64_t)lane.thread * kQBlock; q < end; q += (int64_t)lane.threads * kQBlock)
+    body(q, q + kQBlock < numel ? q + kQBlock : numel);
+}
+
+MIXEDPREC_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
+
 // The lists of the tensor that a lane's block steps, and the block's element range in it: grads, params, optimizer state
 // (up to two), low halves or half copy.
 template <typename G, typename O, int Mode, int SMode> struct StepLists {
@@ -96,20 +109,42 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
         q0(SMode == kState8 && has_s0 ? static_cast<float*>(t.addr[3 + states][slot]) : nullptr),
         q1(SMode == kState8 && states > 1 ? static_cast<float*>(t.addr[4 + states][slot]) : nullptr), numel(t.numel[slot]) {}
   MIXEDPREC_HD int head() const { return pack_head(g, p, s0, s1, lo, o); }
+
+  // 8-bit state: step the quantisation block [qb, qe) with the functor's `update(g, master, state...)` (one state list:
+  // SGD's buffer, signed; two: Adam's m signed and v unsigned), which updates the decoded state in place and returns the
+  // new master. A block's scale depends on all its new values, so two passes: the largest magnitude of each list's new
+  // state, then the same values computed again, encoded with the new scales and written with the masters.
+  template <int N, typename Update> MIXEDPREC_HD void step_qblock8(int64_t qb, int64_t qe, Update&& update) const {
+    static_assert(SMode == kState8 && (N == 1 || N == 2), "8-bit state, one or two lists");
+    StateBits<SMode>* const codes[2] = {s0, s1};
+    float* const scales[2] = {q0, q1};
+    const uint64_t sseeds[2] = {sseed0, sseed1};
+    float sc[N], nsc[N];
+    uint32_t most[N];
+    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) { sc[k] = scales[k][qb / kQBlock]; most[k] = 0; }
+    auto element = [&](int64_t i, float (&st)[N]) {
+      G gs[1]; float p0[1];
+      load<1>(g, i, gs);
+      load_masters<Mode, 1>(p, lo, i, p0);
+      MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) st[k] = q8_decode(codes[k][i], sc[k], k == 0);
+      if constexpr (N == 1) return update(to_float(gs[0]), p0[0], st[0]);
+      else return update(to_float(gs[0]), p0[0], st[0], st[1]);
+    };
+    for (int64_t i = qb; i < qe; ++i) {
+      float st[N];
+      element(i, st);
+      MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) most[k] = most[k] > magnitude_bits(st[k]) ? most[k] : magnitude_bits(st[k]);
+    }
+    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) nsc[k] = q8_scale(most[k]);
+    for (int64_t i = qb; i < qe; ++i) {
+      float st[N];
+      const float p1[1] = {element(i, st)};
+      MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) codes[k][i] = q8_encode(st[k], nsc[k], rounding_bits(sseeds[k], (uint64_t)i), k == 0);
+      store_masters<Mode, 1>(p1, p, lo, o, seed, i);
+    }
+    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) scales[k][qb / kQBlock] = nsc[k];
+  }
 };
-
-// 8-bit state: the quantisation blocks that start in the chunk [begin, end), one per thread at a time (a block may run past
-// the chunk's end: it belongs to the chunk it starts in), as body(first, last) over the block's elements [first, last).
-// A block's scale depends on all its new values, so the body makes two passes: the first finds the largest magnitude of
-// each list's new state, the second computes the same values again, encodes them and writes everything.
-template <typename Body>
-MIXEDPREC_HD void walk_qblocks(const Lane& lane, int64_t begin, int64_t end, int64_t numel, Body&& body) {
-  const int64_t first = (begin + kQBlock - 1) / kQBlock * kQBlock;
-  for (int64_t q = first + (int64_t)lane.thread * kQBlock; q < end; q += (int64_t)lane.threads * kQBlock)
-    body(q, q + kQBlock < numel ? q + kQBlock : numel);
-}
-
-MIXEDPREC_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
 template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
   template <typename Table>
@@ -128,27 +163,8 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
       const float pv = decoupled ? mul_rn(p0, decay) : p0;
       return sub_rn(pv, mul_rn(lr, gi));
     };
-    if constexpr (SMode == kState8) {
-      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) {
-        const float sc = l.q0[qb / kQBlock];
-        auto element = [&](int64_t i, float& m) {
-          G gs[1]; float p0[1];
-          load<1>(l.g, i, gs);
-          load_masters<Mode, 1>(l.p, l.lo, i, p0);
-          m = first_run ? 0.f : q8_decode(l.s0[i], sc, true);
-          return update(to_float(gs[0]), p0[0], m);
-        };
-        uint32_t most = 0;
-        for (int64_t i = qb; i < qe; ++i) { float m; element(i, m); most = most > magnitude_bits(m) ? most : magnitude_bits(m); }
-        const float nsc = q8_scale(most);
-        for (int64_t i = qb; i < qe; ++i) {
-          float m;
-          const float p1[1] = {element(i, m)};
-          l.s0[i] = q8_encode(m, nsc, rounding_bits(l.sseed0, (uint64_t)i), true);
-          store_masters<Mode, 1>(p1, l.p, l.lo, l.o, l.seed, i);
-        }
-        l.q0[qb / kQBlock] = nsc;
-      });
+    if constexpr (SMode == kState8) {                       // the update ignores the decoded buffer on the first run
+      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) { l.template step_qblock8<1>(qb, qe, update); });
     } else {
       walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
         constexpr int W = decltype(width)::value;
@@ -189,34 +205,7 @@ template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
       return sub_rn(pv, mul_rn(step_size, div_rn(m, denom)));
     };
     if constexpr (SMode == kState8) {
-      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) {
-        const float sc0 = l.q0[qb / kQBlock], sc1 = l.q1[qb / kQBlock];
-        auto element = [&](int64_t i, float& m, float& v) {
-          G gs[1]; float p0[1];
-          load<1>(l.g, i, gs);
-          load_masters<Mode, 1>(l.p, l.lo, i, p0);
-          m = q8_decode(l.s0[i], sc0, true);
-          v = q8_decode(l.s1[i], sc1, false);
-          return update(to_float(gs[0]), p0[0], m, v);
-        };
-        uint32_t most0 = 0, most1 = 0;
-        for (int64_t i = qb; i < qe; ++i) {
-          float m, v;
-          element(i, m, v);
-          most0 = most0 > magnitude_bits(m) ? most0 : magnitude_bits(m);
-          most1 = most1 > magnitude_bits(v) ? most1 : magnitude_bits(v);
-        }
-        const float nsc0 = q8_scale(most0), nsc1 = q8_scale(most1);
-        for (int64_t i = qb; i < qe; ++i) {
-          float m, v;
-          const float p1[1] = {element(i, m, v)};
-          l.s0[i] = q8_encode(m, nsc0, rounding_bits(l.sseed0, (uint64_t)i), true);
-          l.s1[i] = q8_encode(v, nsc1, rounding_bits(l.sseed1, (uint64_t)i), false);
-          store_masters<Mode, 1>(p1, l.p, l.lo, l.o, l.seed, i);
-        }
-        l.q0[qb / kQBlock] = nsc0;
-        l.q1[qb / kQBlock] = nsc1;
-      });
+      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) { l.template step_qblock8<2>(qb, qe, update); });
     } else {
       walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
         constexpr int W = decltype(width)::value;
