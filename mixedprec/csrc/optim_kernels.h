@@ -255,6 +255,20 @@ inline std::vector<at::Tensor> scale_list(const std::vector<at::Tensor>& state_s
     default: { constexpr int kSMode = kStateFp32; __VA_ARGS__(); break; }                                   \
   }
 
+template <typename T> struct TypeTag { using type = T; };
+
+// The element type O of the half model copy, which is part of every functor's type: dispatched only where there is a copy
+// (fp32 masters with `out`), and float (unused) otherwise, so that no kernel is compiled for a copy that cannot exist.
+template <int Mode, typename Body> void with_out_type(bool has_out, at::ScalarType type, Body&& body) {
+  if constexpr (Mode == kFp32) {
+    if (has_out) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out", [&] { body(TypeTag<scalar_t>()); });
+      return;
+    }
+  }
+  body(TypeTag<float>());
+}
+
 inline const int64_t* seeds_ptr(const std::optional<at::Tensor>& seeds) {
   return seeds.has_value() && seeds->defined() ? seeds->data_ptr<int64_t>() : nullptr;
 }
@@ -281,9 +295,9 @@ void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Ten
   const auto& o = mode == kSplit ? lows : has_out ? out : params;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_sgd", [&] {
     using G = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, has_out ? o[0].scalar_type() : at::kFloat, "mixedprec_sgd_out", [&] {
-      using O = scalar_t;
-      MIXEDPREC_MODES(mode, [&] {
+    MIXEDPREC_MODES(mode, [&] {
+      with_out_type<kMode>(has_out, o[0].scalar_type(), [&](auto out_type) {
+        using O = typename decltype(out_type)::type;
         MIXEDPREC_STATE_MODES(smode, [&] {
           auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
             multi_tensor_apply<Grid, decltype(depth)::value>(flag, lists, SgdFunctor<G, O, kMode, kSMode>(), (float)inv_scale, (float)lr,
@@ -321,9 +335,9 @@ void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Te
   const float l2 = decoupled ? 0.f : (float)weight_decay, decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.f;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_adam", [&] {
     using G = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, has_out ? o[0].scalar_type() : at::kFloat, "mixedprec_adam_out", [&] {
-      using O = scalar_t;
-      MIXEDPREC_MODES(mode, [&] {
+    MIXEDPREC_MODES(mode, [&] {
+      with_out_type<kMode>(has_out, o[0].scalar_type(), [&](auto out_type) {
+        using O = typename decltype(out_type)::type;
         MIXEDPREC_STATE_MODES(smode, [&] {
           auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
             multi_tensor_apply_with_scalars<Grid, decltype(depth)::value>(flag, lists, steps, AdamFunctor<G, O, kMode, kSMode>(), (float)inv_scale, lr,
