@@ -26,7 +26,7 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
-from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_param_state
+from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_param_state, bf16_master
 from .engine import StepEngine, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
 from fastcore.xtras import join_path_file
@@ -181,7 +181,8 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model params back in their places, with their state"
         if self.engine is not None: return
         flats = {id(fm): ps for fm, ps in (self.__dict__.pop('_copied_flats', None) or [])}    # flat master -> its params, as `__getstate__` noted them
-        put_model_params_back(opt, self.conversion.masters, flats)
+        bf16s = {id(m): p for m, p in (self.__dict__.pop('_copied_bf16', None) or [])}        # bf16 master (the conversion's copy made a new one) -> its param
+        put_model_params_back(opt, self.conversion.masters, flats, bf16s)
 
     def release_opt(self):
         "Put the model params back into fastai's optimizer, with their state in its own layout, and make it `learn.opt` again"
@@ -205,9 +206,10 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         adapter_for(_raw_opt(self.learn)).state_to_devices()
 
     def __getstate__(self):
-        "Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values and which params each flat master holds"
+        "Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which params each flat master holds, and whose each bf16 master is"
         flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-        return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats}
+        bf16s = [(m, p) for p, m in self.conversion.masters.items() if bf16_master(m) is not None] if self.conversion is not None else None
+        return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
 
     def __setstate__(self, state:dict):
         "Unpickle, also a callback pickled by an earlier version (with a `masters` layout and step flags)"

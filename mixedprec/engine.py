@@ -298,10 +298,10 @@ def _swap_in(adapter, masters_of:dict, names:dict, impl:str, flat:bool=False, st
     adapter.set_groups(masters.groups)
     return masters
 
-def put_model_params_back(optimizer, masters_of:dict, flats:dict=None) -> bool:
-    "A deep-copied or unpickled optimizer holds copies of the masters and no engine: put the model params back in their places (`masters_of`: half param -> master; `flats`: id of a flat master -> its params), with their state. False when it holds none"
+def put_model_params_back(optimizer, masters_of:dict, flats:dict=None, copied:dict=None) -> bool:
+    "A deep-copied or unpickled optimizer holds copies of the masters and no engine: put the model params back in their places (`masters_of`: half param -> master; `flats`: id of a flat master -> its params; `copied`: id of a master the copy's `masters_of` made anew -> its param), with their state. False when it holds none"
     adapter, flats = adapter_for(optimizer), flats or {}
-    of = {id(m): p for p, m in masters_of.items()}
+    of = {id(m): p for p, m in masters_of.items()} | (copied or {})
     if not any(id(q) in of or id(q) in flats for g in adapter.groups() for q in g): return False
     states, groups = adapter.states(), []
     for g in adapter.groups():
@@ -365,7 +365,7 @@ class StepEngine:
         own = optimizer.step                      # what `step()` meant before a front end handed it to the engine
         self._own = own if not isinstance(getattr(own, '__self__', None), StepEngine) else None
         self._layouts_followed, self._own_layout_due = False, True   # masters laid out as the params yet; state in the optimizer's own layout
-        if self.state != '8bit': self._decode_state()            # 8-bit state is only ever read by the fused steps that keep it
+        if self.state == 'fp32': self._decode_state()            # lean state is only ever read by the fused steps, which keep it as it is (no fp32 copy at a resume)
         self.choose()
 
     @classmethod
@@ -557,8 +557,9 @@ class StepEngine:
 
     def state_onto_masters(self, state:dict) -> dict:
         "State keyed by model param (read from a file) as the optimizer over the masters holds it: cast to fp32, keyed by master (flat: concatenated), other ranks' dropped"
-        state = {p: fp32_state(s, keep_codes=self.state == '8bit') for p, s in state.items()}
-        self.masters.move_state_to_masters(state)
+        keep = dict(keep_codes=self.state == '8bit', keep_bf16=self.state == 'bf16')      # lean state as this engine keeps it: no fp32 copy at a resume
+        state = {p: fp32_state(s, **keep) for p, s in state.items()}
+        self.masters.move_state_to_masters(state, keep_bf16=keep['keep_bf16'])
         self.masters.drop_remote_state([state])
         return state
 

@@ -209,14 +209,14 @@ def split_flat_state(st:dict, views:dict, fm:torch.Tensor) -> dict:
     "Flat master `fm`'s optimizer state `st` split into its params' states: param -> its state, each flat tensor's slice laid out as the param's view `views[param]`"
     return {p: {k: (flat_slice(v, view, fm) if flat_like(v, fm) else v) for k, v in st.items()} for p, view in views.items()}
 
-def fp32_state(st:dict, keep_codes:bool=False) -> dict:
-    "A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on half params, as Adagrad's `sum`, or read from a file), and its 8-bit state decoded (with `keep_codes`, kept as codes and scales: the fused steps take them as they are)"
+def fp32_state(st:dict, keep_codes:bool=False, keep_bf16:bool=False) -> dict:
+    "A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on half params, as Adagrad's `sum`, or read from a file), and its 8-bit state decoded (with `keep_codes`, kept as codes and scales, and with `keep_bf16`, bf16 tensors kept: the fused steps that keep lean state take them as they are)"
     res = {}
     for k, v in st.items():
         if is_scales(st, k):
             if keep_codes: res[k] = v
         elif is_codes(st, k): res[k] = v if keep_codes else dequantize8_ref(v, st[k + SCALES])
-        else: res[k] = v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v
+        else: res[k] = v.float() if isinstance(v, torch.Tensor) and v.dtype in ((torch.float16,) if keep_bf16 else (torch.float16, torch.bfloat16)) else v
     return res
 
 def keep_state_as(st:dict, k:str, like:torch.Tensor, state:str, signed:bool=True):
@@ -276,10 +276,10 @@ def _relayout_state(states:list, m:torch.Tensor, p:torch.Tensor):
 
 class _PerParamState:
     "Optimizer state of masters kept one per param: keyed by the master while the optimizer holds it, by the param outside"
-    def state_to_masters(self, state:dict):
-        "Re-key `state` from the half params to their masters, half tensors (state made on the half params, as Adagrad's `sum`) cast to fp32"
+    def state_to_masters(self, state:dict, keep_bf16:bool=False):
+        "Re-key `state` from the half params to their masters, half tensors (state made on the half params, as Adagrad's `sum`) cast to fp32, but 8-bit codes (and with `keep_bf16`, bf16 moments) kept for the fused steps"
         for p, m, _ in self.pairs:
-            if p in state: state[m] = fp32_state(state.pop(p), keep_codes=True)
+            if p in state: state[m] = fp32_state(state.pop(p), keep_codes=True, keep_bf16=keep_bf16)
     def state_to_model(self, state:dict):
         "Re-key `state` from the masters back to the half params"
         for p, m, _ in self.pairs:
@@ -325,8 +325,8 @@ class FlatBucket:
             if accumulate: lists.add(p.grad, gview)
             else: lists.fresh(p.grad, gview)
     def weights_out(self) -> tuple: return [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
-    def state_to_masters(self, state:dict):
-        "Re-key `state` from the half params to their flat masters: per-param tensors concatenated (as fp32), the rest kept"
+    def state_to_masters(self, state:dict, keep_bf16:bool=False):
+        "Re-key `state` from the half params to their flat masters: per-param tensors concatenated (as fp32; lean state never has flat masters), the rest kept"
         for fm, ps, _ in self.flats:
             parts = [fp32_state(state.pop(p, {})) for p in ps]
             if all(parts): state[fm] = _concat_state(parts, ps)
@@ -693,9 +693,9 @@ class MasterParams:
         "Clip the master grads by their global L2 norm, as `torch.nn.utils.clip_grad_norm_` does; returns the norm (nothing is read on the host)"
         return clip_grads_(self.master_grads(), max_norm, self.impl)
 
-    def move_state_to_masters(self, state:dict):
-        "Re-key optimizer `state` from the model params to their masters (each bucket as its kind keeps it), its half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32"
-        for b in self.buckets: b.state_to_masters(state)
+    def move_state_to_masters(self, state:dict, keep_bf16:bool=False):
+        "Re-key optimizer `state` from the model params to their masters (each bucket as its kind keeps it), its half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32, but bf16 moments kept with `keep_bf16` (`state='bf16'`)"
+        for b in self.buckets: b.state_to_masters(state, keep_bf16)
 
     def move_state_to_model(self, state:dict):
         "Re-key optimizer `state` from the masters back to the model params"
