@@ -4,7 +4,7 @@
 // in mixedprec/ops.py operation by operation (product rounded to fp32 before any add: no FMA; the build
 // passes -ffp-contract=off). The loops use ATen's Vectorized<float>, 2 vectors (16 elements with AVX2) at a time,
 // then a scalar tail; the build enables AVX2/F16C when the CPU has them.
-// ATen's own headers only, not <torch/extension.h> (the whole C++ API and Python): a third of the compile time.
+// ATen's own headers only, not <torch/extension.h> (the whole C++ API and Python), which took most of the compile time.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
