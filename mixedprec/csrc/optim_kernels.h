@@ -255,18 +255,16 @@ inline std::vector<at::Tensor> scale_list(const std::vector<at::Tensor>& state_s
     default: { constexpr int kSMode = kStateFp32; __VA_ARGS__(); break; }                                   \
   }
 
-template <typename T> struct TypeTag { using type = T; };
-
 // The element type O of the half model copy, which is part of every functor's type: dispatched only where there is a copy
 // (fp32 masters with `out`), and float (unused) otherwise, so that no kernel is compiled for a copy that cannot exist.
 template <int Mode, typename Body> void with_out_type(bool has_out, at::ScalarType type, Body&& body) {
   if constexpr (Mode == kFp32) {
     if (has_out) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out", [&] { body(TypeTag<scalar_t>()); });
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out", [&] { body(std::type_identity<scalar_t>()); });
       return;
     }
   }
-  body(TypeTag<float>());
+  body(std::type_identity<float>());
 }
 
 inline const int64_t* seeds_ptr(const std::optional<at::Tensor>& seeds) {
