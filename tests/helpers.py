@@ -29,6 +29,12 @@ def synth_learner(model=None, seed=42, shuffle=False, **kwargs):
     learn.logger = lambda *a, **k: None
     return learn
 
+def group_learner(width=16, **kwargs):
+    "A Learner whose body (Linear, BatchNorm, ReLU) and head are two param groups; the same init for the same arguments"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU()), nn.Linear(width, 1))
+    return synth_learner(model=model, splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())], **kwargs)
+
 def masters_of(learn):
     "The fp32 master of each model param (the param itself when it is fp32)"
     mp = learn.mixed_precision

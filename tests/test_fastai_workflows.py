@@ -20,7 +20,7 @@ from fastai.data.load import DataLoader
 from torch.utils.data import TensorDataset
 from mixedprec.callback import MixedPrecision
 from mixedprec import convert, ops
-from helpers import synth_learner, masters_of, Record, mlp
+from helpers import synth_learner, masters_of, Record, mlp, group_learner
 
 def params(learn): return [p.detach().clone() for p in learn.model.parameters()]
 def same(a, b): return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -133,10 +133,6 @@ def test_lr_find_restores_scale_masters_model_and_state():
     assert learn.mixed_precision.scaler.state_dict() == before[2]
     assert same([learn.opt.state[m]['grad_avg'] for m in learn.opt.param_lists[0]], before[3])
     learn.fit(1)
-
-def group_learner(**kwargs):
-    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 1))
-    return synth_learner(model=model, splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())], **kwargs)
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_freeze_fine_tune_unfreeze_and_discriminative_lrs(flat):

@@ -13,6 +13,8 @@ from helpers import synth_learner, mlp
 def bits(t): return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 def assert_same(a, b):
+    "Bit for bit: as many tensors, each of the same dtype, layout and bits (bf16 compared as its raw bits)"
+    assert len(a) == len(b)
     for x, y in zip(a, b): assert x.dtype == y.dtype and x.stride() == y.stride() and torch.equal(bits(x), bits(y))
 
 SIZES = [[1, 3, 17], [1023, 1024, 1025], [(1 << 16) + 5, 2048 + 1]]       # the CPU kernels' block (1024) and chunk (65536) edges

@@ -4,29 +4,19 @@ restores the optimizer), `fine_tune` (freeze, then params gain state), discrimin
 same run without the workflow (bit for bit where it must leave no trace), or with fp32 state (close)."""
 import copy
 import pytest, torch
-from torch import nn
 from fastai.optimizer import Adam
 from fastai.callback.training import GradientAccumulation
 from fastai.callback.schedule import *                   # Learner.lr_find, fit_one_cycle
 from mixedprec.master import SCALES
-from helpers import synth_learner
+from helpers import group_learner
+from test_lean_state import assert_same, bits
+from test_fastai_workflows import params as weights
 
 STATES = ['bf16', '8bit']
 
-def bits(t): return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b): assert x.dtype == y.dtype and torch.equal(bits(x), bits(y))
-
-def group_learner(state, **kwargs):
-    "Body and head in two param groups, split bf16 masters with `state`"
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Sequential(nn.Linear(8, 300), nn.BatchNorm1d(300), nn.ReLU()), nn.Linear(300, 1))   # 2400 weights: blocks of 256 and a ragged one
-    learn = synth_learner(model=model, splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())], opt_func=Adam, lr=1e-2, **kwargs)
-    return learn.to_bf16(masters='split', state=state)
-
-def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
+def lean_learner(state, **kwargs):
+    "Body and head in two param groups, split bf16 masters with `state`; 2400 body weights: blocks of 256 and a ragged one"
+    return group_learner(width=300, opt_func=Adam, lr=1e-2, **kwargs).to_bf16(masters='split', state=state)
 
 def fastai_opt(learn): return learn.opt.opt if hasattr(learn.opt, 'opt') else learn.opt
 
@@ -44,7 +34,7 @@ LEAN = {'bf16': {torch.bfloat16}, '8bit': {torch.int8, torch.uint8}, 'fp32': {to
 @pytest.mark.parametrize("state", STATES)
 def test_lr_find_leaves_no_trace_in_lean_state(state):
     "lr_find saves the model and optimizer, explores, and loads them back: the run after it is bit for bit the run without it"
-    with_find, without = group_learner(state), group_learner(state)
+    with_find, without = lean_learner(state), lean_learner(state)
     for learn in (with_find, without): learn.fit(1)
     before = (weights(with_find), opt_state(with_find))
     with with_find.no_bar(), with_find.no_logging(): with_find.lr_find(num_it=10, show_plot=False)
@@ -58,7 +48,7 @@ def test_fine_tune_gives_newly_unfrozen_params_lean_state_and_trains_as_fp32_sta
     "Frozen body params have no state; when fine_tune unfreezes them they gain it in the lean form, and the run ends where fp32 state's does"
     losses = {}
     for st in ('fp32', state):
-        learn = group_learner(st)
+        learn = lean_learner(st)
         learn.freeze()
         body = [m.detach().clone() for m in learn.model[0][0].parameters()]             # (fastai's freeze leaves batchnorm training)
         learn.fit(2)
@@ -78,7 +68,7 @@ def test_one_cycle_schedule_and_gradient_accumulation_with_lean_state_train_as_f
     for kw in ({}, {'cbs': [GradientAccumulation(n_acc=4 * 32)]}):
         losses = {}
         for st in ('fp32', state):
-            learn = group_learner(st, **kw)
+            learn = lean_learner(st, **kw)
             learn.fit_one_cycle(6, 1e-2)
             assert learn.opt.hypers[0]['mom'] != learn.opt.hypers[0].get('mom0', None)
             losses[st] = learn.validate()[0]
@@ -87,7 +77,7 @@ def test_one_cycle_schedule_and_gradient_accumulation_with_lean_state_train_as_f
 @pytest.mark.parametrize("state", STATES)
 def test_a_copied_learner_trains_on_as_the_original(state):
     "copy.deepcopy of a Learner mid-training carries the lean state, its scales and rounding seeds: both then train bit for bit alike"
-    learn = group_learner(state)
+    learn = lean_learner(state)
     learn.fit(2)
     twin = copy.deepcopy(learn)
     assert_same(opt_state(twin), opt_state(learn))

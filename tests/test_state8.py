@@ -12,13 +12,7 @@ from mixedprec.ops import quantize8_ref, dequantize8_ref, Q_BLOCK
 from mixedprec.master import CheckpointError, SCALES, _mix
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from helpers import synth_learner, mlp
-from test_lean_state import data, state_tensors, train_fp16_optimizer, train_amp
-
-def raw(t): return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b): assert x.dtype == y.dtype and x.stride() == y.stride() and torch.equal(raw(x), raw(y))
+from test_lean_state import data, state_tensors, train_fp16_optimizer, train_amp, assert_same
 
 def spread(n, seed, scale=1., signed=True, decades=6):
     "Values over `decades` orders of magnitude, shuffled, as a moment's are within a block"
