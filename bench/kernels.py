@@ -2,11 +2,14 @@
 torch's foreach ops (with torch._amp_foreach_non_finite_check_and_unscale_), for the full step also torch's fastest parts
 (that unscale, a foreach clip and AdamW(fused=True)), and mixedprec's fused kernels; and fastai's
 own Adam step (its per-param Python loop) against the fused step that the callback runs in its place.
-Prints one table; every figure is also given as a ratio to a plain copy's bandwidth measured in the same run.
+Prints one table; every figure is also given as a ratio to a plain copy's bandwidth measured in the same run. The rows
+'fused, no NT' run the same kernels with normal stores only, where 'fused' writes outputs past twice the last-level cache
+with streaming (non-temporal) stores.
 
     python bench/kernels.py [--sizes resnet50,100m] [--repeat 5] [--device cpu] [--threads 1,2]
 """
 import argparse, time
+from contextlib import contextmanager
 import torch
 from mixedprec import ops
 
@@ -32,6 +35,16 @@ def timeit(fn, repeat, device):
         if device == 'cuda': torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return best
+
+@contextmanager
+def normal_stores():
+    "The CPU kernels without streaming (non-temporal) stores, whatever the outputs' size: the 'fused, no NT' rows"
+    kernels, _ = ops._fused()
+    if kernels is None: yield; return
+    before = kernels.module.stream_min_bytes()
+    kernels.module.stream_min_bytes(1 << 62)
+    try: yield
+    finally: kernels.module.stream_min_bytes(before)
 
 def run(shapes, repeat, device):
     g16 = [torch.randn(s, device=device).half() for s in shapes]
@@ -84,9 +97,11 @@ def run(shapes, repeat, device):
         rows.append((op, impl, t * 1e3, bw / 1e9, bw / copy_bw))
     add('unscale+check', 'loop', loop_unscale, 6 * n); add('unscale+check', 'foreach', foreach_unscale, 6 * n)
     add('unscale+check', 'fused', lambda: ops.scale_check_(g16, g32, 1 / 1024, impl='fused'), 6 * n)
+    with normal_stores(): add('unscale+check', 'fused, no NT', lambda: ops.scale_check_(g16, g32, 1 / 1024, impl='fused'), 6 * n)
     add('l2norm', 'loop', loop_norm, 4 * n); add('l2norm', 'foreach', foreach_norm, 4 * n); add('l2norm', 'fused', lambda: ops.l2norm(g32, impl='fused'), 4 * n)
     add('master->model copy', 'loop', loop_copy, 6 * n); add('master->model copy', 'foreach', foreach_copy, 6 * n)
     add('master->model copy', 'fused', lambda: ops.scale_check_(m32, p16, 1., impl='fused'), 6 * n)
+    with normal_stores(): add('master->model copy', 'fused, no NT', lambda: ops.scale_check_(m32, p16, 1., impl='fused'), 6 * n)
     step_bytes = 6 * n + 4 * n + 4 * 4 * n + 2 * n              # unscale, norm, Adam (g, p, m, v read; p, m, v written ~), copy
     add('full step (Adam)', 'loop', loop_step, step_bytes); add('full step (Adam)', 'foreach', lambda: foreach_step(opt_foreach), step_bytes)
     add('full step (Adam)', 'torch fused', lambda: foreach_step(opt_torch_fused), step_bytes)
@@ -119,17 +134,19 @@ def main():
     ap.add_argument('--threads', default=None, help="comma-separated thread counts (default: torch's)")
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(',')] if a.threads else [torch.get_num_threads()]
-    print(f"torch {torch.__version__}, device {a.device} on {cpu_name()}, fused backend: {ops.backend(torch.zeros(1, device=a.device))}")
+    kernels, _ = ops._fused()
+    build = f"{ops.backend(torch.zeros(1, device=a.device))} ({kernels.namespace if kernels else 'none'}, streaming from {ops.stream_min_bytes() / 2**20:.0f} MiB of outputs)"
+    print(f"torch {torch.__version__}, device {a.device} on {cpu_name()}, fused backend: {build}")
     for name in a.sizes.split(','):
         shapes = {'resnet50': resnet50_like, '100m': hundred_m}[name]()
         print(f"\n{name}:")
-        print(f"{'threads':>7}  {'op':<20}{'impl':<12}{'ms':>9}{'GB/s':>8}{'x copy bw':>11}{'x loop':>9}")
+        print(f"{'threads':>7}  {'op':<20}{'impl':<14}{'ms':>9}{'GB/s':>8}{'x copy bw':>11}{'x loop':>9}")
         for t in threads:
             torch.set_num_threads(t)
             n, k, copy_bw, rows = run(shapes, a.repeat, a.device)
             print(f"{t:>7}  {n / 1e6:.1f}M params in {k} tensors; plain fp32 copy: {copy_bw / 1e9:.1f} GB/s")
             for op, impl, ms, gbs, rel in rows:
                 loop_ms = next(r[2] for r in rows if r[0] == op and r[1] == 'loop')
-                print(f"{t:>7}  {op:<20}{impl:<12}{ms:>9.1f}{gbs:>8.1f}{rel:>11.2f}{loop_ms / ms:>9.2f}")
+                print(f"{t:>7}  {op:<20}{impl:<14}{ms:>9.1f}{gbs:>8.1f}{rel:>11.2f}{loop_ms / ms:>9.2f}")
 
 if __name__ == '__main__': main()

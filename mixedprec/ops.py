@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUILD_S', 'FIX', 'Q_BLOCK', 'scale_check_ref_',
-           'set_impl', 'current_impl', 'env_flag', 'find_cuda_home', 'cpu_flags', 'cpu_isa', 'default_cache', 'unsafe',
-           'unsafe_above', 'compiled_here', 'build_extension', 'Kernels', 'warn_once', 'backend', 'require_impl',
-           'scale_check_', 'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref',
-           'join_bf16_ref', 'rounding_bits_ref', 'round_stochastic_ref', 'in_memory_order', 'quantize8_ref',
-           'dequantize8_ref', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
+           'set_impl', 'current_impl', 'env_flag', 'find_cuda_home', 'cpu_flags', 'cpu_isa', 'last_level_cache_bytes',
+           'stream_min_bytes', 'default_cache', 'unsafe', 'unsafe_above', 'compiled_here', 'build_extension', 'Kernels',
+           'warn_once', 'backend', 'require_impl', 'scale_check_', 'scale_add_check_ref_', 'scale_add_check_',
+           'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref', 'rounding_bits_ref', 'round_stochastic_ref',
+           'in_memory_order', 'quantize8_ref', 'dequantize8_ref', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_',
+           'adam_step_']
 
 # %% ../nbs/10_ops.ipynb #8848a001
 import contextvars, functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
@@ -151,6 +152,22 @@ def cpu_isa(flags=None) -> tuple:
 def _simd_flags() -> list:
     "Compiler flags for ATen's widest vectors on this CPU (`cpu_isa`)"
     return cpu_isa()[1]
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    "The size of the last-level data cache the first CPU sees (from /sys), or 32 MiB where /sys does not say"
+    found = (0, 0)                                                 # (level, bytes)
+    for d in glob.glob('/sys/devices/system/cpu/cpu0/cache/index*'):
+        try:
+            kind, level, size = (open(os.path.join(d, f)).read().strip() for f in ('type', 'level', 'size'))
+            if kind == 'Instruction' or not size: continue
+            found = max(found, (int(level), int(size.rstrip('KMG')) * {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}.get(size[-1], 1)))
+        except (OSError, ValueError): continue
+    return found[1] or 32 << 20
+
+def stream_min_bytes() -> int:
+    "The size of a call's outputs from which the CPU kernels write them with streaming stores, past the caches: twice the last-level cache"
+    return 2 * last_level_cache_bytes()
 
 def _openmp_flags() -> list:
     "`-fopenmp` when torch's parallel backend is OpenMP: ATen's `parallel_for` is inline, so without it the kernels run on one thread"
@@ -360,6 +377,7 @@ class Kernels:
     "One build's fused ops: torch custom ops (`torch.ops.<namespace>`, one schema each, a kernel per dispatch key, a fake kernel), called by name"
     def __init__(self, module):
         self.module, self.namespace = module, module.namespace()
+        module.stream_min_bytes(stream_min_bytes())
         ns = getattr(torch.ops, self.namespace)
         self.ops = {name: getattr(ns, name).default for name in _OPS}
         _register_fakes(self.namespace)

@@ -59,6 +59,64 @@ def test_in_place_and_empty_and_layouts():
     with pytest.raises((ValueError, RuntimeError), match='dense|contiguous'):
         ops.l2norm([torch.randn(8, 8)[::2]], impl='fused')
 
+@pytest.fixture
+def streaming():
+    "The CPU kernels with every output written by streaming stores (the threshold at 0 bytes), put back afterwards"
+    kernels, why = ops._fused()
+    if kernels is None: pytest.skip(why)
+    before = kernels.module.stream_min_bytes()
+    kernels.module.stream_min_bytes(0)
+    yield kernels
+    kernels.module.stream_min_bytes(before)
+
+@pytest.mark.parametrize("src_dtype", DTYPES)
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+def test_streamed_outputs_are_what_normal_stores_write(streaming, src_dtype, dst_dtype):
+    # Each output starts at another element past an aligned address (0-32 elements: every head an AVX-512 or AVX2 register
+    # leaves), and spans a chunk boundary; what lies before it is untouched. A non-finite value is found in the head and in the body.
+    for offset in range(33):
+        n = CHUNK + 3 * offset + 5
+        src = lists([n], src_dtype, 'cpu', seed=offset)
+        bad = [t.clone() for t in src]
+        bad[0][offset // 2 if offset % 2 else n // 2] = float('inf')
+        results = []
+        for impl in ('ref', 'fused'):
+            held = torch.full((n + offset,), 7., dtype=dst_dtype)
+            flags = [ops.scale_check_(s, [held[offset:]], 1/3, impl=impl).item() for s in (bad, src)]
+            results.append((flags, held))
+        assert results[0][0] == results[1][0] == [True, False], offset
+        assert torch.equal(results[0][1], results[1][1]), offset
+
+def test_large_outputs_are_streamed_by_default_and_exact():
+    # Twice the last-level cache or more: streamed at the default threshold (32 MiB of L3 streams from 64 MiB on), with the same result
+    assert ops.stream_min_bytes() == 2 * ops.last_level_cache_bytes() >= 2 * 2**20
+    kernels, why = ops._fused()
+    if kernels is None: pytest.skip(why)
+    assert kernels.module.stream_min_bytes() == ops.stream_min_bytes()
+    n = ops.stream_min_bytes() // 4 + 4099                       # fp32 outputs just past the threshold, in two tensors
+    src = [torch.randn(n // 2).half(), torch.randn(n - n // 2).half()]
+    ref, fused = [torch.empty(t.numel()) for t in src], [torch.empty(t.numel()) for t in src]
+    assert ops.scale_check_(src, ref, 0.5, impl='ref').item() == ops.scale_check_(src, fused, 0.5, impl='fused').item() == False
+    assert all(torch.equal(a, b) for a, b in zip(ref, fused))
+
+@pytest.mark.parametrize("state", ['fp32', 'bf16'])
+def test_streamed_model_copy_of_a_step_is_what_normal_stores_write(streaming, state):
+    # The half copy the fused step writes, from fp32 masters held directly or in blocks (bf16 state), at odd offsets
+    def run(impl):
+        g = torch.Generator().manual_seed(8)
+        sizes, offsets = [5, CHUNK + 9, 2100, 333], [0, 3, 17, 30]
+        params = [torch.randn(n, generator=g) for n in sizes]
+        kind = torch.float32 if state == 'fp32' else torch.bfloat16
+        m, v = [torch.zeros(n, dtype=kind) for n in sizes], [torch.zeros(n, dtype=kind) for n in sizes]
+        held = [torch.full((n + o,), 7., dtype=torch.half) for n, o in zip(sizes, offsets)]
+        seeds = None if state == 'fp32' else [list(range(i, i + 2)) for i in range(len(sizes))]
+        for i in range(3):
+            grads = [(torch.randn(n, generator=g) * 1024).half() for n in sizes]
+            ops.adam_step_(grads, params, m, v, [h[o:] for h, o in zip(held, offsets)], torch.tensor(False), torch.zeros(()), 1/1024,
+                           1e-2, state_seeds=seeds, impl=impl)
+        return params + m + v + held
+    for a, b in zip(run('ref'), run('fused')): assert torch.equal(a, b)
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sizes", ['one', 'chunks', 'seven mixed', 'two hundred'])
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,8 +12,12 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 #include "messages.h"
 #include "bf16_bits.h"
@@ -42,14 +46,55 @@ static void require_cpu(const std::vector<at::Tensor>& ts, const char* op) {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kStep = 2 * Vec::size();
 
+// Streaming (non-temporal) stores, for outputs larger than the caches: they write whole lines to memory without reading
+// each line first (the read-for-ownership of a normal store) and without evicting what the next op reads. Smaller outputs
+// are stored normally, so that they stay in the cache for the op that reads them next. Python sets the threshold
+// (ops.stream_min_bytes: twice the last-level cache). Only the AVX2 and AVX-512 builds stream; portable code never does.
+static std::atomic<int64_t> g_stream_min_bytes{int64_t(64) << 20};
+int64_t stream_min_bytes(int64_t set) {
+  if (set >= 0) g_stream_min_bytes.store(set);
+  return g_stream_min_bytes.load();
+}
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kCanStream = true;
+// One vector register of T to p, which is aligned to the register's size.
+template <typename T> static void stream_store(T* p, const at::vec::Vectorized<T>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) _mm512_stream_ps(p, v); else _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+#else
+  if constexpr (std::is_same_v<T, float>) _mm256_stream_ps(p, v); else _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+#endif
+}
+// Streaming stores are weakly ordered: each thread fences its own before the op returns and others read them.
+static void stream_fence() { _mm_sfence(); }
+#else
+constexpr bool kCanStream = false;
+template <typename T> static void stream_store(T* p, const at::vec::Vectorized<T>& v) { v.store(p); }
+static void stream_fence() {}
+#endif
+// Whether the outputs `ts` are large enough to stream.
+static bool streams(const std::vector<at::Tensor>& ts) {
+  int64_t bytes = 0;
+  for (const auto& t : ts) bytes += t.numel() * (int64_t)t.element_size();
+  return kCanStream && bytes >= g_stream_min_bytes.load();
+}
+// How many elements of p come before the first address a vector register can be streamed to (at most n).
+template <typename D> static int64_t unaligned_head(const D* p, int64_t n) {
+  const auto off = reinterpret_cast<uintptr_t>(p) % sizeof(Vec);
+  if (off % sizeof(D)) return n;                           // an odd address for its type (from_blob): no aligned element, store normally
+  return std::min<int64_t>(n, off ? (sizeof(Vec) - off) / sizeof(D) : 0);
+}
+
 // Load and store 2 float vectors' worth of elements of T, converting half and bf16 to and from float.
 template <typename T> struct VecIO {
   static void load(const T* p, Vec& a, Vec& b) { auto ab = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p)); a = std::get<0>(ab); b = std::get<1>(ab); }
   static void store(T* p, const Vec& a, const Vec& b) { at::vec::convert_from_float<T>(a, b).store(p); }
+  static void stream(T* p, const Vec& a, const Vec& b) { stream_store(p, at::vec::convert_from_float<T>(a, b)); }   // p aligned (unaligned_head)
 };
 template <> struct VecIO<float> {
   static void load(const float* p, Vec& a, Vec& b) { a = Vec::loadu(p); b = Vec::loadu(p + Vec::size()); }
   static void store(float* p, const Vec& a, const Vec& b) { a.store(p); b.store(p + Vec::size()); }
+  static void stream(float* p, const Vec& a, const Vec& b) { stream_store(p, a); stream_store(p + Vec::size(), b); }
 };
 template <typename T> constexpr bool vectorizable = !std::is_same_v<T, double>;
 
@@ -61,11 +106,23 @@ static bool any_nan(const Vec& acc) {
   return false;
 }
 
-template <typename S, typename D, bool Add>
+// dst = src * scale (Add: dst + src * scale) over n elements, true if any src is not finite. Stream: the vector part
+// writes with streaming stores from dst's first aligned element on (the elements before it are stored one by one).
+template <typename S, typename D, bool Add, bool Stream>
 static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
-  int64_t i = 0;
   bool bad = false;
+  auto one_by_one = [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float x = static_cast<float>(src[i]);
+      bad |= !std::isfinite(x);
+      float prod = x * scale;                              // rounded to fp32 before the add, as the reference does
+      if (Add) dst[i] = static_cast<D>(static_cast<float>(dst[i]) + prod);
+      else dst[i] = static_cast<D>(prod);
+    }
+  };
+  int64_t i = 0;
   if constexpr (vectorizable<S> && vectorizable<D>) {
+    if constexpr (Stream) { i = unaligned_head(dst, n); one_by_one(0, i); }
     const Vec vs(scale);
     Vec acc(0.f);
     for (; i + kStep <= n; i += kStep) {
@@ -74,17 +131,12 @@ static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
       acc = acc + (a - a) + (b - b);
       Vec pa = a * vs, pb = b * vs;
       if (Add) { Vec da, db; VecIO<D>::load(dst + i, da, db); pa = da + pa; pb = db + pb; }
-      VecIO<D>::store(dst + i, pa, pb);
+      if constexpr (Stream) VecIO<D>::stream(dst + i, pa, pb);
+      else VecIO<D>::store(dst + i, pa, pb);
     }
-    bad = any_nan(acc);
+    bad |= any_nan(acc);
   }
-  for (; i < n; ++i) {
-    float x = static_cast<float>(src[i]);
-    bad |= !std::isfinite(x);
-    float prod = x * scale;                                // rounded to fp32 before the add, as the reference does
-    if (Add) dst[i] = static_cast<D>(static_cast<float>(dst[i]) + prod);
-    else dst[i] = static_cast<D>(prod);
-  }
+  one_by_one(i, n);
   return bad;
 }
 
@@ -94,6 +146,7 @@ static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vect
   auto spans = spans_of(src);
   std::atomic<bool> found{false};
   const float sc = static_cast<float>(scale);
+  const bool stream = !Add && streams(dst);                // an added-to dst is read anyway: nothing to save
   at::parallel_for(0, (int64_t)spans.size(), 1, [&](int64_t b, int64_t e) {
     bool bad = false;
     for (int64_t k = b; k < e; ++k) {
@@ -104,10 +157,12 @@ static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vect
         const S* ip = in.data_ptr<S>() + s.begin;
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mixedprec_scale_dst", [&] {
           scalar_t* dp = out.data_ptr<scalar_t>() + s.begin;
-          bad |= scale_span<S, scalar_t, Add>(ip, dp, s.end - s.begin, sc);
+          if constexpr (!Add && kCanStream) { if (stream) { bad |= scale_span<S, scalar_t, false, true>(ip, dp, s.end - s.begin, sc); return; } }
+          bad |= scale_span<S, scalar_t, Add, false>(ip, dp, s.end - s.begin, sc);
         });
       });
     }
+    if (stream) stream_fence();
     if (bad) found.store(true, std::memory_order_relaxed);
   });
   return at::scalar_tensor(found.load(), at::TensorOptions().dtype(at::kBool));
@@ -162,11 +217,17 @@ std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>& ts) {
   return {at::scalar_tensor(static_cast<float>(std::sqrt(total)), at::TensorOptions().dtype(at::kFloat)), per};
 }
 
-// The half (or fp32) model copy of fp32 masters, rounded to nearest even.
-template <typename O> static void copy_out(const float* p, O* o, int64_t n) {
+// The half (or fp32) model copy of fp32 masters, rounded to nearest even; with streaming stores (`stream`) from o's first
+// aligned element on.
+template <typename O> static void copy_out(const float* p, O* o, int64_t n, bool stream) {
   int64_t i = 0;
-  if constexpr (vectorizable<O>)
+  if constexpr (vectorizable<O>) {
+    if (stream && kCanStream) {
+      for (const int64_t head = unaligned_head(o, n); i < head; ++i) o[i] = static_cast<O>(p[i]);
+      for (; i + kStep <= n; i += kStep) VecIO<O>::stream(o + i, Vec::loadu(p + i), Vec::loadu(p + i + Vec::size()));
+    }
     for (; i + kStep <= n; i += kStep) VecIO<O>::store(o + i, Vec::loadu(p + i), Vec::loadu(p + i + Vec::size()));
+  }
   for (; i < n; ++i) o[i] = static_cast<O>(p[i]);
 }
 
@@ -177,6 +238,7 @@ struct MasterStore {
   const std::vector<at::Tensor>& out;        // the half model copy of fp32 masters, or empty
   const std::vector<at::Tensor>& lows;       // split: the int16 low halves of bf16 params
   const int64_t* seeds;                      // stochastic rounding: one seed per tensor (bf16 params without lows)
+  bool stream_out;                           // the half copy is written with streaming stores (streams(out))
   bool bf16() const { return !params.empty() && params[0].scalar_type() == at::kBFloat16; }
 };
 
@@ -240,7 +302,7 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
     update(p, direct, s.begin, s.end - s.begin);
     if (!st.out.empty()) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_out", [&] {
-        copy_out(p, st.out[t].data_ptr<scalar_t>() + s.begin, s.end - s.begin);
+        copy_out(p, st.out[t].data_ptr<scalar_t>() + s.begin, s.end - s.begin, st.stream_out);
       });
     }
     return;
@@ -278,7 +340,7 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
     else if (hi) round_block_stochastic(buf, hi + b, n, seed, (uint64_t)b);
     else if (!st.out.empty()) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_out", [&] {
-        copy_out(p, st.out[t].data_ptr<scalar_t>() + b, n);
+        copy_out(p, st.out[t].data_ptr<scalar_t>() + b, n, st.stream_out);
       });
     }
     for (int j = 0; j < k; ++j) {
@@ -303,7 +365,7 @@ void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Te
   require_cpu(params, "sgd_step");
   if (found_inf.item<bool>()) return;
   auto spans = spans_of(params);
-  const MasterStore store{params, out, lows, seeds_of(seeds)};
+  const MasterStore store{params, out, lows, seeds_of(seeds), streams(out)};
   const StateStore states{!bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
                           seeds_of(state_seeds), state_scales};
   const float isc = inv_scale, flr = lr, mom = momentum, damp = 1.0 - dampening;
@@ -349,6 +411,7 @@ void sgd_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Te
         });
       });
     }
+    if (store.stream_out) stream_fence();
   });
 }
 
@@ -368,7 +431,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
     bc2_sqrt[i] = std::sqrt(1.0 - std::pow(beta2, t));
   }
   auto spans = spans_of(params);
-  const MasterStore store{params, out, lows, seeds_of(seeds)};
+  const MasterStore store{params, out, lows, seeds_of(seeds), streams(out)};
   const StateStore states{{&exp_avgs, &exp_avg_sqs}, seeds_of(state_seeds), state_scales};
   const float isc = inv_scale, b1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
   const float decay = decoupled ? 1.0 - lr * weight_decay : 1.0f, l2 = decoupled ? 0.0f : (float)weight_decay;
@@ -412,6 +475,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
         });
       });
     }
+    if (store.stream_out) stream_fence();
   });
 }
 

@@ -2,7 +2,7 @@
 // C++ CPU kernels (cpu_kernels.cpp) registered for the CPU dispatch key and, in a CUDA build, the CUDA kernels (*.cu) for
 // the CUDA key. The dispatcher picks the device; each implementation checks its tensors. The namespace is the extension's
 // name (mixedprec_cpu_avx512, ...), so that two builds can live in one process. Fake kernels are registered in Python.
-// The op registry and ATen's Tensor, and Python's C API for the module's two functions: not <torch/extension.h> (the
+// The op registry and ATen's Tensor, and Python's C API for the module's functions: not <torch/extension.h> (the
 // whole C++ API) nor pybind11, which took two thirds of the compile time.
 #include <Python.h>
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,7 @@ namespace mixedprec {
 at::Tensor scale_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
 at::Tensor scale_add_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
 std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>&);
+int64_t stream_min_bytes(int64_t set);
 using TV = std::vector<at::Tensor>;
 using Seeds = std::optional<at::Tensor>;
 void sgd_step_cpu(const TV&, const TV&, const TV&, const TV&, const at::Tensor&, double, double, double, double, double, bool, bool, bool,
@@ -237,7 +238,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, Autograd, m) {
   for (auto name : {"scale_check_", "scale_add_check_", "l2norm", "sgd_step_", "adam_step_"}) m.impl(name, torch::CppFunction::makeFallthrough());
 }
 
-// The Python module the extension is imported as: which build this is. Python's C API, without pybind11.
+// The Python module the extension is imported as: which build this is, and the CPU kernels' one setting. Python's C API, without pybind11.
 static PyObject* mixedprec_has_cuda(PyObject*, PyObject*) {
 #ifdef WITH_CUDA
   Py_RETURN_TRUE;
@@ -246,9 +247,16 @@ static PyObject* mixedprec_has_cuda(PyObject*, PyObject*) {
 #endif
 }
 static PyObject* mixedprec_namespace(PyObject*, PyObject*) { return PyUnicode_FromString(MIXEDPREC_STR(TORCH_EXTENSION_NAME)); }
+static PyObject* mixedprec_stream_min_bytes(PyObject*, PyObject* args) {
+  long long set = -1;
+  if (!PyArg_ParseTuple(args, "|L", &set)) return nullptr;
+  return PyLong_FromLongLong(mixedprec::stream_min_bytes(set));
+}
 static PyMethodDef mixedprec_methods[] = {
   {"has_cuda", mixedprec_has_cuda, METH_NOARGS, "True when this build holds the CUDA kernels"},
   {"namespace", mixedprec_namespace, METH_NOARGS, "The torch.ops namespace of this build's ops"},
+  {"stream_min_bytes", mixedprec_stream_min_bytes, METH_VARARGS,
+   "stream_min_bytes(n=-1): the output size in bytes from which the CPU kernels write with streaming stores; sets it first when n >= 0"},
   {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef mixedprec_module = {PyModuleDef_HEAD_INIT, MIXEDPREC_STR(TORCH_EXTENSION_NAME),
                                        "mixedprec's fused kernels: the ops are in torch.ops.<namespace()>", -1, mixedprec_methods};

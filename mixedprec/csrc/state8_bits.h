@@ -41,7 +41,7 @@ MIXEDPREC_HD uint8_t q8_encode(float x, float scale, uint32_t r, bool is_signed)
   const int32_t f = (int32_t)ex - (int32_t)se + q8_bias(is_signed);     // the code's exponent field
   const int32_t shift = 1 - f < 0 ? 0 : 1 - f > 31 ? 31 : 1 - f;         // below the normal range: gradual underflow
   const uint32_t frac = mag & 0x7fffffu;
-  const uint32_t t = f >= 1 ? ((uint32_t)(f < 1 ? 1 : f) << 23) | frac : (frac | 0x800000u) >> shift;
+  const uint32_t t = f >= 1 ? ((uint32_t)f << 23) | frac : (frac | 0x800000u) >> shift;   // both computed (unsigned: defined for any f)
   const uint32_t c = (t + (r << 4)) >> 20;
   const bool block = se != 0 && se != 255;                                // not a zero or diverged block
   if (is_signed) return (uint8_t)(block && ex != 0 ? c | ((u >> 24) & 0x80u) : 0u);
