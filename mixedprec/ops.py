@@ -159,7 +159,7 @@ def last_level_cache_bytes() -> int:
     found = (0, 0)                                                 # (level, bytes)
     for d in glob.glob('/sys/devices/system/cpu/cpu0/cache/index*'):
         try:
-            kind, level, size = (open(os.path.join(d, f)).read().strip() for f in ('type', 'level', 'size'))
+            kind, level, size = (Path(d, f).read_text().strip() for f in ('type', 'level', 'size'))
             if kind == 'Instruction' or not size: continue
             found = max(found, (int(level), int(size.rstrip('KMG')) * {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}.get(size[-1], 1)))
         except (OSError, ValueError): continue

@@ -86,6 +86,11 @@ def test_streamed_outputs_are_what_normal_stores_write(streaming, src_dtype, dst
             results.append((flags, held))
         assert results[0][0] == results[1][0] == [True, False], offset
         assert torch.equal(results[0][1], results[1][1]), offset
+        if src_dtype == dst_dtype:                                 # in place: stored normally, the same bits
+            held = torch.full((n + offset,), 7., dtype=dst_dtype)
+            held[offset:] = src[0]
+            assert not ops.scale_check_([held[offset:]], [held[offset:]], 1/3, impl='fused').item()
+            assert torch.equal(held, results[0][1]), offset
 
 def test_large_outputs_are_streamed_by_default_and_exact():
     # Twice the last-level cache or more: streamed at the default threshold (32 MiB of L3 streams from 64 MiB on), with the same result

@@ -157,7 +157,9 @@ static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vect
         const S* ip = in.data_ptr<S>() + s.begin;
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mixedprec_scale_dst", [&] {
           scalar_t* dp = out.data_ptr<scalar_t>() + s.begin;
-          if constexpr (!Add && kCanStream) { if (stream) { bad |= scale_span<S, scalar_t, false, true>(ip, dp, s.end - s.begin, sc); return; } }
+          if constexpr (!Add && kCanStream) {                 // in place (src is dst): each line is read anyway, stored normally
+            if (stream && (const void*)ip != (const void*)dp) { bad |= scale_span<S, scalar_t, false, true>(ip, dp, s.end - s.begin, sc); return; }
+          }
           bad |= scale_span<S, scalar_t, Add, false>(ip, dp, s.end - s.begin, sc);
         });
       });
