@@ -166,6 +166,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'mixedprec.convert.SaveMasters.__call__': ('convert.html#savemasters.__call__', 'mixedprec/convert.py'),
                                    'mixedprec.convert.SaveMasters.__init__': ('convert.html#savemasters.__init__', 'mixedprec/convert.py'),
                                    'mixedprec.convert._check_range': ('convert.html#_check_range', 'mixedprec/convert.py'),
+                                   'mixedprec.convert._innermost_module': ('convert.html#_innermost_module', 'mixedprec/convert.py'),
                                    'mixedprec.convert._kept_modules': ('convert.html#_kept_modules', 'mixedprec/convert.py'),
                                    'mixedprec.convert._running': ('convert.html#_running', 'mixedprec/convert.py'),
                                    'mixedprec.convert._state_keys': ('convert.html#_state_keys', 'mixedprec/convert.py'),

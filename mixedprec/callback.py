@@ -142,7 +142,11 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if self.conversion is None:
             _refuse_gan(self.learn, "MixedPrecision")
             self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True)
-            if not self.conversion.masters: warnings.warn("mixedprec: the model has no fp32 params to convert, so mixed precision changes nothing")
+            if not self.conversion.masters:
+                warn_once(f"no param of the model is converted (every module with params is of a type kept in fp32: "
+                          f"{', '.join(t.__name__ for t in self.keep_fp32)}), so fastai's optimizer steps the fp32 params itself and mixed "
+                          f"precision only rounds the activations passed between modules to {'bf16' if self.dtype == torch.bfloat16 else 'fp16'}: "
+                          f"train in fp32, or keep fewer module types in fp32")
             p = next(iter(self.conversion.masters), None)
             convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
             note = speed_note(self.dtype, p.device, convs=convs) if p is not None else None
@@ -294,7 +298,11 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self._checked = True
         model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
         if not model_params: raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some (`learn.unfreeze()`), or use `get_preds` for inference")
-        held = {id(p) for g in self.masters.model_groups for p in g} if self.masters is not None else set()
+        if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
+        elif not self.conversion.masters:                  # nothing converted (every module kept in fp32): fastai's optimizer holds the params
+            opt = _raw_opt(self.learn)
+            held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
+        else: held = set()
         missing = [n for n, p in model_params if id(p) not in held]
         if missing: refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
         if missing: raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they were replaced after the "

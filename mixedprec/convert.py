@@ -131,6 +131,17 @@ def _running(model) -> bool:
         f = f.f_back
     return False
 
+_NO_HALF_KERNEL = ("not implemented for 'Half'", "not implemented for 'BFloat16'")
+
+def _innermost_module(tb):
+    "The innermost module whose call a traceback passes through (where an error was raised), or None"
+    found = None
+    while tb is not None:
+        f = tb.tb_frame
+        if f.f_code.co_name in ('_call_impl', '_wrapped_call_impl') and isinstance(f.f_locals.get('self'), nn.Module): found = f.f_locals['self']
+        tb = tb.tb_next
+    return found
+
 class DtypeHint:
     "Forward hook, called even when forward raises, that adds to a dtype-mismatch error inside a converted model what happened and what to do"
     def __init__(self, dtype, model=None): self.dtype, self.model = dtype, model    # `model`: the converted model, when this hook is on one of its submodules
@@ -138,9 +149,16 @@ class DtypeHint:
         if out is not None: return                   # forward succeeded (the only path `torch.compile` traces)
         e = sys.exc_info()[1]
         if not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or getattr(e, '_mixedprec_hint', False): return
+        name = 'bf16' if self.dtype == torch.bfloat16 else 'fp16'
+        if any(s in str(e) for s in _NO_HALF_KERNEL):      # torch's limit (a linear-algebra op on the CPU, ...): that module computes in fp32
+            e._mixedprec_hint = True
+            kind = type(_innermost_module(e.__traceback__) or module).__name__
+            e.add_note(f"mixedprec: torch has no {name} kernel for this op on this device, and the model runs in {name}. Keep the module "
+                       f"that calls it in fp32, with its inputs and outputs cast: with fastai, `learn.to_{name}(keep_fp32={kind})` (or a tuple "
+                       f"of types, `keep_fp32=({kind}, ...)`); with amp, opt_level 'O1', whose weights stay fp32.")
+            return
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
         e._mixedprec_hint = True
-        name = 'bf16' if self.dtype == torch.bfloat16 else 'fp16'
         if self.model is not None and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) and not _running(self.model):
             e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was called by itself with float32 "
                        f"inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs of the model it converted only. "

@@ -450,3 +450,54 @@ def test_a_wgan_learner_is_refused_with_why_not_a_bare_dtype_error(door):
         else:
             with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-4, cbs=MixedPrecision(dtype=torch.bfloat16))
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}, "the model is left as it was"
+
+# ---------------------------------------------------------------- modules kept in fp32
+
+def plain_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+def rounded_between_modules(model, dtype):
+    "`model` in fp32 with what a half model's kept modules see: its inputs in `dtype`, each Linear computing in fp32 and handing on `dtype`"
+    model.register_forward_pre_hook(lambda m, args: tuple(a.to(dtype) for a in args))
+    model.register_forward_hook(lambda m, args, out: out.float())
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+            layer.register_forward_hook(lambda m, args, out: out.to(dtype))
+    return model
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_every_module_kept_in_fp32_trains_as_fp32_between_rounded_activations(precision):
+    # Nothing to convert: fastai's optimizer steps the fp32 params itself (this used to fail the first backward with "params the
+    # optimizer does not hold"); what changes is only that activations pass between modules in the half dtype, as in any half model
+    dtype = torch.float16 if precision == 'fp16' else torch.bfloat16
+    ref = synth_learner(rounded_between_modules(plain_mlp(), dtype), opt_func=Adam, lr=1e-2)
+    ref.fit(2)
+    learn = synth_learner(plain_mlp(), opt_func=Adam, lr=1e-2)
+    with pytest.warns(UserWarning, match=r"no param of the model is converted .*Linear.*fastai's optimizer steps the fp32 params itself"):
+        learn = getattr(learn, f'to_{precision}')(keep_fp32=nn.Linear)
+    learn.fit(2)
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(weights(ref), weights(learn)))
+    assert learn.recorder.values[-1][0] < learn.recorder.values[0][0]
+
+def orthogonal_mlp():
+    from torch.nn.utils import parametrizations
+    model = plain_mlp()
+    parametrizations.orthogonal(model[0], orthogonal_map='householder')   # Householder products: no half kernel on the CPU
+    return model
+
+def test_an_op_without_a_half_kernel_names_the_module_to_keep_in_fp32_and_that_fix_trains():
+    learn = synth_learner(orthogonal_mlp(), opt_func=Adam, lr=1e-2).to_bf16()
+    with pytest.raises(NotImplementedError) as caught: learn.fit(1)
+    note = ' '.join(getattr(caught.value, '__notes__', []))
+    assert "no bf16 kernel for this op" in note and "learn.to_bf16(keep_fp32=_Orthogonal)" in note, note
+    from torch.nn.utils.parametrizations import _Orthogonal
+    learn = synth_learner(orthogonal_mlp(), opt_func=Adam, lr=1e-2).to_bf16(keep_fp32=_Orthogonal)   # the advice, as written
+    learn.fit(2)
+    assert learn.model[0].parametrizations.weight.original.dtype == torch.bfloat16 and learn.mixed_precision.masters is not None
+    first, last = learn.recorder.values[0][0], learn.recorder.values[-1][0]
+    assert last < first and torch.isfinite(torch.tensor(last))
+    w = learn.model[0].weight.float()                                     # the parametrization computed in fp32, on the half weight
+    assert torch.allclose(w.T @ w, torch.eye(8), atol=1e-2)
