@@ -142,11 +142,11 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if self.conversion is None:
             _refuse_gan(self.learn, "MixedPrecision")
             self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True)
-            if not self.conversion.masters:
-                warn_once(f"no param of the model is converted (every module with params is of a type kept in fp32: "
-                          f"{', '.join(t.__name__ for t in self.keep_fp32)}), so fastai's optimizer steps the fp32 params itself and mixed "
-                          f"precision only rounds the activations passed between modules to {'bf16' if self.dtype == torch.bfloat16 else 'fp16'}: "
-                          f"train in fp32, or keep fewer module types in fp32")
+            if not self.conversion.masters and not self.conversion.buffers:     # nothing to cast: the cast hooks go, and the callback does nothing
+                self.conversion.undo()
+                warn_once(f"nothing in the model is converted (every module with params is of a type kept in fp32: "
+                          f"{', '.join(t.__name__ for t in self.keep_fp32)}), so mixed precision changes nothing and fastai's optimizer "
+                          f"steps the fp32 params itself: train in fp32, or keep fewer module types in fp32")
             p = next(iter(self.conversion.masters), None)
             convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
             note = speed_note(self.dtype, p.device, convs=convs) if p is not None else None
