@@ -58,11 +58,11 @@ def _gradscaler_names(loss_scale, max_noskip, kwargs):
                             f"(default 2, so backoff 0.5); pass `factor=` (GradScaler's growth_factor) alone")
     return loss_scale, max_noskip, kwargs
 
-def _all_finite(o) -> bool:
-    "False if any floating tensor in `o` (recursively) holds inf or nan"
-    if isinstance(o, torch.Tensor): return not o.is_floating_point() or bool(torch.isfinite(o).all())
-    if isinstance(o, (list, tuple)): return all(_all_finite(x) for x in o)
-    if isinstance(o, dict): return all(_all_finite(x) for x in o.values())
+def _all_finite(o, limit:float=float('inf')) -> bool:
+    "False if any floating tensor in `o` (recursively) holds inf or nan, or a magnitude above `limit` (the half dtype's largest: the cast into the model makes it inf)"
+    if isinstance(o, torch.Tensor): return not o.is_floating_point() or bool((torch.isfinite(o) & (o.abs() <= limit)).all())
+    if isinstance(o, (list, tuple)): return all(_all_finite(x, limit) for x in o)
+    if isinstance(o, dict): return all(_all_finite(x, limit) for x in o.values())
     return True
 
 class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
@@ -259,7 +259,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "Unscale into the master grads (check, clip, update the scale), let the later callbacks see them, then step or skip in the engine, which cancels fastai's own step"
         xb, e = self.learn.xb, self.engine
         if e is None: return                         # nothing was converted: nothing to unscale
-        e.unscale(input_finite=lambda: _all_finite(xb))
+        e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max))   # read on a bad loss only
         if not e.on_device and e.must_skip():        # a skip decided on the host: cancelled here, as fastai's own MixedPrecision does (later callbacks do not run)
             e.discard()
             raise CancelStepException()

@@ -179,8 +179,10 @@ class LossScaler:
         "Why scaling cannot help any more (a message), or None"
         if self.bad_losses >= self.max_bad_loss:
             if self.history and self.history[-1].reason == 'nonfinite_input':
-                return (f"the input batch held inf or NaN for the last {self.bad_losses} consecutive bad steps: the data is to blame, "
-                        f"and no loss scale can fix it. Clean the data (look for NaN in the inputs) before training.")
+                return (f"the input batch held inf or NaN for the last {self.bad_losses} consecutive bad steps (or, in fp16, magnitudes "
+                        f"above 65504, which become inf when the inputs are cast into the half model): the data is to blame, and no loss "
+                        f"scale can fix it. Clean the data (look for NaN in the inputs) or normalize it (fastai's `Normalize`), or "
+                        f"train in bf16, which has fp32's range.")
             return (f"the loss was inf or NaN before backward for {self.bad_losses} consecutive steps. The forward pass or the data "
                     f"produced it, so a smaller loss scale cannot fix it: check the inputs for NaN/inf, and look for activations "
                     f"beyond fp16's range (65504); bf16 has fp32's range." + self._advice())

@@ -47,6 +47,20 @@ def test_nan_in_the_input_batch_is_reported_as_data():
     with pytest.raises(ScalingError, match='input batch held inf or NaN'): learn.fit(1)
     assert [r.reason for r in learn.mixed_precision.history] == ['nonfinite_input'] * 3 and learn.mixed_precision.loss_scale == 2.**8
 
+def test_inputs_beyond_fp16s_range_are_reported_as_data_and_bf16_trains_on_them():
+    # A raw feature in the hundreds of thousands (a salary, unnormalised) becomes inf when the inputs are cast into an fp16 model
+    torch.manual_seed(0)
+    x = torch.randn(64, 8); x[:, 3] *= 1e5
+    y = x[:, :3].sum(1, keepdim=True)
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
+    learn = Learner(dls, mlp(), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, max_bad_loss=3)
+    with pytest.raises(ScalingError, match=r"input batch held inf or NaN .*above 65504.*cast into the half model.*`Normalize`.*bf16"):
+        learn.fit(1)
+    assert [r.reason for r in learn.mixed_precision.history] == ['nonfinite_input'] * 3 and learn.mixed_precision.loss_scale == 2.**8
+    learn = Learner(dls, mlp(), loss_func=nn.MSELoss(), opt_func=SGD, lr=1e-6).to_bf16()
+    learn.fit(1)
+    assert all(r.reason is None for r in learn.mixed_precision.history) and torch.isfinite(torch.tensor(learn.recorder.values[-1])).all()
+
 def test_inf_loss_on_fp16_optimizer_and_amp_keeps_the_scale():
     model = mlp(bn=False) if False else nn.Linear(4, 1).half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_scale=True, verbose=False)
