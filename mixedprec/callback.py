@@ -144,9 +144,12 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
             self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True)
             if not self.conversion.masters and not self.conversion.buffers:     # nothing to cast: the cast hooks go, and the callback does nothing
                 self.conversion.undo()
-                warn_once(f"nothing in the model is converted (every module with params is of a type kept in fp32: "
-                          f"{', '.join(t.__name__ for t in self.keep_fp32)}), so mixed precision changes nothing and fastai's optimizer "
-                          f"steps the fp32 params itself: train in fp32, or keep fewer module types in fp32")
+                floats = any(p.is_floating_point() for p in self.learn.model.parameters())
+                why = (f"every module with params is of a type kept in fp32: {', '.join(t.__name__ for t in self.keep_fp32)}" if floats else
+                       "it has no float params or buffers")
+                warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and fastai's optimizer "
+                          f"steps the model's params itself" + (": train in fp32, or keep fewer module types in fp32" if floats else ""),
+                          ('nothing converted', id(self)))
             p = next(iter(self.conversion.masters), None)
             convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
             note = speed_note(self.dtype, p.device, convs=convs) if p is not None else None

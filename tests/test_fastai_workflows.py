@@ -220,7 +220,9 @@ def test_model_without_float_params_warns():
     class Ids(nn.Module):
         def __init__(self): super().__init__(); self.register_buffer('table', torch.arange(3))
         def forward(self, x): return x
-    with pytest.warns(UserWarning, match='no fp32 params'): synth_learner(model=nn.Sequential(Ids(), nn.Flatten())).to_fp16()
+    with pytest.warns(UserWarning, match='nothing in the model is converted .it has no float params or buffers., so mixed precision changes nothing'):
+        learn = synth_learner(model=nn.Sequential(Ids(), nn.Flatten())).to_fp16()
+    assert not learn.model._forward_pre_hooks and learn.model[0].table.dtype == torch.int64      # no cast hooks left, the ids untouched
 
 def test_tta_on_a_tiny_image_learner():
     from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, PILImage, RandomSplitter, Flip

@@ -44,10 +44,10 @@ def builds(cache):
 def good_build():
     "The default cache's build for this machine (built once if missing): its key folder"
     ext = ops.build_extension()
-    so = ext.__file__ if os.path.exists(ext.__file__) else None
-    found = [b for b in builds(ops.default_cache()) if os.path.basename(b[1]).startswith(ext.__name__)]
-    assert found, "no complete build in the default cache"
-    return max(found, key=lambda b: os.path.getmtime(b[1]))[0]
+    mapped = {l.split()[-1] for l in open('/proc/self/maps') if l.rstrip().endswith(f'{ext.__name__}.so')}   # the one loaded (through a descriptor)
+    found = [root for root, so in builds(ops.default_cache()) if so in mapped]    # not the newest: other sources' builds may be newer
+    assert len(found) == 1, (found, mapped)
+    return found[0]
 
 def copy_build(good_build, cache):
     "A copy of a good build under `cache`, at the place this machine's build belongs; its library"
