@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'ModelConversion', 'CastIO', 'DtypeHint', 'masters_for',
-           'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model', 'speed_note']
+           'TakeMasterEdits', 'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model', 'fp32_copy',
+           'speed_note']
 
 # %% ../nbs/12_convert.ipynb #1944725e
 import copy, dataclasses, sys
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import bf16_master, master_value, set_master_, store_master_, mark_written, take_model_edits, check_master_value
+from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written, take_model_edits, take_master_edits,
+                     check_master_value)
 
 # %% ../nbs/12_convert.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -91,8 +93,14 @@ class ModelConversion:
                 moved = True
         return moved
 
+    def take_edits(self):
+        "Take what was changed in place since mixedprec last wrote the model: an edited param becomes its master's value, an edited master (fp32) its param's"
+        take_model_edits(self.masters.items())
+        take_master_edits(self.masters.items())
+
     def __getstate__(self) -> dict:
-        "Pickle (`copy.deepcopy`, fastai's `export`) with the masters kept in bf16 params as fp32 values and where they lived"
+        "Pickle (`copy.deepcopy`, fastai's `export`) with the masters kept in bf16 params as fp32 values and where they lived, edits taken first"
+        self.take_edits()                            # the copy starts from what the model and its masters say now
         state = dict(self.__dict__)
         stores = {i: bm.kind for i, m in enumerate(self.masters.values()) if (bm := bf16_master(m)) is not None}
         if stores:
@@ -102,11 +110,12 @@ class ModelConversion:
         return state
 
     def __setstate__(self, state:dict):
-        "Unpickle, keeping bf16 masters where they lived"
+        "Unpickle, keeping bf16 masters where they lived; the copy's params hold what its masters say, so a change to either after this is seen (an EMA copy averaged in place saves its average)"
         stores = state.pop('_stores', {})
         self.__dict__.update(state)
         for i, (p, m) in enumerate(self.masters.items()):
             if i in stores: store_master_(p, m, stores[i])
+            mark_written(p, m)
 
 # %% ../nbs/12_convert.ipynb #1ece372d
 _NATIVE_MIXED = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -159,6 +168,13 @@ class DtypeHint:
             return
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
         e._mixedprec_hint = True
+        conversion = getattr(self.model if self.model is not None else module, '_mixedprec_conversion', None)
+        back = [p for p in (conversion.masters if conversion is not None else ()) if p.dtype != self.dtype]
+        if back:
+            e.add_note(f"mixedprec: this model was converted to {name}, and its weights are {back[0].dtype} again (`.float()` or `.to(torch.float32)` "
+                       f"after the conversion?), while mixedprec still casts its inputs to {name}. For an fp32 model with the fp32 masters' values, "
+                       f"use `mixedprec.convert.fp32_copy(model)` (a copy, without mixedprec's hooks), or with fastai `learn.to_fp32()`.")
+            return
         if self.model is not None and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) and not _running(self.model):
             e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was called by itself with float32 "
                        f"inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs of the model it converted only. "
@@ -173,6 +189,13 @@ def masters_for(params) -> dict:
     "fp32 masters for the half params among `params` (for models that were made half before we saw them)"
     return {p: nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) for p in params if p.dtype in HALF_DTYPES}
 
+
+class TakeMasterEdits:
+    "Forward pre-hook on a converted model: a master changed in place since mixedprec last wrote its param (a write into the values of `model.state_dict()`, as timm's EMA and weight-averaging code do) is rounded into its param first"
+    def __init__(self, conversion): self.conversion = conversion
+    def __call__(self, module, args):
+        if torch.compiler.is_compiling(): return     # traced code does not read version counters: a compiled model takes such edits at its next step
+        take_master_edits(self.conversion.masters.items())
 
 class SaveMasters:
     "`state_dict` hook: the fp32 master of each half param in place of its rounded value"
@@ -208,7 +231,7 @@ class LoadMasters:
 
     def loaded(self, module, incompatible_keys):
         "`load_state_dict` post-hook: torch has copied the rounded values into the half params, whose masters hold the exact ones: not an edit to take"
-        for p in self.conversion.masters: mark_written(p)
+        for p, m in self.conversion.masters.items(): mark_written(p, m)
 
 def _state_keys(module, prefix:str='') -> set:
     "The keys `module.state_dict()` would hold, under `prefix`, without making it (persistent buffers, extra state; shared modules under each name)"
@@ -278,13 +301,25 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
     if masters:
         load = LoadMasters(res)
         res.hooks += [model.register_state_dict_post_hook(SaveMasters(res)), model.register_load_state_dict_pre_hook(load),
-                      model.register_load_state_dict_post_hook(load.loaded)]
-        for p in res.masters: mark_written(p)
+                      model.register_load_state_dict_post_hook(load.loaded), model.register_forward_pre_hook(TakeMasterEdits(res))]
+        for p, m in res.masters.items(): mark_written(p, m)
     if cast_io:
         res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(model)
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))
         res.hooks += [child.register_forward_hook(DtypeHint(dtype, model), always_call=True) for child in model.children()]
     model._mixedprec_conversion = res
+    return res
+
+def fp32_copy(model:nn.Module) -> nn.Module:
+    "A copy of converted `model` in fp32: its weights the fp32 masters' values, its buffers fp32, without mixedprec's hooks (for an fp32 EMA, an export, inference where half is slow); `model` is left as it is"
+    conversion = getattr(model, '_mixedprec_conversion', None)
+    if conversion is None: raise ValueError(f"fp32_copy takes a model mixedprec converted, and this {type(model).__name__} is not one: `copy.deepcopy(model)` copies it")
+    if any(remote_master(m) is not None for m in conversion.masters.values()):
+        raise ValueError("this rank holds only its shard of the fp32 masters (they are sharded across ranks), so a copy made here would have "
+                         "other ranks' weights rounded: make it inside a block where they are gathered, on every rank, for example "
+                         "`with learn.mixed_precision.consolidated(): ema = fp32_copy(learn.model)`")
+    res = copy.deepcopy(model)
+    res._mixedprec_conversion.undo()
     return res
 
 # %% ../nbs/12_convert.ipynb #c8677a50

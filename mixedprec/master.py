@@ -6,9 +6,9 @@
 __all__ = ['STORES', 'STATE_STORES', 'SCALES', 'clip_grads_', 'check_store', 'check_state_store', 'Bf16Master', 'bf16_master',
            'RemoteMaster', 'remote_master', 'master_value', 'set_master_', 'load_master_', 'CheckpointError',
            'check_master_value', 'is_codes', 'is_scales', 'check_param_state', 'check_state_value', 'mark_written',
-           'edited', 'take_model_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as',
-           'flat_like', 'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket',
-           'MasterParams']
+           'edited', 'take_model_edits', 'master_edited', 'take_master_edits', 'store_master_', 'split_flat_state',
+           'fp32_state', 'keep_state_as', 'flat_like', 'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket',
+           'Bf16Bucket', 'RemoteBucket', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -110,7 +110,7 @@ def load_master_(p:torch.Tensor, m:torch.Tensor, v:torch.Tensor):
     set_master_(m, v)
     if bf16_master(m) is None:
         with torch.no_grad(): p.copy_(v.reshape(p.shape))
-    mark_written(p)
+    mark_written(p, m)
 
 class CheckpointError(ValueError):
     "A checkpoint (or state dict) that does not fit: raised before anything is changed"
@@ -154,9 +154,9 @@ def check_state_value(v, p:torch.Tensor, key:str, name:str, what:str):
     if v.is_floating_point() and not bool(torch.isfinite(v).all()):
         _refuse(what, f"the optimizer state {key!r} of {name} holds inf or NaN: it was saved after training diverged, or the file is damaged")
 
-def mark_written(p:torch.Tensor):
-    "Note that mixedprec has just written half param `p` (torch's version counter, and which tensor: a copy of `p` starts afresh)"
-    p._mixedprec_written = (id(p), p._version)
+def mark_written(p:torch.Tensor, m:torch.Tensor=None):
+    "Note that mixedprec has just written half param `p`, from its master `m` when given (torch's version counters, and which tensor: a copy of `p` starts afresh)"
+    p._mixedprec_written = (id(p), p._version, None if m is None else m._version)
 
 def edited(p:torch.Tensor) -> bool:
     "True when half param `p` was changed in place since mixedprec last wrote it: a clamp, a re-init, `load_state_dict` (an edit through `.data` bypasses torch's version counter and is not seen)"
@@ -169,7 +169,23 @@ def take_model_edits(pairs) -> list:
     for p, m in pairs:
         if not edited(p): continue
         if remote_master(m) is None: set_master_(m, p.detach().float())
-        mark_written(p)
+        mark_written(p, m)
+        taken.append(p)
+    return taken
+
+def master_edited(p:torch.Tensor, m:torch.Tensor) -> bool:
+    "True when the fp32 master `m` of half param `p` was changed in place since mixedprec last wrote `p` from it, and `p` was not: a write into the values of `model.state_dict()`, which are the masters (as EMA and weight-averaging code does)"
+    w = getattr(p, '_mixedprec_written', None)
+    if w is None or w[2] is None or w[2] == m._version or w[0] != id(p) or w[1] != p._version: return False
+    return bf16_master(m) is None and remote_master(m) is None     # a bf16 master's value is made anew for each `state_dict`; another rank's is not here
+
+def take_master_edits(pairs) -> list:
+    "For each (half param, master) in `pairs` whose master was changed in place since mixedprec wrote the param, and the param was not, round the master into the param; returns those params"
+    taken = []
+    for p, m in pairs:
+        if not master_edited(p, m): continue
+        with torch.no_grad(): p.copy_(m.reshape(p.shape))
+        mark_written(p, m)
         taken.append(p)
     return taken
 
@@ -636,11 +652,11 @@ class MasterParams:
     def masters_to_model(self):
         "Copy the fp32 masters into the half model params (bf16 masters without an fp32 copy are the params already)"
         if self._copy_lists[0]: scale_check_(*self._copy_lists, 1., impl=self.impl)
-        for p in self._copy_lists[1]: mark_written(p)
+        for m, p in zip(*self._copy_lists): mark_written(p, m)
 
     def mark_written(self):
         "Note that every half param holds what mixedprec wrote (after a step, a load): an in-place change after this is the user's edit"
-        for p, _, _ in self.pairs: mark_written(p)
+        for p, m, _ in self.pairs: mark_written(p, m)
 
     def take_model_edits(self) -> list:
         "Make the masters of half params edited in place since mixedprec wrote them (a clamp, a re-init, `load_state_dict` into the model) the edited values; returns those params"

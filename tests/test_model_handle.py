@@ -492,3 +492,114 @@ def test_an_op_without_a_half_kernel_names_the_module_to_keep_in_fp32_and_that_f
     assert last < first and torch.isfinite(torch.tensor(last))
     w = learn.model[0].weight.float()                                     # the parametrization computed in fp32, on the half weight
     assert torch.allclose(w.T @ w, torch.eye(8), atol=1e-2)
+
+
+# ---------------------------------------------------------------- copies of the model: an EMA, an fp32 copy
+
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from mixedprec.convert import fp32_copy
+
+def _amp_run(dtype, **kw):
+    "A model and optimizer through amp O2, and a function that takes one step of a fixed batch sequence"
+    torch.manual_seed(0)
+    model, x = mlp(), torch.randn(16, 32, 8)
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level='O2', cast_model_type=dtype, verbosity=0, **kw)
+    def step(i):
+        with amp.scale_loss(model(x[i % 16]).float().pow(2).mean(), opt) as scaled: scaled.backward()
+        opt.step(); opt.zero_grad()
+    return model, step
+
+def _fastai_run(setup):
+    "A Learner set up by `setup`, and a function that fits it one epoch calling `after_step(i)` after each step"
+    learn = setup(synth_learner(opt_func=Adam, lr=1e-2))
+    def fit(after_step): learn.fit(1, cbs=Record(1, after_step=lambda l: after_step(l.train_iter)))
+    return learn.model, fit
+
+RUNS = {'amp O2 fp16': lambda: _amp_run(torch.float16), 'amp O2 bf16': lambda: _amp_run(torch.bfloat16),
+        'fastai fp16 flat': lambda: _fastai_run(lambda l: l.to_fp16(loss_scale=2.**8, flat_master=True)),
+        'fastai bf16 split': lambda: _fastai_run(lambda l: l.to_bf16(masters='split'))}
+
+def _steps(run, n, after_step):
+    "Train `run` for `n` steps (fastai: one epoch of 6), calling `after_step(i)` after each; returns the model"
+    model, go = run
+    if go.__name__ == 'fit': go(after_step)
+    else:
+        for i in range(n): go(i); after_step(i)
+    return model
+
+def _fp32_values(model): return {k: v.detach().float().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("run", RUNS)
+def test_an_ema_copy_averaged_in_place_saves_and_computes_its_average(run, how):
+    "torch's `AveragedModel` (a deep copy, averaged in place in the params' dtype): its `state_dict()` is what it computes with, and follows an fp32 EMA of the masters; it saved the copy-time weights before"
+    model, go = r = RUNS[run]()
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    if how == "pickle": ema.module = pickle.loads(pickle.dumps(ema.module))
+    shadow = {}
+    def after_step(i):
+        ema.update_parameters(model)
+        for k, v in _fp32_values(model).items(): shadow[k] = v if k not in shadow else shadow[k].lerp_(v, 0.1)
+    _steps(r, 12, after_step)
+    saved, params = ema.module.state_dict(), dict(ema.module.named_parameters())
+    tol = 4e-2 if 'bf16' in run else 5e-3          # the average is rounded to the half dtype at each step
+    for k, p in params.items():
+        assert torch.equal(saved[k], p.detach().float()), k              # the checkpoint is what the copy computes with
+        torch.testing.assert_close(saved[k], shadow[k], rtol=tol, atol=tol)
+
+@pytest.mark.parametrize("run", [r for r in RUNS if 'split' not in r])
+def test_an_ema_written_into_a_copys_state_dict_is_fp32_and_computed_with(run):
+    "timm's `ModelEmaV2`/`V3` way: lerp the copy's `state_dict()` values toward the model's in place. Those values are the copy's fp32 masters, so the EMA is exactly an fp32 one, and the copy computes with its rounding (it computed with its copy-time weights before)"
+    model, go = r = RUNS[run]()
+    ema, shadow = copy.deepcopy(model), _fp32_values(model)
+    def after_step(i):
+        with torch.no_grad():
+            for (k, e), m in zip(ema.state_dict().items(), model.state_dict().values()):
+                if e.is_floating_point(): e.lerp_(m, 0.001); shadow[k].lerp_(m.float(), 0.001)
+                else: e.copy_(m)
+    _steps(r, 12, after_step)
+    x = torch.randn(4, 8)
+    fresh = mlp(); fresh.load_state_dict(shadow); fresh.eval(); ema.eval()
+    out = ema(x)
+    assert all(torch.equal(ema.state_dict()[k], v) for k, v in shadow.items())         # bit for bit an fp32 EMA with decay 0.999
+    for k, p in ema.named_parameters(): assert torch.equal(p, shadow[k].to(p.dtype)), k  # and the params are its rounding
+    torch.testing.assert_close(out, fresh(x), rtol=3e-2, atol=3e-2)
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_write_into_the_training_models_state_dict_reaches_the_next_forward_and_step(precision):
+    "In plain torch a `state_dict()` value shares the param's storage; here it is the param's master: an in-place write to it is the model's weight at once, as loading the same values is"
+    def half_learner():
+        learn = synth_learner(relu_bn_mlp(), opt_func=Adam, lr=1e-2)
+        return learn.to_fp16(loss_scale=2.**8) if precision == 'fp16' else learn.to_bf16()
+    written, loaded = half_learner(), half_learner()
+    for l in (written, loaded): l.fit(1)
+    with torch.no_grad(): written.model.state_dict()['0.weight'].mul_(0.5)
+    sd = loaded.model.state_dict(); sd['0.weight'] = sd['0.weight'] * 0.5; loaded.model.load_state_dict(sd)
+    x, w = torch.randn(2, 8), written.model[0].weight
+    for l in (written, loaded): l.model.eval(); l.model(x)
+    assert torch.equal(w, masters_of(written)[0].to(w.dtype))          # rounded into the param before the forward
+    for l in (written, loaded): l.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(weights(written), weights(loaded)))
+    assert all(torch.equal(a, b) for a, b in zip(masters_of(written), masters_of(loaded)))
+
+@pytest.mark.parametrize("run", RUNS)
+def test_fp32_copy_holds_the_masters_without_hooks_and_leaves_the_model_training(run):
+    model, go = r = RUNS[run]()
+    _steps(r, 4, lambda i: None)
+    masters = _fp32_values(model)
+    cp = fp32_copy(model)
+    assert all(v.dtype == torch.float32 for v in cp.state_dict().values() if v.is_floating_point())
+    assert all(torch.equal(cp.state_dict()[k], v) for k, v in masters.items())            # the masters, not the half weights
+    assert not hasattr(cp, '_mixedprec_conversion') and not any(m._forward_pre_hooks or m._forward_hooks for m in cp.modules())
+    cp.eval(); assert cp(torch.randn(2, 8)).dtype == torch.float32
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in masters.items())          # the model is as it was
+    assert any(p.dtype != torch.float32 for p in model.parameters())
+
+def test_fp32_copy_of_an_unconverted_model_says_what_it_takes():
+    with pytest.raises(ValueError, match="converted"): fp32_copy(mlp())
+
+def test_a_converted_model_cast_to_fp32_names_fp32_copy():
+    model, _ = _amp_run(torch.bfloat16)
+    twin = copy.deepcopy(model).float()
+    with pytest.raises(RuntimeError) as e: twin(torch.randn(2, 8))
+    assert "fp32_copy(model)" in "".join(getattr(e.value, '__notes__', []))
