@@ -278,7 +278,8 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
     if getattr(model, '_mixedprec_conversion', None) is not None:
         raise ValueError("this model is already converted to half precision by mixedprec: converting it again would build masters from its "
                          "rounded half weights. Undo the first conversion (`learn.to_fp32()`, or `.undo()` on what `convert_model` returned), "
-                         "or pass a fresh model (amp.initialize takes each model once)")
+                         "or pass a fresh model (amp.initialize takes each model once); for a copy of a converted model, pass "
+                         "`fp32_copy(model)` (mixedprec.convert), an fp32 copy with its masters' values")
     keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
     res, kept, seen = ModelConversion(model, dtype, keep), _kept_modules(model, keep), set()
     with torch.no_grad():

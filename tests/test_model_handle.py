@@ -603,3 +603,13 @@ def test_a_converted_model_cast_to_fp32_names_fp32_copy():
     twin = copy.deepcopy(model).float()
     with pytest.raises(RuntimeError) as e: twin(torch.randn(2, 8))
     assert "fp32_copy(model)" in "".join(getattr(e.value, '__notes__', []))
+
+def test_a_copy_of_a_converted_model_in_a_new_learner_is_refused_naming_fp32_copy_which_trains():
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_bf16()
+    learn.fit(1)
+    with pytest.raises(ValueError, match=r"fp32_copy\(model\)"): synth_learner(model=copy.deepcopy(learn.model)).to_bf16()
+    again = synth_learner(model=fp32_copy(learn.model), opt_func=Adam, lr=1e-2).to_bf16()
+    assert all(torch.equal(a, b) for a, b in zip(masters_of(again), masters_of(learn)))      # it starts from the masters, not their rounding
+    start = weights(again)
+    again.fit(1)
+    assert again.recorder.values[-1][0] < learn.recorder.values[0][0] and not all(torch.equal(a, b) for a, b in zip(start, weights(again)))
