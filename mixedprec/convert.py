@@ -175,6 +175,12 @@ class DtypeHint:
                        f"after the conversion?), while mixedprec still casts its inputs to {name}. For an fp32 model with the fp32 masters' values, "
                        f"use `mixedprec.convert.fp32_copy(model)` (a copy, without mixedprec's hooks), or with fastai `learn.to_fp32()`.")
             return
+        new = conversion.unconverted() if conversion is not None else []
+        if new:
+            e.add_note(f"mixedprec: this model was converted to {name}, and these fp32 params were added or replaced after that: "
+                       f"{', '.join(new[:5])}{' ...' if len(new) > 5 else ''}. Change the model before `amp.initialize`, or with fastai call "
+                       f"`learn.to_{name}()` again after the change, so they are converted and get masters.")
+            return
         if self.model is not None and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) and not _running(self.model):
             e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was called by itself with float32 "
                        f"inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs of the model it converted only. "
@@ -210,6 +216,10 @@ class LoadMasters:
     "`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into their fp32 masters"
     def __init__(self, conversion): self.conversion = conversion
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        if local_metadata.get('assign_to_params_buffers', False):       # (the root's hook runs before any param is loaded)
+            raise RuntimeError("load_state_dict(..., assign=True) would put the checkpoint's tensors in place of the model's half params: the "
+                               "optimizer would not hold them, and mixedprec would not cast them. Load without assign=True, which copies the "
+                               "values into the half params and their fp32 masters. Nothing was loaded")
         for m, v, key in self.check(module, state_dict, prefix, strict):
             set_master_(m, v)
             if (bm := bf16_master(m)) is not None: state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half

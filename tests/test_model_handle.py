@@ -613,3 +613,20 @@ def test_a_copy_of_a_converted_model_in_a_new_learner_is_refused_naming_fp32_cop
     start = weights(again)
     again.fit(1)
     assert again.recorder.values[-1][0] < learn.recorder.values[0][0] and not all(torch.equal(a, b) for a, b in zip(start, weights(again)))
+
+def test_load_state_dict_with_assign_is_refused_before_anything_changes():
+    "`assign=True` would swap in the checkpoint's fp32 tensors as new params, which the optimizer does not hold: refused, and the model trains on as its twin"
+    learn, twin = synth_learner(opt_func=Adam, lr=1e-2).to_bf16(), synth_learner(opt_func=Adam, lr=1e-2).to_bf16()
+    for l in (learn, twin): l.fit(1)
+    params, sd = list(learn.model.parameters()), {k: v * 2 for k, v in learn.model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="assign=True.*Nothing was loaded"): learn.model.load_state_dict(sd, assign=True)
+    assert all(a is b for a, b in zip(params, learn.model.parameters()))
+    for l in (learn, twin): l.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
+    assert all(torch.equal(a, b) for a, b in zip(masters_of(learn), masters_of(twin)))
+
+def test_a_layer_replaced_after_amp_initialize_is_named():
+    model, _ = _amp_run(torch.bfloat16)
+    model[3] = nn.Linear(16, 1)
+    with pytest.raises(RuntimeError) as e: model(torch.randn(2, 8))
+    assert "3.weight, 3.bias" in "".join(getattr(e.value, '__notes__', []))
