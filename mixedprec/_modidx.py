@@ -159,6 +159,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                        'mixedprec/convert.py'),
                                    'mixedprec.convert.ModelConversion.follow_devices': ( 'convert.html#modelconversion.follow_devices',
                                                                                          'mixedprec/convert.py'),
+                                   'mixedprec.convert.ModelConversion.take_data_edits': ( 'convert.html#modelconversion.take_data_edits',
+                                                                                          'mixedprec/convert.py'),
                                    'mixedprec.convert.ModelConversion.take_edits': ( 'convert.html#modelconversion.take_edits',
                                                                                      'mixedprec/convert.py'),
                                    'mixedprec.convert.ModelConversion.unconverted': ( 'convert.html#modelconversion.unconverted',

@@ -297,8 +297,13 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     on_train_begin, on_loss_begin, on_backward_begin, on_backward_end, on_step_end, on_train_end = before_fit, after_pred, before_backward, before_step, after_step, after_fit
 
     def _check_trainable(self):
-        "Once per fit, at the first backward: something trains, and the optimizer holds every param the model trains"
+        "Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, and a change made through `.data` since the last step is taken"
         self._checked = True
+        if (taken := self.conversion.take_data_edits()):
+            warn_once(f"the weights of {', '.join(map(str, taken[:5]))}{' ...' if len(taken) > 5 else ''} were changed through `.data` since the last step, "
+                      f"which torch's version counter does not show: they are taken as their masters at the start of this fit. A change through "
+                      f"`.data` during a fit is lost at the next step: change params in place under `torch.no_grad()` (`p.normal_()`, not "
+                      f"`p.data.normal_()`)", ('data edits', tuple(map(str, taken))))
         model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
         if not model_params: raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some (`learn.unfreeze()`), or use `get_preds` for inference")
         if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}

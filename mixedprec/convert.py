@@ -61,6 +61,20 @@ class ModelConversion:
 
     def __repr__(self): return f"ModelConversion({self.dtype}, {len(self.masters)} masters, keep_fp32={[t.__name__ for t in self.keep_fp32]})"
 
+    def take_data_edits(self) -> list:
+        "Names of half params whose values are not their fp32 master's rounding: changed through `.data`, which torch's version counter misses. Their values become their masters (a pass over the weights: the callback runs it once per fit)"
+        take_model_edits(self.masters.items())      # in-place edits first: the version counter shows them, and they are no news
+        names, taken = {p: n for n, p in self.model.named_parameters()}, []
+        with torch.no_grad():
+            for p, m in self.masters.items():
+                if bf16_master(m) is not None or remote_master(m) is not None or m.device != p.device: continue   # (a bf16 master's param is part of it)
+                rounded = m.to(p.dtype)
+                if torch.equal(p, rounded) or bool(((p == rounded) | (p.isnan() & rounded.isnan())).all()): continue
+                set_master_(m, p.detach().float())
+                mark_written(p, m)
+                taken.append(names.get(p, tuple(p.shape)))
+        return taken
+
     def unconverted(self) -> list:
         "Names of fp32 params that should be half but have no master: the model changed after conversion"
         kept = _kept_modules(self.model, self.keep_fp32)

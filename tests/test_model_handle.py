@@ -55,6 +55,7 @@ ACTIONS = {
     'clamp before each batch': lambda l: l.fit(2, cbs=Record(-1, before_batch=lambda l: _clamp(l) if l.training else None)),
     're-init between fits':    lambda l: (l.fit(1), _reinit(l), l.fit(1)),
     'load_state_dict mid-fit': lambda l: (l.fit(1), l.model.load_state_dict(relu_bn_mlp(7).state_dict()), l.fit(1)),
+    're-init through .data between fits': lambda l: (l.fit(1), l.model[3].weight.data.fill_(0.25), l.fit(1)),
 }
 
 def _reinit(learn):
@@ -630,3 +631,13 @@ def test_a_layer_replaced_after_amp_initialize_is_named():
     model[3] = nn.Linear(16, 1)
     with pytest.raises(RuntimeError) as e: model(torch.randn(2, 8))
     assert "3.weight, 3.bias" in "".join(getattr(e.value, '__notes__', []))
+
+def test_a_change_through_data_between_fits_is_taken_and_named():
+    "torch's version counter misses `p.data.zero_()`: the first backward of the next fit compares the weights with their masters' rounding, takes the change and says so"
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
+    learn.fit(1)
+    learn.model[0].bias.data.zero_()
+    with torch.no_grad(): learn.model[3].weight.mul_(0.5)            # in place: seen by the version counter, taken without a word
+    with pytest.warns(UserWarning, match=r"the weights of 0\.bias were changed through `\.data`") as record: learn.fit(1, lr=0.)
+    assert not any('3.weight' in str(w.message) for w in record)
+    assert torch.equal(masters_of(learn)[1], torch.zeros(16)) and not learn.model[0].bias.any()
