@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['OPT_LEVELS', 'NO_FLOOR', 'resolve_opt_level', 'AmpState', 'AmpOptimizer', 'AutocastForward', 'initialize',
-           'scale_loss', 'master_params', 'clip_grad_norm_', 'skipped', 'history', 'state_dict', 'load_state_dict']
+           'scale_loss', 'master_params', 'clip_grad_norm_', 'skipped', 'history', 'loss_scale', 'state_dict',
+           'load_state_dict']
 
 # %% ../nbs/17_amp.ipynb #a09547f5
 import contextlib, types, weakref
@@ -249,12 +250,20 @@ def skipped(optimizer) -> bool:
     "True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was decided on the device)"
     return _engines_of(optimizer)[0].last_skipped()
 
-def history(loss_id:int=0):
-    "The `StepRecord`s of the scaler of `loss_id` (its books catch up first)"
-    if _state is None: raise RuntimeError("call amp.initialize before amp.history")
+def _drained(loss_id:int, what:str) -> LossScaler:
+    "The scaler of `loss_id`, its books caught up (a host read on a GPU)"
+    if _state is None: raise RuntimeError(f"call amp.initialize before amp.{what}")
     sc = _state.scaler(loss_id)
     sc.drain()
-    return sc.history
+    return sc
+
+def history(loss_id:int=0):
+    "The `StepRecord`s of the scaler of `loss_id` (its books catch up first)"
+    return _drained(loss_id, 'history').history
+
+def loss_scale(loss_id:int=0) -> float:
+    "The current scale of the scaler of `loss_id`. For a penalty on the grads: `torch.autograd.grad(loss * amp.loss_scale(), params, create_graph=True)`, each grad divided by it, as with torch's `GradScaler`"
+    return _drained(loss_id, 'loss_scale').scale
 
 def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 masters of every optimizer"

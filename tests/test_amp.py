@@ -203,3 +203,37 @@ def test_o1_autocast_on_cpu_in_bf16():
     model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype='bf16', verbosity=0)
     train(model, opt, batches(2))
     assert model[0].weight.dtype == torch.float32 and amp._state.scalers[0].scale == 1.
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_penalty_on_the_grads_through_loss_scale_trains_as_in_fp32(dtype):
+    "torch's gradient-penalty recipe: grads of the scaled loss with `create_graph`, unscaled by `amp.loss_scale()`, their norm added to the loss. The loss is small enough (1e-6 of an MSE) that fp16's unscaled grads would flush to zero"
+    def run(mixed):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=5e4)
+        if mixed: model, opt = amp.initialize(model, opt, opt_level='O2', cast_model_type=dtype, loss_scale=2.**10, verbosity=0)
+        g, norms = torch.Generator().manual_seed(1), []
+        for step in range(20):
+            x = torch.randn(32, 8, generator=g); y = x[:, :1] * 1e-2
+            loss = nn.functional.mse_loss(model(x).float(), y) * 1e-6
+            scale = amp.loss_scale() if mixed else 1.
+            grads = torch.autograd.grad(loss * scale, list(model.parameters()), create_graph=True)
+            norm = torch.sqrt(sum((g.float() / scale).pow(2).sum() for g in grads))
+            norms.append(norm.item())
+            if mixed:
+                with amp.scale_loss(loss + 0.1 * norm, opt) as scaled: scaled.backward()
+            else: (loss + 0.1 * norm).backward()
+            opt.step(); opt.zero_grad()
+        return [p.detach().float() for p in model.parameters()], norms
+    (ref, ref_norms), (half, norms) = run(False), run(True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=tol, atol=0)
+    for a, b in zip(half, ref): torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+def test_loss_scale_before_initialize_says_what_to_call():
+    from mixedprec import amp as fresh
+    saved, fresh._state = fresh._state, None
+    try:
+        with pytest.raises(RuntimeError, match="amp.initialize before amp.loss_scale"): fresh.loss_scale()
+    finally: fresh._state = saved
