@@ -155,6 +155,7 @@ def _running(model) -> bool:
     return False
 
 _NO_HALF_KERNEL = ("not implemented for 'Half'", "not implemented for 'BFloat16'")
+_CONSTANT_OVERFLOW = ('cannot be converted to type c10::Half without overflow', 'cannot be converted to type c10::BFloat16 without overflow')
 
 def _innermost_module(tb):
     "The innermost module whose call a traceback passes through (where an error was raised), or None"
@@ -179,6 +180,14 @@ class DtypeHint:
             e.add_note(f"mixedprec: torch has no {name} kernel for this op on this device, and the model runs in {name}. Keep the module "
                        f"that calls it in fp32, with its inputs and outputs cast: with fastai, `learn.to_{name}(keep_fp32={kind})` (or a tuple "
                        f"of types, `keep_fp32=({kind}, ...)`); with amp, opt_level 'O1', whose weights stay fp32.")
+            return
+        if any(s in str(e) for s in _CONSTANT_OVERFLOW):   # `masked_fill(mask, -1e9)` on fp16 scores, `finfo(torch.float32).min` on any half
+            e._mixedprec_hint = True
+            kind = type(_innermost_module(e.__traceback__) or module).__name__
+            e.add_note(f"mixedprec: the model runs in {name}, and a constant in the `forward` of {kind} is beyond {name}'s range (its largest "
+                       f"is {torch.finfo(self.dtype).max:.6g}): a mask filled with -1e9 or `torch.finfo(torch.float32).min`, say. Take it from the tensor's own dtype, "
+                       f"`x.masked_fill(mask, torch.finfo(x.dtype).min)` (an additive `-1e9` mask becomes -inf in fp16, and a softmax over a "
+                       f"row of -inf is NaN), or keep {kind} in fp32 (`keep_fp32={kind}`).")
             return
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
         e._mixedprec_hint = True

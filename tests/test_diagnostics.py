@@ -169,3 +169,41 @@ def test_tied_weights_and_params_already_half():
     learn.fit(1)
     assert learn.model.out.weight is learn.model.emb.weight and len(learn.opt.param_lists[0]) == 1
     assert torch.equal(learn.model.emb.weight.detach(), learn.opt.param_lists[0][0].detach().half())
+
+
+# ---------------------------------------------------------------- constants beyond the half range (attention masks)
+
+class MaskedAttention(nn.Module):
+    "Self-attention over token embeddings, its padding masked with `fill` (a number, or 'dtype' for the scores' own most negative value)"
+    def __init__(self, fill):
+        super().__init__(); self.fill = fill
+        self.emb, self.q, self.k, self.out = nn.Embedding(20, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+    def forward(self, toks):
+        h, pad = self.emb(toks), (toks == 0)[:, None, :]
+        s = self.q(h) @ self.k(h).transpose(1, 2) / 4
+        s = s.masked_fill(pad, torch.finfo(s.dtype).min if self.fill == 'dtype' else self.fill)
+        return self.out((s.softmax(-1) @ h).mean(1))
+
+def attention_learner(fill):
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(1, 20, (256, 8), generator=g); toks[::8] = 0                 # every 8th sequence is all padding
+    y = (toks == 3).float().sum(1, keepdim=True)
+    dls = DataLoaders(DataLoader(TensorDataset(toks[:192], y[:192]), bs=32), DataLoader(TensorDataset(toks[192:], y[192:]), bs=32))
+    torch.manual_seed(0)
+    learn = Learner(dls, MaskedAttention(fill), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2)
+    learn.logger = lambda *a, **k: None
+    return learn
+
+@pytest.mark.parametrize("precision,fill", [("fp16", -1e9), ("bf16", torch.finfo(torch.float32).min)])
+def test_a_mask_constant_beyond_the_half_range_names_the_module_and_the_fix(precision, fill):
+    learn = getattr(attention_learner(fill), f"to_{precision}")()
+    with pytest.raises(RuntimeError, match="without overflow") as e: learn.fit(1)
+    note = "".join(getattr(e.value, '__notes__', []))
+    assert "MaskedAttention" in note and "torch.finfo(x.dtype).min" in note
+
+def test_a_mask_filled_from_the_scores_dtype_trains_in_fp16_as_in_fp32():
+    "A fully masked row stays finite (a uniform softmax, as in fp32), and the run ends where fp32's does"
+    ref, half = attention_learner('dtype'), attention_learner('dtype').to_fp16()
+    for l in (ref, half): l.fit(2)
+    assert half.mixed_precision.scaler.n_skipped < 10 and all(r.reason in (None, 'overflow') for r in half.mixed_precision.history)
+    assert abs(half.recorder.values[-1][1] - ref.recorder.values[-1][1]) < 0.02 * ref.recorder.values[-1][1]
