@@ -25,7 +25,7 @@ from fastai.callback.training import GradientClip
 from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
-from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters
+from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters, watch_overflow
 from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_param_state, bf16_master
 from .engine import StepEngine, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
@@ -262,7 +262,8 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "Unscale into the master grads (check, clip, update the scale), let the later callbacks see them, then step or skip in the engine, which cancels fastai's own step"
         xb, e = self.learn.xb, self.engine
         if e is None: return                         # nothing was converted: nothing to unscale
-        e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max))   # read on a bad loss only
+        e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
+                  forward_overflow=lambda: self._forward_overflow(xb))                  # run when training stops
         if not e.on_device and e.must_skip():        # a skip decided on the host: cancelled here, as fastai's own MixedPrecision does (later callbacks do not run)
             e.discard()
             raise CancelStepException()
@@ -295,6 +296,19 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
 
     # fastai v1's hook names, for readers of the seed
     on_train_begin, on_loss_begin, on_backward_begin, on_backward_end, on_step_end, on_train_end = before_fit, after_pred, before_backward, before_step, after_step, after_fit
+
+    def _forward_overflow(self, xb) -> str:
+        "This batch's forward pass run again under `watch_overflow` (the buffers put back after): a sentence on the first op that overflowed, or ''"
+        model, watch = self.learn.model, None
+        kept = [(b, b.detach().clone()) for b in model.buffers()]
+        try:
+            with torch.no_grad(), watch_overflow(model) as watch: model(*xb)
+        except Exception: return ''                     # the diagnosis must not hide the error it explains
+        finally:
+            with torch.no_grad():
+                for b, v in kept: b.copy_(v)
+        if watch is None or watch.first is None: return ''
+        return f"This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at {watch.first}. {watch.first.advice()}."
 
     def _check_trainable(self):
         "Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, and a change made through `.data` since the last step is taken"

@@ -5,14 +5,16 @@
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'ModelConversion', 'CastIO', 'DtypeHint', 'masters_for',
            'TakeMasterEdits', 'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model', 'fp32_copy',
-           'speed_note']
+           'Overflow', 'watch_overflow', 'speed_note']
 
 # %% ../nbs/12_convert.ipynb #1944725e
-import copy, dataclasses, sys
+import contextlib, copy, dataclasses, sys
 from collections.abc import Mapping
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
 from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written, take_model_edits, take_master_edits,
@@ -355,6 +357,53 @@ def fp32_copy(model:nn.Module) -> nn.Module:
     res = copy.deepcopy(model)
     res._mixedprec_conversion.undo()
     return res
+
+# %% ../nbs/12_convert.ipynb #cv0watch2
+@dataclasses.dataclass
+class Overflow:
+    "The first op in a forward pass whose result held inf or NaN while its floating inputs were finite, and the module that ran it"
+    op:str; module:str; kind:str; dtype:torch.dtype; input_absmax:float; result:str
+    def __str__(self):
+        where = f"`{self.module}` ({self.kind})" if self.module else f"the model ({self.kind})"
+        return (f"{self.op} in {where}: {self.result} from finite {str(self.dtype).replace('torch.', '')} inputs "
+                f"(largest magnitude {self.input_absmax:.4g})")
+    def advice(self) -> str:
+        "What to do about it"
+        return (f"Compute that op in fp32 (`.float()` before it), take constants from the tensor's dtype (`torch.finfo(x.dtype).min`), "
+                f"keep {self.kind} in fp32 (`keep_fp32={self.kind}`), or train in bf16")
+
+def _float_tensors(tree) -> list: return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+class _OverflowWatch(TorchDispatchMode):
+    "Check every op's floating results, while a module of the watched model runs its forward, until one is not finite from finite inputs"
+    def __init__(self, running:list, raise_at_first:bool):
+        super().__init__(); self.running, self.raise_at_first, self.first = running, raise_at_first, None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.first is not None or not self.running: return out          # (torch runs this with the mode off: these checks are not watched)
+        bad = [t for t in _float_tensors(out) if not bool(torch.isfinite(t).all())]
+        if not bad: return out
+        inputs = _float_tensors((args, kwargs))
+        if not all(bool(torch.isfinite(t).all()) for t in inputs): return out    # it passed on what an earlier op made
+        name, module = self.running[-1]
+        self.first = Overflow(func.overloadpacket.__name__, name, type(module).__name__, bad[0].dtype,
+                              max((float(t.detach().abs().max()) for t in inputs), default=0.), 'NaN' if bool(bad[0].isnan().any()) else 'inf')
+        if self.raise_at_first: raise FloatingPointError(f"mixedprec: {self.first}. {self.first.advice()}.")
+        return out
+
+@contextlib.contextmanager
+def watch_overflow(model:nn.Module, raise_at_first:bool=False):
+    "A block in which `model`'s forward is watched op by op: `.first` is the first op whose result held inf or NaN from finite inputs (an `Overflow`), or None; `raise_at_first` raises there, inside `forward`. A debugging tool: each op's result is read on the host"
+    running, hooks = [], []
+    for name, m in model.named_modules():
+        def enter(mod, args, name=name): running.append((name, mod))
+        def leave(mod, args, out): running.pop()
+        hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave, always_call=True)]
+    watch = _OverflowWatch(running, raise_at_first)
+    try:
+        with watch: yield watch
+    finally:
+        for h in hooks: h.remove()
 
 # %% ../nbs/12_convert.ipynb #c8677a50
 def speed_note(dtype, device, convs:bool=True) -> str:

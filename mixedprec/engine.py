@@ -408,9 +408,9 @@ class StepEngine:
         "`loss.float()` times the loss scale, a tensor (nothing is read on the host); notes whether `loss` is finite unless `check=False`"
         return scale_into([self], loss, self.scaler, check)
 
-    def unscale(self, input_finite=True) -> torch.Tensor:
+    def unscale(self, input_finite=True, forward_overflow=None) -> torch.Tensor:
         "Unscale into the masters, check, clip, agree and advance the scaler: the decision (a 0-dim bool tensor, True: skip), kept until `step`"
-        return unscale_into([self], self.scaler, self.clip, input_finite)
+        return unscale_into([self], self.scaler, self.clip, input_finite, forward_overflow)
 
     def must_skip(self) -> bool:
         "The pending decision, read on the host: True if the step will be skipped. The one place a host read decides a step"
@@ -676,8 +676,8 @@ def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=Tr
     scale = scaler.tensors(engines[0].device if engines else loss.device)[0]
     return loss.float() * (scale if scale.device == loss.device else scale.to(loss.device))
 
-def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=True) -> torch.Tensor:
-    "Unscale the model grads into the masters of `engines`, check them and the losses, clip, agree across ranks and advance `scaler`: one decision, kept by each engine"
+def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=True, forward_overflow=None) -> torch.Tensor:
+    "Unscale the model grads into the masters of `engines`, check them and the losses, clip, agree across ranks and advance `scaler`: one decision, kept by each engine (`forward_overflow`: a sentence on where this batch's forward overflowed, asked for only when training stops)"
     for s in {scaler, *(s for e in engines for s in e.scalers)}: s.drain()
     device = engines[0].device
     inv = scaler.tensors(device)[1]
@@ -706,7 +706,7 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     grads = [e.masters.unscaled_grads() for e in engines]                           # kept until the books name the overflowed params
     for e in engines: e.masters.zero_model_grads()
     name = lambda: [n for e, g in zip(engines, grads) for n in e.masters.nonfinite_grads(grads=g)]
-    skip = scaler.advance(code, norm, name, input_finite, diagnose=lambda: _nonfinite_weights(engines))
+    skip = scaler.advance(code, norm, name, input_finite, diagnose=lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else ''))
     for e in engines:
         e.found, e._skip = (skip if e.found is None else e.found | skip), None
     return skip

@@ -186,7 +186,8 @@ class LossScaler:
             return (f"the loss was inf or NaN before backward for {self.bad_losses} consecutive steps. The forward pass or the data "
                     f"produced it, so a smaller loss scale cannot fix it: check the inputs for NaN/inf, and look for activations "
                     f"and constants beyond fp16's range (65504): an additive -1e9 mask is -inf in fp16, and a softmax over a fully "
-                    f"masked row NaN, so fill masks with `torch.finfo(x.dtype).min`. bf16 has fp32's range." + self._advice())
+                    f"masked row NaN, so fill masks with `torch.finfo(x.dtype).min`. bf16 has fp32's range. One forward pass inside "
+                    f"`mixedprec.convert.watch_overflow(model)` finds the op that overflowed first." + self._advice())
         if self.overflows_at_min >= self.max_overflow_at_min:
             return (f"gradients overflowed for {self.overflows_at_min} consecutive steps at the minimum loss scale {self.min_scale:g}. "
                     f"Scaling cannot help: train in bf16, keep the offending modules in fp32, or lower the learning rate." + self._advice())

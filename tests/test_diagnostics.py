@@ -207,3 +207,60 @@ def test_a_mask_filled_from_the_scores_dtype_trains_in_fp16_as_in_fp32():
     for l in (ref, half): l.fit(2)
     assert half.mixed_precision.scaler.n_skipped < 10 and all(r.reason in (None, 'overflow') for r in half.mixed_precision.history)
     assert abs(half.recorder.values[-1][1] - ref.recorder.values[-1][1]) < 0.02 * ref.recorder.values[-1][1]
+
+
+# ---------------------------------------------------------------- which op overflowed: watch_overflow, and the callback's own use of it
+
+from mixedprec.convert import watch_overflow, convert_model
+
+class NaiveRMSNorm(nn.Module):
+    "Squares its input in the input's dtype: activations of a few hundred overflow fp16"
+    def __init__(self, d): super().__init__(); self.weight = nn.Parameter(torch.ones(d))
+    def forward(self, x): return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+def rms_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), NaiveRMSNorm(8), nn.Linear(8, 1))
+
+@pytest.mark.parametrize("dtype", [None, torch.float16, torch.bfloat16])
+def test_watch_overflow_names_the_first_op_its_module_and_its_inputs(dtype):
+    model, x = rms_model(), torch.randn(16, 8) * 300
+    ref = model(x)
+    if dtype is not None: convert_model(model, dtype, cast_io=True)
+    with watch_overflow(model) as watch: out = model(x)
+    if dtype != torch.float16:
+        assert watch.first is None; return                       # fp32 and bf16 hold the squares
+    assert (watch.first.op, watch.first.module, watch.first.kind, watch.first.dtype, watch.first.result) == ('pow', '1', 'NaiveRMSNorm', torch.float16, 'inf')
+    assert 300 < watch.first.input_absmax < 65504 and torch.isfinite(out).all() and not torch.allclose(out, ref, atol=0.05)   # silently wrong
+
+def test_watch_overflow_reports_where_it_began_not_what_it_reached():
+    "The ops after the first take inf and pass it on: they are not the news"
+    class Chain(nn.Module):
+        def forward(self, x): return (torch.exp(x * 20) * 2).sum() + 1
+    model, x = Chain(), torch.ones(4, dtype=torch.float16)
+    with watch_overflow(model) as watch: model(x)
+    assert watch.first.op == 'exp' and watch.first.module == '' and "the model (Chain)" in str(watch.first)
+
+def test_watch_overflow_raises_inside_forward_and_leaves_no_trace():
+    model, x = rms_model().half(), (torch.randn(4, 8) * 300).half()
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    with pytest.raises(FloatingPointError, match=r"pow in `1` \(NaiveRMSNorm\).*keep_fp32=NaiveRMSNorm") as e:
+        with watch_overflow(model, raise_at_first=True): model(x)
+    assert any(f.name == 'forward' and 'test_diagnostics' in f.filename for f in __import__('traceback').extract_tb(e.value.__traceback__))
+    assert hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    with watch_overflow(model) as watch:
+        y = torch.full((2,), 1e4, dtype=torch.float16) * 10            # outside the model's forward: not watched
+        model(x[:, :0].new_zeros(4, 8)).sum().backward()               # nor its backward
+    assert watch.first is None
+
+def test_a_fastai_run_stopped_by_non_finite_losses_names_the_op_and_keeps_its_buffers():
+    class Exp(nn.Module):
+        def __init__(self): super().__init__(); self.lin, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)
+        def forward(self, x): return self.out(torch.exp(self.bn(self.lin(x)) * 8))
+    learn = synth_learner(model=Exp()).to_fp16(max_bad_loss=3)
+    with pytest.raises(ScalingError, match=r"overflowed first at exp in the model \(Exp\): inf from finite float16 inputs.*keep_fp32=Exp"): learn.fit(1)
+    mp, xb = learn.mixed_precision, (torch.randn(32, 8),)
+    learn.model.train()                                                               # as in a training step: batchnorm updates its statistics
+    stats = [b.clone() for b in learn.model.buffers()]
+    assert "exp in the model (Exp)" in mp._forward_overflow(xb)
+    assert all(torch.equal(a, b) for a, b in zip(stats, learn.model.buffers()))      # the diagnosis ran the forward in train mode, and put the statistics back
