@@ -379,15 +379,19 @@ class _OverflowWatch(TorchDispatchMode):
     def __init__(self, running:list, raise_at_first:bool):
         super().__init__(); self.running, self.raise_at_first, self.first = running, raise_at_first, None
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        watching = self.first is None and bool(self.running)
+        inputs = _float_tensors((args, kwargs)) if watching else []
+        absmax = lambda: max((float(t.detach().abs().max()) for t in inputs), default=0.)
+        before = (all(bool(torch.isfinite(t).all()) for t in inputs), absmax()) if watching and func._schema.is_mutable else None   # an in-place op overwrites its input
         out = func(*args, **(kwargs or {}))
-        if self.first is not None or not self.running: return out          # (torch runs this with the mode off: these checks are not watched)
+        if not watching: return out                                         # (torch runs this with the mode off: these checks are not watched)
         bad = [t for t in _float_tensors(out) if not bool(torch.isfinite(t).all())]
         if not bad: return out
-        inputs = _float_tensors((args, kwargs))
-        if not all(bool(torch.isfinite(t).all()) for t in inputs): return out    # it passed on what an earlier op made
+        finite, largest = before if before is not None else (all(bool(torch.isfinite(t).all()) for t in inputs), None)
+        if not finite: return out                                           # it passed on what an earlier op made
         name, module = self.running[-1]
         self.first = Overflow(func.overloadpacket.__name__, name, type(module).__name__, bad[0].dtype,
-                              max((float(t.detach().abs().max()) for t in inputs), default=0.), 'NaN' if bool(bad[0].isnan().any()) else 'inf')
+                              absmax() if largest is None else largest, 'NaN' if bool(bad[0].isnan().any()) else 'inf')
         if self.raise_at_first: raise FloatingPointError(f"mixedprec: {self.first}. {self.first.advice()}.")
         return out
 

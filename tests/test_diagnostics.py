@@ -264,3 +264,11 @@ def test_a_fastai_run_stopped_by_non_finite_losses_names_the_op_and_keeps_its_bu
     stats = [b.clone() for b in learn.model.buffers()]
     assert "exp in the model (Exp)" in mp._forward_overflow(xb)
     assert all(torch.equal(a, b) for a, b in zip(stats, learn.model.buffers()))      # the diagnosis ran the forward in train mode, and put the statistics back
+
+def test_watch_overflow_sees_an_in_place_op_overflow_its_own_input():
+    class InPlace(nn.Module):
+        def __init__(self): super().__init__(); self.lin = nn.Linear(4, 4)
+        def forward(self, x): return self.lin(x).mul_(1e5).sum()
+    model = InPlace().half()
+    with watch_overflow(model) as watch: model(torch.ones(2, 4, dtype=torch.float16))
+    assert watch.first.op == 'mul_' and watch.first.input_absmax < 65504
