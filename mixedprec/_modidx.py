@@ -186,6 +186,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                   'mixedprec/convert.py'),
                                    'mixedprec.convert._OverflowWatch.__torch_dispatch__': ( 'convert.html#_overflowwatch.__torch_dispatch__',
                                                                                             'mixedprec/convert.py'),
+                                   'mixedprec.convert._asks_for_inf': ('convert.html#_asks_for_inf', 'mixedprec/convert.py'),
                                    'mixedprec.convert._check_range': ('convert.html#_check_range', 'mixedprec/convert.py'),
                                    'mixedprec.convert._float_tensors': ('convert.html#_float_tensors', 'mixedprec/convert.py'),
                                    'mixedprec.convert._innermost_module': ('convert.html#_innermost_module', 'mixedprec/convert.py'),

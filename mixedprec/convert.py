@@ -373,13 +373,14 @@ class Overflow:
                 f"keep {self.kind} in fp32 (`keep_fp32={self.kind}`), or train in bf16")
 
 def _float_tensors(tree) -> list: return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+def _asks_for_inf(tree) -> bool: return any(isinstance(a, float) and (a != a or abs(a) == float('inf')) for a in tree_flatten(tree)[0])   # `masked_fill(mask, -inf)`: meant
 
 class _OverflowWatch(TorchDispatchMode):
     "Check every op's floating results, while a module of the watched model runs its forward, until one is not finite from finite inputs"
     def __init__(self, running:list, raise_at_first:bool):
         super().__init__(); self.running, self.raise_at_first, self.first = running, raise_at_first, None
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        watching = self.first is None and bool(self.running)
+        watching = self.first is None and bool(self.running) and not _asks_for_inf((args, kwargs))
         inputs = _float_tensors((args, kwargs)) if watching else []
         absmax = lambda: max((float(t.detach().abs().max()) for t in inputs), default=0.)
         before = (all(bool(torch.isfinite(t).all()) for t in inputs), absmax()) if watching and func._schema.is_mutable else None   # an in-place op overwrites its input

@@ -272,3 +272,15 @@ def test_watch_overflow_sees_an_in_place_op_overflow_its_own_input():
     model = InPlace().half()
     with watch_overflow(model) as watch: model(torch.ones(2, 4, dtype=torch.float16))
     assert watch.first.op == 'mul_' and watch.first.input_absmax < 65504
+
+def test_watch_overflow_takes_an_inf_asked_for_as_meant():
+    "A causal mask filled with -inf, and torch's MultiheadAttention's own, are not overflows"
+    class Causal(nn.Module):
+        def __init__(self): super().__init__(); self.q, self.mha = nn.Linear(8, 8), nn.MultiheadAttention(8, 2, batch_first=True)
+        def forward(self, x):
+            causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            s = (self.q(x) @ x.transpose(1, 2)).masked_fill(causal, float('-inf')).softmax(-1)
+            return self.mha(s @ x, x, x, attn_mask=causal)[0]
+    model = Causal(); convert_model(model, torch.float16, cast_io=True)
+    with watch_overflow(model) as watch: out = model(torch.randn(2, 5, 8))
+    assert watch.first is None and torch.isfinite(out).all()
