@@ -380,7 +380,8 @@ class _OverflowWatch(TorchDispatchMode):
     def __init__(self, running:list, raise_at_first:bool):
         super().__init__(); self.running, self.raise_at_first, self.first = running, raise_at_first, None
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        watching = self.first is None and bool(self.running) and not _asks_for_inf((args, kwargs))
+        watching = (self.first is None and bool(self.running) and not _asks_for_inf((args, kwargs))
+                    and 'empty' not in func.overloadpacket.__name__)       # `empty_like` & co. hold whatever was in memory
         inputs = _float_tensors((args, kwargs)) if watching else []
         absmax = lambda: max((float(t.detach().abs().max()) for t in inputs), default=0.)
         before = (all(bool(torch.isfinite(t).all()) for t in inputs), absmax()) if watching and func._schema.is_mutable else None   # an in-place op overwrites its input

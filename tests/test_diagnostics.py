@@ -284,3 +284,10 @@ def test_watch_overflow_takes_an_inf_asked_for_as_meant():
     model = Causal(); convert_model(model, torch.float16, cast_io=True)
     with watch_overflow(model) as watch: out = model(torch.randn(2, 5, 8))
     assert watch.first is None and torch.isfinite(out).all()
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2, enable_nested_tensor=False)
+    convert_model(enc, torch.float16, cast_io=True)
+    pad = torch.zeros(3, 7, dtype=torch.bool); pad[0, 4:] = True
+    with watch_overflow(enc) as watch:                   # uninitialised memory (`empty_like` inside torch's attention) is not news either
+        enc(torch.randn(3, 7, 32), src_key_padding_mask=pad)
+        enc(torch.randn(3, 7, 32), mask=nn.Transformer.generate_square_subsequent_mask(7), is_causal=True)
+    assert watch.first is None
