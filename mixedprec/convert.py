@@ -356,6 +356,9 @@ def fp32_copy(model:nn.Module) -> nn.Module:
                          "`with learn.mixed_precision.consolidated(): ema = fp32_copy(learn.model)`")
     res = copy.deepcopy(model)
     res._mixedprec_conversion.undo()
+    with torch.no_grad():
+        for t in [*res.parameters(), *res.buffers()]:
+            if t.dtype in HALF_DTYPES: t.data = t.data.float()      # converted without masters (amp's O3): their half values are all there is
     return res
 
 # %% ../nbs/12_convert.ipynb #cv0watch2

@@ -641,3 +641,13 @@ def test_a_change_through_data_between_fits_is_taken_and_named():
     with pytest.warns(UserWarning, match=r"the weights of 0\.bias were changed through `\.data`") as record: learn.fit(1, lr=0.)
     assert not any('3.weight' in str(w.message) for w in record)
     assert torch.equal(masters_of(learn)[1], torch.zeros(16)) and not learn.model[0].bias.any()
+
+def test_fp32_copy_of_a_model_without_masters_is_fp32_throughout():
+    "amp's O3 keeps no masters: the copy takes the half values, cast to fp32"
+    torch.manual_seed(0)
+    model = mlp()
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O3', verbosity=0)
+    cp = fp32_copy(model)
+    assert all(t.dtype == torch.float32 for t in [*cp.parameters(), *cp.buffers()] if t.is_floating_point())
+    assert all(torch.equal(a.float(), b) for a, b in zip(model.parameters(), cp.parameters()))
+    cp.eval(); assert cp(torch.randn(2, 8)).dtype == torch.float32
