@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written, take_model_edits, take_master_edits,
-                     check_master_value)
+from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written, take_edit, take_model_edits,
+                     take_master_edits, check_master_value)
 
 # %% ../nbs/12_convert.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -72,8 +72,7 @@ class ModelConversion:
                 if bf16_master(m) is not None or remote_master(m) is not None or m.device != p.device: continue   # (a bf16 master's param is part of it)
                 rounded = m.to(p.dtype)
                 if torch.equal(p, rounded) or bool(((p == rounded) | (p.isnan() & rounded.isnan())).all()): continue
-                set_master_(m, p.detach().float())
-                mark_written(p, m)
+                take_edit(p, m)
                 taken.append(names.get(p, tuple(p.shape)))
         return taken
 
@@ -84,12 +83,17 @@ class ModelConversion:
                 for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float32 and p not in self.masters]
 
     def undo(self):
-        "Restore fp32 params from the masters, fp32 buffers, and remove the cast hooks"
+        "Restore fp32 params from the masters (params converted without masters, as amp's O3 does, from their half values), fp32 buffers, and remove the cast hooks"
         take_model_edits(self.masters.items())        # a model edited in place since the last step keeps the edit
+        kept = _kept_modules(self.model, self.keep_fp32)
         with torch.no_grad():
             for p, m in self.masters.items():
                 p.data = master_value(m).reshape(p.shape).to(p.device, copy=True)
                 if p.grad is not None: p.grad = None
+            for mod in self.model.modules():
+                if id(mod) in kept: continue
+                for p in mod.parameters(recurse=False):
+                    if p.dtype in HALF_DTYPES and p not in self.masters: p.data = p.data.float()
             for mod, name in self.buffers: setattr(mod, name, getattr(mod, name).float())
         for h in self.hooks: h.remove()
         self.masters, self.buffers, self.hooks = {}, [], []
@@ -355,11 +359,7 @@ def fp32_copy(model:nn.Module) -> nn.Module:
                          "other ranks' weights rounded: make it inside a block where they are gathered, on every rank, for example "
                          "`with learn.mixed_precision.consolidated(): ema = fp32_copy(learn.model)`")
     res = copy.deepcopy(model)
-    res._mixedprec_conversion.undo()
-    with torch.no_grad():
-        for t in [*res.parameters(), *res.buffers()]:
-            if t.dtype in HALF_DTYPES: t.data = t.data.float()      # converted without masters (amp's O3): their half values are all there is
-    return res
+    return res._mixedprec_conversion.undo()
 
 # %% ../nbs/12_convert.ipynb #cv0watch2
 @dataclasses.dataclass

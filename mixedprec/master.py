@@ -6,9 +6,9 @@
 __all__ = ['STORES', 'STATE_STORES', 'SCALES', 'clip_grads_', 'check_store', 'check_state_store', 'Bf16Master', 'bf16_master',
            'RemoteMaster', 'remote_master', 'master_value', 'set_master_', 'load_master_', 'CheckpointError',
            'check_master_value', 'is_codes', 'is_scales', 'check_param_state', 'check_state_value', 'mark_written',
-           'edited', 'take_model_edits', 'master_edited', 'take_master_edits', 'store_master_', 'split_flat_state',
-           'fp32_state', 'keep_state_as', 'flat_like', 'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket',
-           'Bf16Bucket', 'RemoteBucket', 'MasterParams']
+           'edited', 'take_edit', 'take_model_edits', 'master_edited', 'take_master_edits', 'store_master_',
+           'split_flat_state', 'fp32_state', 'keep_state_as', 'flat_like', 'flat_slice', 'GradLists', 'Fp32Bucket',
+           'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -163,13 +163,17 @@ def edited(p:torch.Tensor) -> bool:
     w = getattr(p, '_mixedprec_written', None)
     return w is not None and w[0] == id(p) and w[1] != p._version
 
+def take_edit(p:torch.Tensor, m:torch.Tensor):
+    "Make half param `p`'s value the value of its master `m` (another rank's master is left to its owner), and note `p` written"
+    if remote_master(m) is None: set_master_(m, p.detach().float())
+    mark_written(p, m)
+
 def take_model_edits(pairs) -> list:
     "For each (half param, master) in `pairs` whose param was edited in place since mixedprec wrote it, make the edited value the master (the user's intent); returns those params"
     taken = []
     for p, m in pairs:
         if not edited(p): continue
-        if remote_master(m) is None: set_master_(m, p.detach().float())
-        mark_written(p, m)
+        take_edit(p, m)
         taken.append(p)
     return taken
 
