@@ -501,32 +501,25 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from mixedprec.convert import fp32_copy
 
 def _amp_run(dtype, **kw):
-    "A model and optimizer through amp O2, and a function that takes one step of a fixed batch sequence"
+    "A model through amp O2, and a function that trains it 12 steps on fixed batches, calling `after_step(i)` after each"
     torch.manual_seed(0)
     model, x = mlp(), torch.randn(16, 32, 8)
     model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level='O2', cast_model_type=dtype, verbosity=0, **kw)
-    def step(i):
-        with amp.scale_loss(model(x[i % 16]).float().pow(2).mean(), opt) as scaled: scaled.backward()
-        opt.step(); opt.zero_grad()
-    return model, step
+    def train(after_step):
+        for i in range(12):
+            with amp.scale_loss(model(x[i]).float().pow(2).mean(), opt) as scaled: scaled.backward()
+            opt.step(); opt.zero_grad(); after_step(i)
+    return model, train
 
 def _fastai_run(setup):
-    "A Learner set up by `setup`, and a function that fits it one epoch calling `after_step(i)` after each step"
+    "A Learner set up by `setup`, and a function that fits it one epoch (6 steps), calling `after_step(i)` after each"
     learn = setup(synth_learner(opt_func=Adam, lr=1e-2))
-    def fit(after_step): learn.fit(1, cbs=Record(1, after_step=lambda l: after_step(l.train_iter)))
-    return learn.model, fit
+    def train(after_step): learn.fit(1, cbs=Record(1, after_step=lambda l: after_step(l.train_iter)))
+    return learn.model, train
 
 RUNS = {'amp O2 fp16': lambda: _amp_run(torch.float16), 'amp O2 bf16': lambda: _amp_run(torch.bfloat16),
         'fastai fp16 flat': lambda: _fastai_run(lambda l: l.to_fp16(loss_scale=2.**8, flat_master=True)),
         'fastai bf16 split': lambda: _fastai_run(lambda l: l.to_bf16(masters='split'))}
-
-def _steps(run, n, after_step):
-    "Train `run` for `n` steps (fastai: one epoch of 6), calling `after_step(i)` after each; returns the model"
-    model, go = run
-    if go.__name__ == 'fit': go(after_step)
-    else:
-        for i in range(n): go(i); after_step(i)
-    return model
 
 def _fp32_values(model): return {k: v.detach().float().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
@@ -534,14 +527,14 @@ def _fp32_values(model): return {k: v.detach().float().clone() for k, v in model
 @pytest.mark.parametrize("run", RUNS)
 def test_an_ema_copy_averaged_in_place_saves_and_computes_its_average(run, how):
     "torch's `AveragedModel` (a deep copy, averaged in place in the params' dtype): its `state_dict()` is what it computes with, and follows an fp32 EMA of the masters; it saved the copy-time weights before"
-    model, go = r = RUNS[run]()
+    model, train = RUNS[run]()
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     if how == "pickle": ema.module = pickle.loads(pickle.dumps(ema.module))
     shadow = {}
     def after_step(i):
         ema.update_parameters(model)
         for k, v in _fp32_values(model).items(): shadow[k] = v if k not in shadow else shadow[k].lerp_(v, 0.1)
-    _steps(r, 12, after_step)
+    train(after_step)
     saved, params = ema.module.state_dict(), dict(ema.module.named_parameters())
     tol = 4e-2 if 'bf16' in run else 5e-3          # the average is rounded to the half dtype at each step
     for k, p in params.items():
@@ -551,14 +544,14 @@ def test_an_ema_copy_averaged_in_place_saves_and_computes_its_average(run, how):
 @pytest.mark.parametrize("run", [r for r in RUNS if 'split' not in r])
 def test_an_ema_written_into_a_copys_state_dict_is_fp32_and_computed_with(run):
     "timm's `ModelEmaV2`/`V3` way: lerp the copy's `state_dict()` values toward the model's in place. Those values are the copy's fp32 masters, so the EMA is exactly an fp32 one, and the copy computes with its rounding (it computed with its copy-time weights before)"
-    model, go = r = RUNS[run]()
+    model, train = RUNS[run]()
     ema, shadow = copy.deepcopy(model), _fp32_values(model)
     def after_step(i):
         with torch.no_grad():
             for (k, e), m in zip(ema.state_dict().items(), model.state_dict().values()):
                 if e.is_floating_point(): e.lerp_(m, 0.001); shadow[k].lerp_(m.float(), 0.001)
                 else: e.copy_(m)
-    _steps(r, 12, after_step)
+    train(after_step)
     x = torch.randn(4, 8)
     fresh = mlp(); fresh.load_state_dict(shadow); fresh.eval(); ema.eval()
     out = ema(x)
@@ -585,8 +578,8 @@ def test_a_write_into_the_training_models_state_dict_reaches_the_next_forward_an
 
 @pytest.mark.parametrize("run", RUNS)
 def test_fp32_copy_holds_the_masters_without_hooks_and_leaves_the_model_training(run):
-    model, go = r = RUNS[run]()
-    _steps(r, 4, lambda i: None)
+    model, train = RUNS[run]()
+    train(lambda i: None)
     masters = _fp32_values(model)
     cp = fp32_copy(model)
     assert all(v.dtype == torch.float32 for v in cp.state_dict().values() if v.is_floating_point())
