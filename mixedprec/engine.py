@@ -445,6 +445,7 @@ class StepEngine:
             return res
         finally:
             self.stepping = False
+            self.masters.drop_lent_grads()
             self.last_found, self.found, self._skip, self.stage = found, None, None, 'stepped'
             self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
 
@@ -479,7 +480,7 @@ class StepEngine:
 
     def _check_scaled(self):
         "Raise when the half model holds grads that no unscale took in: a backward without the scaling call, which would train nothing"
-        if any(p.grad is not None for p, _, _ in self.masters.pairs):
+        if self.masters.raw_grads():
             raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this step would train nothing"
                                + (f": {self.hint}" if self.hint else ''))
 
@@ -501,6 +502,7 @@ class StepEngine:
 
     def zero_grad(self, set_to_none:bool=True, masters:bool=True):
         "Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would (zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own `zero_grad` clears the masters'"
+        self.masters.drop_lent_grads()
         for p in chain(*self.masters.model_groups, *(self.masters.groups if masters else ())):
             if p.grad is None: continue
             if set_to_none: p.grad = None
@@ -671,6 +673,7 @@ def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=Tr
     finite = torch.isfinite(loss.detach()).all() if check else None
     for e in engines:
         if finite is not None: e.loss_finite = finite if e.loss_finite is None else e.loss_finite & finite
+        e.masters.drop_lent_grads()                              # the half params' grads are the backward's again
         if e.stage == 'unscaled': e.masters.stash_own_grads()     # unscaled grads already there: the new ones are added after their unscale
         e.stage = 'scaled'
     scale = scaler.tensors(engines[0].device if engines else loss.device)[0]
@@ -704,7 +707,9 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
         norm = _clip([e.masters for e in engines], clip)
         code = torch.where((code == 0) & ~torch.isfinite(norm), 3, code)
     grads = [e.masters.unscaled_grads() for e in engines]                           # kept until the books name the overflowed params
-    for e in engines: e.masters.zero_model_grads()
+    for e in engines:
+        e.masters.zero_model_grads()
+        e.masters.lend_grads()                     # until the step, `p.grad` stands for the master's unscaled grad: torch's clip reaches it
     name = lambda: [n for e, g in zip(engines, grads) for n in e.masters.nonfinite_grads(grads=g)]
     skip = scaler.advance(code, norm, name, input_finite, diagnose=lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else ''))
     for e in engines:

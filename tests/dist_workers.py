@@ -262,10 +262,14 @@ def amp_clip(rank, world, outdir, shard=True, recipe='amp'):
         x, y = data(step)
         loss = nn.functional.mse_loss(net(shard_rows(x, rank, world)), shard_rows(y, rank, world))
         with amp.scale_loss(loss, opt) as scaled: scaled.backward()
+        if shard and step == 0:                  # torch's clip over the model's params: this rank holds its shard's grads only
+            try: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            except RuntimeError as e: model_refused = str(e)
         norms.append(float(amp.clip_grad_norm_(opt, 0.5) if recipe == 'amp' else torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)))
         opt.step(); opt.zero_grad()
     with amp._engines_of(opt)[0].consolidated(): masters = [m.detach().clone() for m in amp.master_params(opt, local=True)]
-    return dict(params=[p.detach().clone() for p in model.parameters()], masters=masters, norms=norms, refused=refused)
+    return dict(params=[p.detach().clone() for p in model.parameters()], masters=masters, norms=norms, refused=refused,
+                model_refused=model_refused if shard else None)
 
 def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
     """amp O2 over DDP, sharded or not, an inf on rank 0 after the reduction; the optimizer's and amp's state dicts (gathered when sharded).

@@ -132,6 +132,7 @@ def test_amp_sharded_clips_by_the_global_norm_and_refuses_the_local_recipe(world
         torch.testing.assert_close(torch.tensor(recipe[r]['norms']), torch.tensor(plain[r]['norms']), rtol=1e-5, atol=0)
         for a, b in zip(recipe[r]['params'], plain[r]['params']): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     assert all('amp.clip_grad_norm_(optimizer, max_norm)' in s['refused'] for s in sharded) and plain[0]['refused'] is None
+    assert all('with sharded masters' in s['model_refused'] and 'amp.clip_grad_norm_(optimizer, max_norm)' in s['model_refused'] for s in sharded)
 
 def test_fastai_flat_sharded_masters_count_fp32_params_once_in_the_clip(tmp_path):
     # BatchNorm's fp32 params are their own masters and not sharded under flat masters: every rank holds their grads
