@@ -17,7 +17,7 @@ SHELL := /bin/bash
 PIP := $(BIN)/python -m pip install --disable-pip-version-check
 SHOW := { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR|error)' || true; }
 
-.PHONY: demo test docs screenshots export-check nbtest pytest
+.PHONY: demo test docs screenshots export-check test-builds nbtest pytest
 
 define install
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,7 +42,11 @@ $(DOCS_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/python -W ignore::FutureWarning:torch.jit._script -m mixedprec.demo    # fastai's import uses torch.jit.script, which torch deprecates
 
-test: export-check nbtest pytest
+test: export-check test-builds nbtest pytest
+
+test-builds: $(STAMP)    # the tests' own compiles (the CUDA emulator; nvcc's build), niced in the background on the core the tests leave idle
+	mkdir -p build
+	nice -n 19 $(BIN)/python tests/builds.py > build/test-builds.log 2>&1 &
 
 export-check: $(STAMP)
 	bash .ci/check_export.sh

@@ -7,6 +7,7 @@ import os, pathlib, random, subprocess, sysconfig
 import pytest, torch
 from torch.utils import cpp_extension
 from mixedprec import ops
+from builds import build_emulator
 
 ROOT = pathlib.Path(__file__).parent.parent
 CSRC = ROOT / 'mixedprec' / 'csrc'
@@ -16,13 +17,8 @@ PACK = 4                                                # elements per vector ac
 
 @pytest.fixture(scope='module')
 def emu():
-    "The emulator, built once into build/cuda_emulator (torch rebuilds it when its sources change)"
-    build = ROOT / 'build' / 'cuda_emulator'
-    build.mkdir(parents=True, exist_ok=True)
-    with ops._build_env(None):
-        mod = cpp_extension.load('mixedprec_cuda_emulator', [str(ROOT / 'tests' / 'csrc' / 'cuda_emulator.cpp')],
-                                 extra_include_paths=[str(CSRC)], extra_cflags=['-O2', '-ffp-contract=off'],
-                                 build_directory=str(build))
+    "The emulator, built once into build/cuda_emulator (`builds.build_emulator`)"
+    mod = build_emulator()
     yield mod
     mod.set_grid(*GPU_GRID)
 

