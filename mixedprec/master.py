@@ -346,7 +346,7 @@ class _PerParamState:
         return [(p, m.grad) for p, m, _ in self.pairs if m.grad is not None]
 
 def _lent(p:torch.Tensor, g:torch.Tensor, cache:dict) -> MasterGrad:
-    "The `MasterGrad` of half param `p` for grad `g`: kept between steps while `g` is the same tensor (the grad buffers are)"
+    "The `MasterGrad` of half param `p` for grad `g`: kept between steps while `g` is the same tensor (the fp32 and flat masters' grad buffers are)"
     hit = cache.get(id(p))
     if hit is None or hit.master_grad is not g: hit = cache[id(p)] = MasterGrad(p, g)
     return hit
@@ -749,8 +749,8 @@ class MasterParams:
             for p, _, _ in self.pairs: p.grad = MasterGrad(p, p, refuse=SHARDED_GRADS)
             return
         cache = self.__dict__.setdefault('_lent_cache', {})
-        for b in self.buckets:
-            for p, g in b.grads_of(): p.grad = _lent(p, g, cache)
+        for b in self.buckets:                  # bf16 masters' fp32 grads live from the unscale to the step only: not kept in the cache
+            for p, g in b.grads_of(): p.grad = _lent(p, g, cache) if b.kind != 'bf16' else MasterGrad(p, g)
 
     def drop_lent_grads(self):
         "Drop the `MasterGrad`s that `lend_grads` gave the half params (a grad the backward left in them stays)"

@@ -2,6 +2,7 @@
 unscaled fp32 grad. The plain PyTorch loop's clip, `torch.nn.utils.clip_grad_norm_(model.parameters(), c)`, then clips the
 grads that are stepped, as in fp32 (before, it found no grads, clipped nothing and returned 0). Checked against fp32
 reference runs, for amp and FP16_Optimizer, fp16 and bf16, fp32 and bf16 masters, and in the loops users write around it."""
+import gc, weakref
 import pytest, torch
 from torch import nn
 from mixedprec import amp
@@ -148,3 +149,13 @@ def test_a_fastai_callback_after_mixedprec_clips_through_the_model_as_clip_does(
     assert min(norms) > 0.05
     torch.testing.assert_close(norms, [float(n) for n in ours_norms[-len(norms):]], rtol=1e-5, atol=0)
     for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+def test_bf16_masters_fp32_grads_still_live_from_the_unscale_to_the_step_only():
+    "Split masters keep no fp32 copy of the weights, and their fp32 grads exist only while a step is pending: the stand-ins keep none alive"
+    model, opt, backward, _ = SETUPS['amp O2 bf16, split masters'](mlp())
+    for x, y in batches(2):
+        backward(nn.functional.mse_loss(model(x), y))
+        refs = [weakref.ref(p.grad.master_grad) for p in model.parameters() if isinstance(p.grad, MasterGrad)]
+        assert len(refs) == 4
+        opt.step(); opt.zero_grad(); gc.collect()
+        assert all(r() is None for r in refs)
