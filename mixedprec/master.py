@@ -179,7 +179,7 @@ class MasterGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         lent = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, MasterGrad)]
-        if torch._C._current_graph_task_id() != -1: raise RuntimeError(IN_BACKWARD)    # autograd would add the next grads into the masters' unscaled ones
+        if _graph_task_id() != -1: raise RuntimeError(IN_BACKWARD)    # autograd would add the next grads into the masters' unscaled ones
         if func is torch.ops.aten.zero_.default and lent[0].refuse: return args[0]    # `model.zero_grad(set_to_none=False)`
         for g in lent:
             if g.refuse: raise RuntimeError(g.refuse)
@@ -190,6 +190,7 @@ class MasterGrad(torch.Tensor):
         return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)    # an in-place op returns the stand-in it changed
 
 def _master_grad(t): return t.master_grad if isinstance(t, MasterGrad) else t
+_graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)    # which backward is running (-1: none); private in torch, so kept optional
 
 def mark_written(p:torch.Tensor, m:torch.Tensor=None):
     "Note that mixedprec has just written half param `p`, from its master `m` when given (torch's version counters, and which tensor: a copy of `p` starts afresh)"
@@ -745,6 +746,7 @@ class MasterParams:
 
     def lend_grads(self):
         "After the unscale, until the step: each half param's `.grad` is a `MasterGrad` of its master's unscaled fp32 grad (sharded: one that refuses, as no rank holds all of them)"
+        self._lent = True
         if self.shards is not None and self.shards.world > 1:
             for p, _, _ in self.pairs: p.grad = MasterGrad(p, p, refuse=SHARDED_GRADS)
             return
@@ -754,6 +756,7 @@ class MasterParams:
 
     def drop_lent_grads(self):
         "Drop the `MasterGrad`s that `lend_grads` gave the half params (a grad the backward left in them stays)"
+        if not self.__dict__.pop('_lent', False): return        # nothing lent since the last drop: no loop (it runs three times a step)
         for p, _, _ in self.pairs:
             if type(p.grad) is MasterGrad: p.grad = None
 
