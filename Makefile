@@ -17,7 +17,7 @@ SHELL := /bin/bash
 PIP := $(BIN)/python -m pip install --disable-pip-version-check
 SHOW := { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR|error)' || true; }
 
-.PHONY: demo test docs screenshots export-check test-builds nbtest pytest
+.PHONY: demo test docs screenshots export-check test-builds nbtest pytest test-torch-range gpu-wheels
 
 define install
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,7 +42,7 @@ $(DOCS_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/python -W ignore::FutureWarning:torch.jit._script -m mixedprec.demo    # fastai's import uses torch.jit.script, which torch deprecates
 
-test: export-check test-builds nbtest pytest
+test: export-check test-builds nbtest pytest test-torch-range
 
 test-builds: $(STAMP)    # the tests' own compiles (the CUDA emulator; nvcc's build), niced in the background on the core the tests leave idle
 	mkdir -p build
@@ -62,3 +62,17 @@ docs: $(DOCS_STAMP)
 
 screenshots: $(DOCS_STAMP)    # the docs, and PNGs of the index and a recipe page as headless Chromium renders them
 	$(BIN)/python .ci/build_docs.py _docs --screenshots
+
+test-torch-range: $(STAMP)    # the lowest and the newest torch that pyproject.toml admits: C++17 sources, kernel parity, a short fit (venvs cached in ~/.cache/mixedprec/venvs)
+	PYTHON=$(PYTHON) bash .ci/torch_range.sh
+
+# fastai and the pure-Python packages it needs beyond what a GPU machine's image has (torch, numpy, pandas, ...), as
+# wheels in .whl/ (ignored by git), at this venv's versions: bench/gpu.sh installs them on a machine that reaches no index
+GPU_WHEELS := fastai fastcore fastdownload fastprogress fasttransform plum-dispatch beartype
+GPU_PYTHON ?= 3.12    # the GPU machine's Python
+GPU_PLATFORM := --python-version $(GPU_PYTHON) --implementation cp $(foreach p,manylinux_2_28 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .whl $(GPU_PLATFORM) $$($(BIN)/python -c "import importlib.metadata as m; \
+		print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))") 2>&1 | $(SHOW)
+	ls .whl

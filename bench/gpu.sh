@@ -4,12 +4,22 @@
 # the kernel benchmark, and a ResNet-50 training benchmark (fastai: fp32, mixedprec, fastai's native AMP; plain
 # PyTorch: fp32, mixedprec.amp, torch's GradScaler) with host syncs counted per step. Prints the tables; run it where a
 # GPU is lent and put them in the README.
-#   bash bench/gpu.sh                  # with the project's .venv (made if missing)
+#   bash bench/gpu.sh                  # python3 with torch and pytest; fastai from .whl/ (`make gpu-wheels` beforehand,
+#                                      # for a GPU machine that reaches no package index), or the project's .venv if neither
 #   PYTHON=python3 bash bench/gpu.sh   # with another Python that has torch, fastai and pytest
 #   PROFILE=1 bash bench/gpu.sh        # then also the device time per op of the fastai loop's half configurations
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${PYTHON:-}" ]; then test -x .venv/bin/python || make .venv/.installed; PYTHON=.venv/bin/python; fi
+if [ -z "${PYTHON:-}" ]; then
+  if python3 -c 'import torch, pytest' 2>/dev/null && { python3 -c 'import fastai' 2>/dev/null || ls .whl/fastai-*.whl >/dev/null 2>&1; }; then
+    PYTHON=python3
+    if ! python3 -c 'import fastai' 2>/dev/null; then      # a bare GPU machine: fastai and its pure-Python needs from .whl/
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mixedprec-site .whl/*.whl || exit 1
+      export PYTHONPATH=/tmp/mixedprec-site
+    fi
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}    # mixedprec from this checkout
+  else test -x .venv/bin/python || make .venv/.installed; PYTHON=.venv/bin/python; fi
+fi
 export MIXEDPREC_REQUIRE_FUSED=1 PYTHONUNBUFFERED=1
 status=0
 step() { echo; echo "== $1 ($(date +%T))"; shift; "$@" || { echo "!! failed (exit $?): $*"; status=1; }; }
@@ -20,7 +30,7 @@ t = time.time(); ext = ops.build_extension(cuda=True)
 print(f'torch {torch.__version__}, {torch.cuda.get_device_name()}: CUDA kernels built or loaded in {time.time() - t:.0f}s, has_cuda={ext.has_cuda()}')"
 step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py tests/test_custom_ops.py tests/test_bf16_masters.py tests/test_cuda_emulation.py -k cuda -q -p no:cacheprovider -rfE --tb=short
 step "kernel benchmark" $PYTHON bench/kernels.py --device cuda --repeat 10
-step "bf16 masters memory" $PYTHON bench/bf16_masters.py memory
+step "lean state: the AdamW step alone" $PYTHON bench/bf16_masters.py speed --device cuda --repeat 10
 step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 60 --max-seconds 10 --sync-sites \
     --configs "fp32,mixedprec fp16,fastai fp16,mixedprec bf16,fastai bf16,torch fp32,mixedprec amp O2 fp16,torch amp fp16"
 if [ "${PROFILE:-0}" = 1 ]; then    # PROFILE=1: where the device time goes in the fastai loop, mixedprec's bf16 against fastai's

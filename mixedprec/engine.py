@@ -6,10 +6,11 @@
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'STAGES', 'settings', 'set_defaults',
            'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
            'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'fused_group_step', 'fused_opt_step', 'shards_for',
-           'put_model_params_back', 'StepEngine', 'write_atomically', 'save_checkpoint', 'scale_into', 'unscale_into']
+           'put_model_params_back', 'StepEngine', 'write_atomically', 'save_checkpoint', 'scale_into', 'OverflowNames',
+           'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
-import contextvars
+import contextvars, math
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
@@ -423,8 +424,13 @@ class StepEngine:
         self.found = torch.ones((), dtype=torch.bool, device=self.device)
         self._skip, self.on_device = True, False
 
+    def settle_books(self):
+        "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait: only where a host read decided)"
+        for s in self.scalers: s.drain()
+
     def discard(self):
         "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
+        self.settle_books()
         self.masters.zero_grads()
         self.last_found, self.found, self._skip, self.stage = self.found, None, None, 'ready'
 
@@ -438,7 +444,7 @@ class StepEngine:
         self.stepping = True
         try:
             if found is not None and self.on_device: res = self._fused(found)
-            elif self.must_skip(): self.masters.zero_grads(); return None
+            elif self.must_skip(): self.settle_books(); self.masters.zero_grads(); return None   # the history names the params first
             elif plan is not None and closure is None: res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
             else: res = self._own_step(closure)
             self.masters.gather_shards()           # sharded masters: each rank stepped its own; every rank gets all the half params
@@ -503,6 +509,7 @@ class StepEngine:
     def zero_grad(self, set_to_none:bool=True, masters:bool=True):
         "Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would (zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own `zero_grad` clears the masters'"
         self.masters.drop_lent_grads()
+        for s in self.scalers: s.freeze_names()      # a decision the books have not read yet keeps which params overflowed
         for p in chain(*self.masters.model_groups, *(self.masters.groups if masters else ())):
             if p.grad is None: continue
             if set_to_none: p.grad = None
@@ -679,6 +686,20 @@ def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=Tr
     scale = scaler.tensors(engines[0].device if engines else loss.device)[0]
     return loss.float() * (scale if scale.device == loss.device else scale.to(loss.device))
 
+class OverflowNames:
+    "The names of the params whose unscaled grads are not finite, asked for when the scaler's books catch up; `freeze()` first keeps which (on the device, no host read) where the grads are about to be zeroed"
+    def __init__(self, engines:list, grads:list): self.engines, self.grads, self.frozen = engines, grads, None
+    def freeze(self):
+        "Each grad's largest magnitude (inf or NaN where the grad holds one), one foreach op, before the grads are zeroed in place"
+        if self.frozen is None: self.frozen = [torch._foreach_norm([g for _, g in gs], float('inf')) if gs else [] for gs in self.grads]
+    def __call__(self) -> list:
+        if self.frozen is None: return [n for e, g in zip(self.engines, self.grads) for n in e.masters.nonfinite_grads(grads=g)]
+        res = []
+        for e, gs, peaks in zip(self.engines, self.grads, self.frozen):
+            for (p, _), peak in zip(gs, torch.stack(peaks).tolist() if peaks else []):
+                if not math.isfinite(peak): res.append(f"{e.masters.names.get(p, tuple(p.shape))} ({'nan' if peak != peak else 'inf'})")
+        return res[:10]
+
 def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=True, forward_overflow=None) -> torch.Tensor:
     "Unscale the model grads into the masters of `engines`, check them and the losses, clip, agree across ranks and advance `scaler`: one decision, kept by each engine (`forward_overflow`: a sentence on where this batch's forward overflowed, asked for only when training stops)"
     for s in {scaler, *(s for e in engines for s in e.scalers)}: s.drain()
@@ -710,7 +731,7 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     for e in engines:
         e.masters.zero_model_grads()
         e.masters.lend_grads()                     # until the step, `p.grad` stands for the master's unscaled grad: torch's clip reaches it
-    name = lambda: [n for e, g in zip(engines, grads) for n in e.masters.nonfinite_grads(grads=g)]
+    name = OverflowNames(engines, grads)
     skip = scaler.advance(code, norm, name, input_finite, diagnose=lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else ''))
     for e in engines:
         e.found, e._skip = (skip if e.found is None else e.found | skip), None

@@ -109,6 +109,11 @@ class LossScaler:
         if event is None: self.drain()
         return ~clean
 
+    def freeze_names(self):
+        "Steps not yet in the books keep which params overflowed now (on the device), before their grads are zeroed"
+        for entry in self._pending:
+            if hasattr(entry[3], 'freeze'): entry[3].freeze()
+
     def drain(self):
         "Catch the host's books up with every step `advance` took, in order (waiting for a copy that has not landed): scale, counters, history, messages, `ScalingError`"
         while self._pending:

@@ -73,7 +73,7 @@ def test_skip_decided_on_the_device_matches_the_host(kind):
     # the same kernels, the skip decided by the host (a sync per step) or on the device (none): bit for bit the same run
     (h_snaps, h_hist, _), (d_snaps, d_hist, model) = (amp_run('fused', kind, inject_at=2, decide=d) for d in ('never', 'cuda'))
     assert amp._state.engines[0].on_device
-    assert h_hist == d_hist and d_hist[2].skipped
+    assert h_hist == d_hist and d_hist[2].skipped and d_hist[2].params == ('0.weight (inf)',)   # both name the param
     for a, b in zip(h_snaps, d_snaps):
         for x, y in zip(a, b): assert torch.equal(x, y)
     steps = [st['step'] for st in amp._state.optimizers[0].state.values() if 'step' in st]
@@ -220,3 +220,20 @@ def test_fastai_fused_step_makes_no_host_sync(opt_func):
     # after the warm-up, no sync; only naming the params of an overflowed step reads its grads (in the step after it)
     assert all(not s for i, s in enumerate(dev_sites) if i >= 3 and not hist[i - 1].skipped), (dev_sites, [r.skipped for r in hist])
     for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+@pytest.mark.parametrize("decide", ['never', 'cuda'])
+def test_fastai_names_the_overflowing_param_whichever_side_decides(decide):
+    # fastai zeroes the grads in place after each step, before the books read a decision made on the device: the
+    # names are kept on the device first (OverflowNames.freeze), so the history names the param as the host's does
+    from helpers import synth_learner, Record
+    def inject(learn):
+        if learn.iter == 3 and learn.epoch == 0: learn.model[0].weight.grad.view(-1)[1] = float('nan')
+    with settings(decide=decide):
+        learn = synth_learner()
+        learn.dls.cuda()
+        learn.to_fp16()
+        learn.add_cb(Record(-1, after_backward=inject))
+        learn.fit(1, 1e-2)
+    hist = list(learn.mixed_precision.scaler.history)
+    bad = [r for r in hist if r.skipped and r.reason == 'overflow']
+    assert any(r.params == ('0.weight (nan)',) for r in bad), hist[:6]

@@ -291,3 +291,19 @@ def test_watch_overflow_takes_an_inf_asked_for_as_meant():
         enc(torch.randn(3, 7, 32), src_key_padding_mask=pad)
         enc(torch.randn(3, 7, 32), mask=nn.Transformer.generate_square_subsequent_mask(7), is_causal=True)
     assert watch.first is None
+
+
+def test_overflow_names_kept_before_the_grads_are_zeroed():
+    # a decision made on the device is read by the books later: where the grads are zeroed in place first (fastai's
+    # zero_grad), the names are frozen (each grad's largest magnitude, on the device) and still name the param after
+    from mixedprec.engine import OverflowNames
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).half()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O2', verbosity=0)
+    e = amp._state.engines[0]
+    grads = [(p, torch.zeros(p.shape)) for p in model.parameters()]
+    grads[2][1][0, 1], grads[1][1][0] = float('inf'), float('nan')
+    names = OverflowNames([e], [grads])
+    names.freeze()
+    for _, g in grads: g.zero_()
+    assert names() == ['0.bias (nan)', '1.weight (inf)']
+    assert OverflowNames([e], [grads])() == []                     # unfrozen names look at the grads as they are now

@@ -22,7 +22,7 @@ template <typename T> struct SquareSumFunctor {
   }
   template <typename Table>
   MIXEDPREC_HD void finish(const Lane& lane, Table& t, float block_sum, double* per_tensor) const {
-    atomic_add(&per_tensor[t.global_index[t.block_tensor[lane.block]]], (double)block_sum);
+    atomic_add(&per_tensor[t.global_index[slot_of(t, lane.block)]], (double)block_sum);
   }
 };
 

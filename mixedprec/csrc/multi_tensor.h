@@ -6,10 +6,12 @@
 //
 // A launch works on a table, passed by value as the kernel argument (it must stay under the 4 KB kernel-argument limit):
 // the addresses of up to kMaxTensors tensors of each list (and, for ops that need one, of a per-tensor fp32 scalar such
-// as Adam's step count), and a block -> (tensor, chunk) map of up to kMaxBlocks blocks. The host starts a new table when
-// either fills up, carrying a tensor whose chunks span two launches over. The design follows the public description of
-// NVIDIA apex's multi_tensor_apply; this is an independent implementation.
-//
+// as Adam's step count), and for each tensor the index of its first block: a tensor's chunks are consecutive blocks, so
+// a launch has as many blocks as its tensors have chunks, with no cap, and a block finds its tensor by a binary search
+// over those first blocks. The host starts a new table when the tensors fill one. A launch therefore fills the GPU
+// whatever the tensors' sizes (100M params in 25 tensors are one launch of 1526 blocks), where a table of one entry
+// per block (apex's design, and ours before) capped a launch at a few hundred blocks: 60% of an H200's threads, and a
+// tail per launch.
 // Within a chunk, a block's threads take packs of kPack consecutive elements, one vector access per list each, where
 // every list's address is aligned alike for it (pack_head); the ragged ends, and lists aligned differently (views into
 // flat buffers at other offsets), go element by element. The emulation's pack accesses check their alignment, which a
@@ -43,8 +45,7 @@ constexpr int64_t kCudaChunk = 2048 * 32;      // elements per block
 constexpr int kPack = 4;                       // elements per vector access: 16 bytes of fp32, 8 of a half type
 static_assert(kCudaChunk % kPack == 0, "a chunk must hold whole packs, so that every chunk starts aligned as its tensor does");
 // Tensors per table for list depth 1..7, so that the table stays under the kernel-argument limit.
-constexpr int kMaxTensorsFor[8] = {0, 110, 64, 48, 36, 30, 26, 24};
-constexpr int kMaxBlocks = 320;
+constexpr int kMaxTensorsFor[8] = {0, 160, 96, 72, 56, 48, 40, 36};
 
 template <int Depth, bool WithScalar = false> struct TensorTable {
   static constexpr int kMaxTensors = kMaxTensorsFor[Depth];
@@ -52,8 +53,8 @@ template <int Depth, bool WithScalar = false> struct TensorTable {
   float* scalar[WithScalar ? kMaxTensors : 1];   // a per-tensor scalar in device memory (WithScalar only)
   int64_t numel[kMaxTensors];
   int global_index[kMaxTensors];            // index of the tensor in the caller's lists (for per-tensor outputs)
-  unsigned char block_tensor[kMaxBlocks];   // which table slot each block works on
-  int block_chunk[kMaxBlocks];              // which chunk of that tensor
+  int first_block[kMaxTensors + 1];         // the first block of each slot's tensor; first_block[slots] = the launch's blocks
+  int slots;
 };
 
 // One thread of a launch: its block, its index in the block, and the block's size.
@@ -68,41 +69,33 @@ void plan_launches(const std::vector<std::vector<at::Tensor>>& lists, const std:
   static_assert(sizeof(Table) <= 4000, "the tensor table must fit the 4 KB kernel-argument limit");
   TORCH_CHECK((int)lists.size() == Depth, msg("multi_tensor_apply: expected ", Depth, " tensor lists, got ", lists.size()));
   TORCH_CHECK(chunk > 0 && chunk % kPack == 0, msg("multi_tensor_apply: the chunk must be a positive multiple of ", kPack, ", got ", chunk));
-  const int64_t n = lists[0].size();
-  if (n == 0) return;
+  constexpr int64_t kMaxLaunchBlocks = (int64_t)1 << 30;       // under CUDA's 2^31 - 1 blocks in x, with room to spare
   Table table;
-  int slots = 0, blocks = 0;
-  for (int64_t t = 0; t < n; ++t) {
+  int slots = 0;
+  int64_t blocks = 0;
+  auto flush = [&]() {
+    if (slots == 0) return;
+    table.first_block[slots] = (int)blocks;
+    table.slots = slots;
+    launch(table, (int)blocks);
+    slots = 0; blocks = 0;
+  };
+  for (size_t t = 0; t < lists[0].size(); ++t) {
     const int64_t numel = lists[0][t].numel();
     if (numel == 0) continue;
+    const int64_t chunks = (numel + chunk - 1) / chunk;
+    TORCH_CHECK(chunks <= kMaxLaunchBlocks, msg("multi_tensor_apply: tensor ", (int64_t)t, " has ", numel, " elements, more than ",
+                                                  kMaxLaunchBlocks, " chunks of ", chunk));
+    if (slots == Table::kMaxTensors || blocks + chunks > kMaxLaunchBlocks) flush();
     for (int d = 0; d < Depth; ++d) table.addr[d][slots] = lists[d][t].data_ptr();
     if constexpr (WithScalar) table.scalar[slots] = (*scalars)[t].data_ptr<float>();
     table.numel[slots] = numel;
     table.global_index[slots] = (int)t;
+    table.first_block[slots] = (int)blocks;
     ++slots;
-    const int64_t chunks = (numel + chunk - 1) / chunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      table.block_tensor[blocks] = (unsigned char)(slots - 1);
-      table.block_chunk[blocks] = (int)c;
-      ++blocks;
-      const bool table_full = blocks == kMaxBlocks;
-      const bool slots_full = slots == Table::kMaxTensors && c == chunks - 1;
-      const bool last = t == n - 1 && c == chunks - 1;
-      if (table_full || slots_full || last) {
-        launch(table, blocks);
-        blocks = 0;
-        if (c == chunks - 1) slots = 0;
-        else {                                 // the current tensor carries over into the next table
-          for (int d = 0; d < Depth; ++d) table.addr[d][0] = table.addr[d][slots - 1];
-          if constexpr (WithScalar) table.scalar[0] = table.scalar[slots - 1];
-          table.numel[0] = table.numel[slots - 1];
-          table.global_index[0] = table.global_index[slots - 1];
-          slots = 1;
-        }
-      }
-    }
+    blocks += chunks;
   }
-  if (blocks > 0) launch(table, blocks);       // only when the last tensors were empty
+  flush();
 }
 
 // Run functor `f` on `Grid` (CudaGrid in the CUDA build, the tests' CPU emulation) over `lists`: f(lane, chunk, noop,
@@ -131,11 +124,21 @@ void multi_tensor_sum(const at::Tensor& noop, const std::vector<std::vector<at::
   });
 }
 
+// The table slot of block `block`: the last slot whose first block is at or before it (a binary search).
+template <typename Table> MIXEDPREC_HD int slot_of(const Table& t, int block) {
+  int lo = 0, hi = t.slots - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.first_block[mid] <= block) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // The table slot a block works on, and the element range [begin, end) of its chunk.
 template <typename Table>
 MIXEDPREC_HD int block_range(const Table& t, const Lane& lane, int64_t chunk, int64_t& begin, int64_t& end) {
-  const int slot = t.block_tensor[lane.block];
-  begin = (int64_t)t.block_chunk[lane.block] * chunk;
+  const int slot = slot_of(t, lane.block);
+  begin = (int64_t)(lane.block - t.first_block[slot]) * chunk;
   end = t.numel[slot] < begin + chunk ? t.numel[slot] : begin + chunk;
   return slot;
 }
@@ -246,9 +249,40 @@ MIXEDPREC_HD void walk(const Lane& lane, int64_t begin, int64_t end, int head, B
   const int64_t first = head < 0 ? end : (begin + head < end ? begin + head : end);
   const int64_t packs = (end - first) / kPack;
   const int64_t rest = first + packs * kPack;
-  for (int64_t k = lane.thread; k < packs; k += lane.threads) body(Width<kPack>(), first + k * kPack);
+#ifdef __CUDA_ARCH__
+#pragma unroll 4
+#endif
+  for (int64_t k = lane.thread; k < packs; k += lane.threads) body(Width<kPack>(), first + k * kPack);   // unrolled: loads in flight
   for (int64_t i = begin + lane.thread; i < first; i += lane.threads) body(Width<1>(), i);
   for (int64_t i = rest + lane.thread; i < end; i += lane.threads) body(Width<1>(), i);
+}
+
+// Warps. On the GPU a warp's 32 lanes are 32 calls of a functor that run in lock-step, and warp_max combines their
+// values by shuffles. The emulation runs a functor that says it is warp-wide (kWarpWide) once per warp, and that call
+// does the work of all kLanesPerCall = 32 lanes, phase by phase, with a loop in place of the shuffles.
+constexpr int kWarp = 32;
+#ifdef __CUDA_ARCH__
+constexpr int kLanesPerCall = 1;
+#else
+constexpr int kLanesPerCall = kWarp;
+#endif
+constexpr int kQPerLane = 8;                   // 8-bit state: elements of a 256-element quantisation block per lane
+
+template <typename F, typename = void> struct is_warp_wide : std::false_type {};
+template <typename F> struct is_warp_wide<F, std::void_t<decltype(F::kWarpWide)>> : std::integral_constant<bool, F::kWarpWide> {};
+
+// The largest of each list's values over a warp's lanes (v[lane in the call][list]), given to every lane.
+template <int N> MIXEDPREC_HD void warp_max(uint32_t (&v)[kLanesPerCall][N]) {
+#ifdef __CUDA_ARCH__
+  MIXEDPREC_UNROLL for (int k = 0; k < N; ++k)
+    MIXEDPREC_UNROLL for (int o = kWarp / 2; o > 0; o >>= 1) v[0][k] = max(v[0][k], __shfl_xor_sync(0xffffffffu, v[0][k], o));
+#else
+  for (int k = 0; k < N; ++k) {
+    uint32_t m = 0;
+    for (int c = 0; c < kLanesPerCall; ++c) m = m > v[c][k] ? m : v[c][k];
+    for (int c = 0; c < kLanesPerCall; ++c) v[c][k] = m;
+  }
+#endif
 }
 
 MIXEDPREC_HD void atomic_add(double* p, double x) {

@@ -73,16 +73,15 @@ template <int SMode, int W> MIXEDPREC_HD void store_state(const float (&x)[W], S
   }
 }
 
-// 8-bit state: the quantisation blocks that start in the chunk [begin, end), one per thread at a time (a block may run past
-// the chunk's end: it belongs to the chunk it starts in), as body(first, last) over the block's elements [first, last).
-// A block's scale depends on all its new values, so the body makes two passes: the first finds the largest magnitude of
-// each list's new state, the second computes the same values again, encodes them and writes everything.
-template <typename Body>
-MIXEDPREC_HD void walk_qblocks(const Lane& lane, int64_t begin, int64_t end, int64_t numel, Body&& body) {
+// 8-bit state: the quantisation blocks that start in the chunk [begin, end) (a block may run past the chunk's end: it
+// belongs to the chunk it starts in), one per warp at a time, as body(first, lane in the warp of the call's first lane).
+template <typename Body> MIXEDPREC_HD void walk_qblocks(const Lane& lane, int64_t begin, int64_t end, Body&& body) {
   const int64_t first = (begin + kQBlock - 1) / kQBlock * kQBlock;
-  for (int64_t q = first + (int64_t)lane.thread * kQBlock; q < end; q += (int64_t)lane.threads * kQBlock)
-    body(q, q + kQBlock < numel ? q + kQBlock : numel);
+  const int warps = lane.threads < kWarp ? 1 : lane.threads / kWarp;
+  for (int64_t q = first + (int64_t)(lane.thread / kWarp) * kQBlock; q < end; q += (int64_t)warps * kQBlock) body(q, lane.thread % kWarp);
 }
+
+static_assert(kQPerLane * kWarp == kQBlock && kQPerLane % kPack == 0, "a warp's lanes cover a quantisation block in whole packs");
 
 MIXEDPREC_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
@@ -110,43 +109,77 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
         q1(SMode == kState8 && states > 1 ? static_cast<float*>(t.addr[4 + states][slot]) : nullptr), numel(t.numel[slot]) {}
   MIXEDPREC_HD int head() const { return pack_head(g, p, s0, s1, lo, o); }
 
-  // 8-bit state: step the quantisation block [qb, qe) with the functor's `update(g, master, state...)` (one state list:
-  // SGD's buffer, signed; two: Adam's m signed and v unsigned), which updates the decoded state in place and returns the
-  // new master. A block's scale depends on all its new values, so two passes: the largest magnitude of each list's new
-  // state, then the same values computed again, encoded with the new scales and written with the masters.
-  template <int N, typename Update> MIXEDPREC_HD void step_qblock8(int64_t qb, int64_t qe, Update&& update) const {
+  // 8-bit state: step the quantisation block at qb with a warp, kQPerLane elements a lane, and the functor's
+  // `update(g, master, state...)` (one state list: SGD's buffer, signed; two: Adam's m signed and v unsigned), which
+  // updates the decoded state in place and returns the new master. A block's scale depends on all its new values: each
+  // lane keeps its new values in registers, the warp agrees on each list's largest magnitude (warp_max), and each lane
+  // encodes and writes its own. Every input is read once, in coalesced packs (lane l's packs at qb + 4l and qb + 128 + 4l)
+  // when the block is whole and every list aligned at its start, else element by element (lane l's at qb + l + 32j).
+  template <int N, typename Update> MIXEDPREC_HD void step_qblock8(int64_t qb, int wl0, Update&& update) const {
     static_assert(SMode == kState8 && (N == 1 || N == 2), "8-bit state, one or two lists");
     StateBits<SMode>* const codes[2] = {s0, s1};
     float* const scales[2] = {q0, q1};
     const uint64_t sseeds[2] = {sseed0, sseed1};
+    const int64_t qe = qb + kQBlock < numel ? qb + kQBlock : numel;
+    const bool packed = qe - qb == kQBlock && head() == 0;
     float sc[N], nsc[N];
-    uint32_t most[N];
-    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) { sc[k] = scales[k][qb / kQBlock]; most[k] = 0; }
-    auto element = [&](int64_t i, float (&st)[N]) {
-      G gs[1]; float p0[1];
-      load<1>(g, i, gs);
-      load_masters<Mode, 1>(p, lo, i, p0);
-      MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) st[k] = q8_decode(codes[k][i], sc[k], k == 0);
-      if constexpr (N == 1) return update(to_float(gs[0]), p0[0], st[0]);
-      else return update(to_float(gs[0]), p0[0], st[0], st[1]);
+    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) sc[k] = scales[k][qb / kQBlock];
+    float master[kLanesPerCall][kQPerLane], st[kLanesPerCall][N][kQPerLane];
+    uint32_t most[kLanesPerCall][N];
+    auto lane_items = [&](int wl, auto&& item) {          // item(width, j, i): the lane's items j.. at element i..
+      if (packed) {
+        MIXEDPREC_UNROLL for (int j = 0; j < kQPerLane; j += kPack) item(Width<kPack>(), j, qb + (int64_t)j * kWarp + wl * kPack);
+      } else {
+        MIXEDPREC_UNROLL for (int j = 0; j < kQPerLane; ++j) {
+          const int64_t i = qb + (int64_t)j * kWarp + wl;
+          if (i < qe) item(Width<1>(), j, i);
+        }
+      }
     };
-    for (int64_t i = qb; i < qe; ++i) {
-      float st[N];
-      element(i, st);
-      MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) most[k] = most[k] > magnitude_bits(st[k]) ? most[k] : magnitude_bits(st[k]);
+    for (int c = 0; c < kLanesPerCall; ++c) {
+      MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) most[c][k] = 0;
+      lane_items(wl0 + c, [&](auto width, int j, int64_t i) {
+        constexpr int W = decltype(width)::value;
+        G gs[W];
+        float p0[W];
+        StateBits<SMode> cs[N][W];
+        load<W>(g, i, gs);
+        load_masters<Mode, W>(p, lo, i, p0);
+        MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) load<W>(codes[k], i, cs[k]);
+        MIXEDPREC_UNROLL for (int e = 0; e < W; ++e) {
+          float s[N];
+          MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) s[k] = q8_decode(cs[k][e], sc[k], k == 0);
+          if constexpr (N == 1) master[c][j + e] = update(to_float(gs[e]), p0[e], s[0]);
+          else master[c][j + e] = update(to_float(gs[e]), p0[e], s[0], s[1]);
+          MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) {
+            st[c][k][j + e] = s[k];
+            most[c][k] = most[c][k] > magnitude_bits(s[k]) ? most[c][k] : magnitude_bits(s[k]);
+          }
+        }
+      });
     }
-    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) nsc[k] = q8_scale(most[k]);
-    for (int64_t i = qb; i < qe; ++i) {
-      float st[N];
-      const float p1[1] = {element(i, st)};
-      MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) codes[k][i] = q8_encode(st[k], nsc[k], rounding_bits(sseeds[k], (uint64_t)i), k == 0);
-      store_masters<Mode, 1>(p1, p, lo, o, seed, i);
+    warp_max<N>(most);
+    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) nsc[k] = q8_scale(most[0][k]);
+    for (int c = 0; c < kLanesPerCall; ++c) {
+      lane_items(wl0 + c, [&](auto width, int j, int64_t i) {
+        constexpr int W = decltype(width)::value;
+        StateBits<SMode> cs[N][W];
+        float p1[W];
+        MIXEDPREC_UNROLL for (int e = 0; e < W; ++e) {
+          p1[e] = master[c][j + e];
+          MIXEDPREC_UNROLL for (int k = 0; k < N; ++k)
+            cs[k][e] = q8_encode(st[c][k][j + e], nsc[k], rounding_bits(sseeds[k], (uint64_t)(i + e)), k == 0);
+        }
+        MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) store<W>(codes[k], i, cs[k]);
+        store_masters<Mode, W>(p1, p, lo, o, seed, i);
+      });
     }
-    MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) scales[k][qb / kQBlock] = nsc[k];
+    if (wl0 == 0) { MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) scales[k][qb / kQBlock] = nsc[k]; }
   }
 };
 
 template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
+  static constexpr bool kWarpWide = SMode == kState8;       // 8-bit state: a warp steps each quantisation block
   template <typename Table>
   MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, float lr, float momentum, float damp,
                                float wd, float decay, bool decoupled, bool nesterov, bool first_run, bool has_buf, bool has_out,
@@ -164,7 +197,7 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
       return sub_rn(pv, mul_rn(lr, gi));
     };
     if constexpr (SMode == kState8) {                       // the update ignores the decoded buffer on the first run
-      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) { l.template step_qblock8<1>(qb, qe, update); });
+      walk_qblocks(lane, l.begin, l.end, [&](int64_t qb, int wl) { l.template step_qblock8<1>(qb, wl, update); });
     } else {
       walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
         constexpr int W = decltype(width)::value;
@@ -185,6 +218,7 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
 // the per-step factors come from each tensor's own step count (t.scalar[slot], beside the params) plus one; the caller
 // advances the counts afterwards, on the device, unless the flag is set.
 template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
+  static constexpr bool kWarpWide = SMode == kState8;
   template <typename Table>
   MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, double lr, double beta1, double beta2,
                                float omb1, float b2, float omb2, float eps, float l2, float decay, bool decoupled, bool has_out,
@@ -205,7 +239,7 @@ template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
       return sub_rn(pv, mul_rn(step_size, div_rn(m, denom)));
     };
     if constexpr (SMode == kState8) {
-      walk_qblocks(lane, l.begin, l.end, l.numel, [&](int64_t qb, int64_t qe) { l.template step_qblock8<2>(qb, qe, update); });
+      walk_qblocks(lane, l.begin, l.end, [&](int64_t qb, int wl) { l.template step_qblock8<2>(qb, wl, update); });
     } else {
       walk(lane, l.begin, l.end, l.head(), [&](auto width, int64_t i) {
         constexpr int W = decltype(width)::value;
@@ -255,16 +289,19 @@ inline std::vector<at::Tensor> scale_list(const std::vector<at::Tensor>& state_s
     default: { constexpr int kSMode = kStateFp32; __VA_ARGS__(); break; }                                   \
   }
 
+// A type passed as a value (C++17 has no std::type_identity): `body(TypeTag<float>())`, then `typename decltype(tag)::type`.
+template <typename T> struct TypeTag { using type = T; };
+
 // The element type O of the half model copy, which is part of every functor's type: dispatched only where there is a copy
 // (fp32 masters with `out`), and float (unused) otherwise, so that no kernel is compiled for a copy that cannot exist.
 template <int Mode, typename Body> void with_out_type(bool has_out, at::ScalarType type, Body&& body) {
   if constexpr (Mode == kFp32) {
     if (has_out) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out", [&] { body(std::type_identity<scalar_t>()); });
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out", [&] { body(TypeTag<scalar_t>()); });
       return;
     }
   }
-  body(std::type_identity<float>());
+  body(TypeTag<float>());
 }
 
 inline const int64_t* seeds_ptr(const std::optional<at::Tensor>& seeds) {

@@ -12,8 +12,8 @@ template <typename S, typename D, bool Add> struct ScaleFunctor {
     const float scale = scale_ptr ? *scale_ptr : host_scale;
     int64_t begin, end;
     const int slot = block_range(t, lane, chunk, begin, end);
-    const S* src = static_cast<const S*>(t.addr[0][slot]);
-    D* dst = static_cast<D*>(t.addr[1][slot]);
+    const S* __restrict__ src = static_cast<const S*>(t.addr[0][slot]);   // distinct tensors (or the same, in place, read first)
+    D* __restrict__ dst = static_cast<D*>(t.addr[1][slot]);
     bool bad = false;
     walk(lane, begin, end, pack_head(src, dst), [&](auto width, int64_t i) {
       constexpr int W = decltype(width)::value;
