@@ -68,11 +68,12 @@ test-torch-range: $(STAMP)    # the lowest and the newest torch that pyproject.t
 
 # fastai and the pure-Python packages it needs beyond what a GPU machine's image has (torch, numpy, pandas, ...), as
 # wheels in .whl/ (ignored by git), at this venv's versions: bench/gpu.sh installs them on a machine that reaches no index
-GPU_WHEELS := fastai fastcore fastdownload fastprogress fasttransform plum-dispatch beartype
+# (fastprogress 1.1 imports fasthtml, a web framework with many needs of its own: 1.0.3, which fastai 2.8 accepts, does not)
+GPU_WHEELS := fastai fastcore fastdownload fasttransform plum-dispatch beartype fastprogress==1.0.3
 GPU_PYTHON ?= 3.12    # the GPU machine's Python
 GPU_PLATFORM := --python-version $(GPU_PYTHON) --implementation cp $(foreach p,manylinux_2_28 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .whl $(GPU_PLATFORM) $$($(BIN)/python -c "import importlib.metadata as m; \
-		print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))") 2>&1 | $(SHOW)
+		print(' '.join(n if '==' in n else f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))") 2>&1 | $(SHOW)
 	ls .whl
