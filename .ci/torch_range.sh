@@ -4,14 +4,14 @@
 #   1. under the lowest, the kernel sources compiled as C++17 against its headers (torch 2.14 and later need C++20): g++ for the CPU sources, nvcc (PTX only, no
 #      GPU needed) for the CUDA sources, where nvcc is installed;
 #   2. the fused kernels built there, their parity tests against the references, and a short fastai fit.
-# TORCH_RANGE="2.4.1 2.15.0" picks the versions; MIXEDPREC_VENVS the cache folder (default ~/.cache/mixedprec/venvs).
+# TORCH_RANGE="2.6.0 2.15.0" picks the versions (the lowest first); MIXEDPREC_VENVS the cache folder (default ~/.cache/mixedprec/venvs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VERSIONS=${TORCH_RANGE:-"2.4.1 2.15.0"}
+VERSIONS=${TORCH_RANGE:-"2.6.0 2.15.0"}
 VENVS=${MIXEDPREC_VENVS:-$HOME/.cache/mixedprec/venvs}
 PYTHON=${PYTHON:-python3}
-declare -A VISION=([2.4.1]=0.19.1 [2.15.0]=0.29.2)   # the torchvision for each torch (0.29.2 asks for torch>=2.14)
+declare -A VISION=([2.4.1]=0.19.1 [2.5.1]=0.20.1 [2.6.0]=0.21.0 [2.15.0]=0.29.2)   # the torchvision for each torch (0.29.2 asks for torch>=2.14)
 mkdir -p "$VENVS"
 
 make_venv() {    # a venv with torch $1, fastai and the test tools; mixedprec itself is read from the checkout (PYTHONPATH)
@@ -30,7 +30,7 @@ check_one() {
   echo; echo "== torch $v ($(date +%T))"
   "$py" -c "import torch; assert torch.__version__.split('+')[0] == '$v', torch.__version__"
   if [ "$v" = "${VERSIONS%% *}" ]; then PYTHONPATH=$ROOT "$py" tests/cpp17_check.py; fi    # the lowest: C++17 headers
-  PYTHONPATH=$ROOT MIXEDPREC_REQUIRE_FUSED=1 MIXEDPREC_CACHE=$VENVS/kernels "$py" -m pytest -q -p no:cacheprovider \
+  PYTHONPATH=$ROOT MIXEDPREC_CACHE=$VENVS/kernels "$py" -m pytest -q -p no:cacheprovider \
     tests/test_fused.py tests/test_torch_range.py -k 'not test_cuda_sources_compile_without_a_gpu' -W ignore::DeprecationWarning -W ignore::FutureWarning
 }
 
