@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The declared torch range, tested at both ends (`make test-torch-range`; `make test` runs it): for the lowest and the
 # newest torch that pyproject.toml admits, a venv of its own (cached outside the checkout, so it costs minutes once), then
-#   1. under the lowest, the kernel sources compiled as C++17 against its headers (torch 2.14 and later need C++20): g++ for the CPU sources, nvcc (PTX only, no
+#   1. the kernel sources compiled as C++17 against torch 2.4.1's headers (torch 2.14 and later need C++20): g++ for the CPU sources, nvcc (PTX only, no
 #      GPU needed) for the CUDA sources, where nvcc is installed;
 #   2. the fused kernels built there, their parity tests against the references, and a short fastai fit.
 # TORCH_RANGE="2.6.0 2.15.0" picks the versions (the lowest first); MIXEDPREC_VENVS the cache folder (default ~/.cache/mixedprec/venvs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VERSIONS=${TORCH_RANGE:-"2.6.0 2.15.0"}
+VERSIONS=${TORCH_RANGE:-"2.14.1 2.15.0"}
+CPP17_TORCH=${CPP17_TORCH:-2.4.1}    # C++17 headers: the kernels must compile against them (torch 2.14+ needs C++20)
 VENVS=${MIXEDPREC_VENVS:-$HOME/.cache/mixedprec/venvs}
 PYTHON=${PYTHON:-python3}
-declare -A VISION=([2.4.1]=0.19.1 [2.5.1]=0.20.1 [2.6.0]=0.21.0 [2.15.0]=0.29.2)   # the torchvision for each torch (0.29.2 asks for torch>=2.14)
+declare -A VISION=([2.4.1]=0.19.1 [2.5.1]=0.20.1 [2.6.0]=0.21.0 [2.14.1]=0.29.1 [2.15.0]=0.29.2)   # the torchvision for each torch (0.29.2 asks for torch>=2.14)
 mkdir -p "$VENVS"
 
 make_venv() {    # a venv with torch $1, fastai and the test tools; mixedprec itself is read from the checkout (PYTHONPATH)
@@ -29,10 +30,10 @@ check_one() {
   local v=$1 py=$VENVS/torch$1/bin/python
   echo; echo "== torch $v ($(date +%T))"
   "$py" -c "import torch; assert torch.__version__.split('+')[0] == '$v', torch.__version__"
-  if [ "$v" = "${VERSIONS%% *}" ]; then PYTHONPATH=$ROOT "$py" tests/cpp17_check.py; fi    # the lowest: C++17 headers
   PYTHONPATH=$ROOT MIXEDPREC_CACHE=$VENVS/kernels "$py" -m pytest -q -p no:cacheprovider \
     tests/test_fused.py tests/test_torch_range.py -k 'not test_cuda_sources_compile_without_a_gpu' -W ignore::DeprecationWarning -W ignore::FutureWarning
 }
 
-for v in $VERSIONS; do make_venv "$v"; done
+for v in $CPP17_TORCH $VERSIONS; do make_venv "$v"; done
+PYTHONPATH=$ROOT "$VENVS/torch$CPP17_TORCH/bin/python" tests/cpp17_check.py
 for v in $VERSIONS; do check_one "$v"; done
