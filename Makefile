@@ -42,7 +42,7 @@ $(DOCS_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/python -W ignore::FutureWarning:torch.jit._script -m mixedprec.demo    # fastai's import uses torch.jit.script, which torch deprecates
 
-test: export-check test-builds nbtest pytest
+test: export-check test-builds nbtest pytest test-torch-range
 
 test-builds: $(STAMP)    # the tests' own compiles (the CUDA emulator; nvcc's build), niced in the background on the core the tests leave idle
 	mkdir -p build
@@ -63,17 +63,24 @@ docs: $(DOCS_STAMP)
 screenshots: $(DOCS_STAMP)    # the docs, and PNGs of the index and a recipe page as headless Chromium renders them
 	$(BIN)/python .ci/build_docs.py _docs --screenshots
 
-test-torch-range: $(STAMP)    # the lowest and the newest torch that pyproject.toml admits: C++17 sources, kernel parity, a short fit (venvs cached in ~/.cache/mixedprec/venvs)
+# the declared torch range: C++17 sources against torch 2.4.1's headers; kernel parity and a short fit under the newest
+# (the lowest is the venv's own, which pytest runs); venvs cached in ~/.cache/mixedprec/venvs
+test-torch-range: $(STAMP)
 	PYTHON=$(PYTHON) bash .ci/torch_range.sh
 
 # fastai and the pure-Python packages it needs beyond what a GPU machine's image has (torch, numpy, pandas, ...), as
-# wheels in .whl/ (ignored by git), at this venv's versions: bench/gpu.sh installs them on a machine that reaches no index
-# (fastprogress 1.1 imports fasthtml, a web framework with many needs of its own: 1.0.3, which fastai 2.8 accepts, does not)
+# wheels in .whl/ (ignored by git), at this venv's versions: bench/gpu.sh installs them on a machine that reaches
+# no package index
+# (fastprogress 1.1 imports fasthtml, a web framework with many needs of its own; 1.0.3, which fastai 2.8 accepts,
+# does not)
 GPU_WHEELS := fastai fastcore fastdownload fasttransform plum-dispatch beartype fastprogress==1.0.3
-GPU_PYTHON ?= 3.12    # the GPU machine's Python
-GPU_PLATFORM := --python-version $(GPU_PYTHON) --implementation cp $(foreach p,manylinux_2_28 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+# the GPU machine's Python
+GPU_PYTHON ?= 3.12
+GPU_PLATFORM := --python-version $(GPU_PYTHON) --implementation cp \
+	$(foreach p,manylinux_2_28 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
-	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .whl $(GPU_PLATFORM) $$($(BIN)/python -c "import importlib.metadata as m; \
+	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .whl $(GPU_PLATFORM) \
+		$$($(BIN)/python -c "import importlib.metadata as m; \
 		print(' '.join(n if '==' in n else f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))") 2>&1 | $(SHOW)
 	ls .whl

@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# The declared torch range, tested at both ends (`make test-torch-range`; `make test` runs it): for the lowest and the
-# newest torch that pyproject.toml admits, a venv of its own (cached outside the checkout, so it costs minutes once), then
-#   1. the kernel sources compiled as C++17 against torch 2.4.1's headers (torch 2.14 and later need C++20): g++ for the CPU sources, nvcc (PTX only, no
-#      GPU needed) for the CUDA sources, where nvcc is installed;
-#   2. the fused kernels built there, their parity tests against the references, and a short fastai fit.
-# TORCH_RANGE="2.6.0 2.15.0" picks the versions (the lowest first); MIXEDPREC_VENVS the cache folder (default ~/.cache/mixedprec/venvs).
+# The declared torch range, tested at both ends (`make test-torch-range`, which `make test` runs). The lowest declared
+# torch is the project's own venv's, where `make test`'s pytest runs every test; this script adds, each in a venv of
+# its own cached outside the checkout (minutes once):
+#   1. the kernel sources compiled as C++17 against torch 2.4.1's headers (torch 2.14 and later need C++20): g++ for
+#      the CPU sources, nvcc (PTX only, no GPU needed) for the CUDA sources, where nvcc is installed;
+#   2. under the newest declared torch, the fused kernels built, their parity tests and a short fastai fit.
+# TORCH_RANGE picks the versions of 2 (default 2.15.0), CPP17_TORCH that of 1, MIXEDPREC_VENVS the cache folder
+# (default ~/.cache/mixedprec/venvs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VERSIONS=${TORCH_RANGE:-"2.14.1 2.15.0"}
-CPP17_TORCH=${CPP17_TORCH:-2.4.1}    # C++17 headers: the kernels must compile against them (torch 2.14+ needs C++20)
+VERSIONS=${TORCH_RANGE:-"2.15.0"}
+CPP17_TORCH=${CPP17_TORCH:-2.4.1}
 VENVS=${MIXEDPREC_VENVS:-$HOME/.cache/mixedprec/venvs}
 PYTHON=${PYTHON:-python3}
-declare -A VISION=([2.4.1]=0.19.1 [2.5.1]=0.20.1 [2.6.0]=0.21.0 [2.14.1]=0.29.1 [2.15.0]=0.29.2)   # the torchvision for each torch (0.29.2 asks for torch>=2.14)
+# the torchvision of each torch (0.29.2 asks for torch>=2.14)
+declare -A VISION=([2.4.1]=0.19.1 [2.5.1]=0.20.1 [2.6.0]=0.21.0 [2.14.1]=0.29.1 [2.15.0]=0.29.2)
 mkdir -p "$VENVS"
 
-make_venv() {    # a venv with torch $1, fastai and the test tools; mixedprec itself is read from the checkout (PYTHONPATH)
+make_venv() {    # a venv with torch $1, fastai and the test tools; mixedprec is read from the checkout (PYTHONPATH)
   local v=$1 venv=$VENVS/torch$1
   if [ -f "$venv/.ready" ]; then return; fi
   echo "torch-range: making $venv (once per machine: a few GB to download)"
   rm -rf "$venv"; $PYTHON -m venv "$venv"
-  # the machine's pip may cap torch (/etc/xdg/pip/constraints.txt): the range's ends are asked for by name, without that cap
-  PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$v" "torchvision==${VISION[$v]}" \
-    "fastai>=2.8,<2.9" fastcore ninja scikit-learn pytest hypothesis
+  # the machine's pip may cap torch (/etc/xdg/pip/constraints.txt): the range's ends are asked for by name, uncapped
+  PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    "torch==$v" "torchvision==${VISION[$v]}" "fastai>=2.8,<2.9" fastcore ninja scikit-learn pytest hypothesis
   touch "$venv/.ready"
 }
 
@@ -30,10 +33,12 @@ check_one() {
   local v=$1 py=$VENVS/torch$1/bin/python
   echo; echo "== torch $v ($(date +%T))"
   "$py" -c "import torch; assert torch.__version__.split('+')[0] == '$v', torch.__version__"
-  PYTHONPATH=$ROOT MIXEDPREC_CACHE=$VENVS/kernels "$py" -m pytest -q -p no:cacheprovider \
-    tests/test_fused.py tests/test_torch_range.py -k 'not test_cuda_sources_compile_without_a_gpu' -W ignore::DeprecationWarning -W ignore::FutureWarning
+  PYTHONPATH=$ROOT MIXEDPREC_CACHE=$VENVS/kernels "$py" -m pytest -q -p no:cacheprovider tests/test_fused.py \
+    tests/test_torch_range.py -k 'not test_cuda_sources_compile_without_a_gpu' -W ignore::DeprecationWarning \
+    -W ignore::FutureWarning
 }
 
 for v in $CPP17_TORCH $VERSIONS; do make_venv "$v"; done
+echo "== C++17 against torch $CPP17_TORCH's headers ($(date +%T))"
 PYTHONPATH=$ROOT "$VENVS/torch$CPP17_TORCH/bin/python" tests/cpp17_check.py
 for v in $VERSIONS; do check_one "$v"; done

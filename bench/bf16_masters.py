@@ -129,7 +129,7 @@ def memory(a):
           f"including about {rows[0]['rss_before'] / 1024 - (rows[0]['weights'] + rows[0]['state']) * rows[0]['params'] / 2**30:.1f} GiB of Python, torch and data)")
 
 def speed(a):
-    "The fused AdamW step alone for each way of keeping masters and state, against torch's AdamW(fused=True) on fp32 params"
+    "The fused AdamW step alone for each way of keeping masters and state, against torch's AdamW on fp32 params"
     from mixedprec import ops
     dev = a.device
     sync = torch.cuda.synchronize if dev == 'cuda' else (lambda: None)
@@ -138,8 +138,9 @@ def speed(a):
     where = torch.cuda.get_device_name() if dev == 'cuda' else cpu_units()
     print(f"\nthe fused AdamW step alone (unscaled fp32 grads in, as the engine passes them), {sum(t.numel() for t in g) / 1e6:.0f}M params in {len(shapes)} "
           f"tensors; best of {a.repeat}; torch {torch.__version__}; {where}\n")
-    print("| threads | fp32 masters + bf16 copy | split (bf16 + int16) | stochastic rounding (bf16) | split, bf16 state | split, 8-bit state "
-          "| fp32 masters, 8-bit state | torch AdamW (fused=True on a GPU), fp32 params |")
+    print("| threads | fp32 masters + bf16 copy | split (bf16 + int16) | stochastic rounding (bf16) "
+          "| split, bf16 state "
+          "| split, 8-bit state | fp32 masters, 8-bit state | torch AdamW (fused=True on a GPU), fp32 params |")
     print("|---|---|---|---|---|---|---|---|")
     flag = torch.zeros((), dtype=torch.bool, device=dev)
     def best_of(run):
@@ -151,10 +152,13 @@ def speed(a):
     for threads in (a.threads if dev == 'cpu' else [torch.get_num_threads()]):
         torch.set_num_threads(threads)
         res = {}
-        for mode, state in (('fp32', 'fp32'), ('split', 'fp32'), ('none', 'fp32'), ('split', 'bf16'), ('split', '8bit'), ('fp32', '8bit')):
+        kinds = (('fp32', 'fp32'), ('split', 'fp32'), ('none', 'fp32'), ('split', 'bf16'), ('split', '8bit'),
+                 ('fp32', '8bit'))
+        for mode, state in kinds:
             torch.manual_seed(0)
             m = [torch.randn(s, device=dev) for s in shapes]
-            st = [[torch.zeros(s, device=dev, dtype=torch.bfloat16 if state == 'bf16' else torch.float32) for s in shapes] for _ in range(2)]
+            sdt = torch.bfloat16 if state == 'bf16' else torch.float32
+            st = [[torch.zeros(s, device=dev, dtype=sdt) for s in shapes] for _ in range(2)]
             steps = [torch.zeros((), device=dev) for _ in shapes]
             if mode == 'fp32': params, kw, out = m, {}, [t.bfloat16() for t in m]
             elif mode == 'split':
@@ -162,16 +166,18 @@ def speed(a):
             else: params, kw, out = [t.bfloat16() for t in m], dict(seeds=list(range(len(shapes)))), []
             if state == '8bit':
                 st = [[torch.zeros(s, device=dev, dtype=dt) for s in shapes] for dt in (torch.int8, torch.uint8)]
-                kw['state_scales'] = [[torch.zeros(-(-t.numel() // ops.Q_BLOCK), device=dev) for t in m] for _ in range(2)]
+                kw['state_scales'] = [[torch.zeros(-(-t.numel() // ops.Q_BLOCK), device=dev) for t in m]
+                                      for _ in range(2)]
             if state != 'fp32': kw['state_seeds'] = [(7 * i, 7 * i + 1) for i in range(len(shapes))]
-            res[mode, state] = best_of(lambda: ops.adam_step_(g, params, st[0], st[1], out, flag, steps, 1., 1e-4, weight_decay=0.01,
-                                                              impl='fused', **kw))
+            res[mode, state] = best_of(lambda: ops.adam_step_(g, params, st[0], st[1], out, flag, steps, 1., 1e-4,
+                                                              weight_decay=0.01, impl='fused', **kw))
         ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in shapes]
         for p, gr in zip(ps, g): p.grad = gr
-        opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True) if dev == 'cuda' else torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01)
+        opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **(dict(fused=True) if dev == 'cuda' else {}))
         res['torch'] = best_of(opt.step)
         base = res['fp32', 'fp32']
-        print(f"| {threads} | 1.00 ({base * 1e3:.2f} ms) | " + ' | '.join(f"{res[k] / base:.2f}" for k in list(res)[1:]) + " |")
+        print(f"| {threads} | 1.00 ({base * 1e3:.2f} ms) | " + ' | '.join(f"{res[k] / base:.2f}" for k in list(res)[1:])
+              + " |")
     print(f"\n(each a time relative to the first column; torch AdamW(fused=True) took {res['torch'] * 1e3:.2f} ms, "
           f"the 8-bit split step {res['split', '8bit'] * 1e3:.2f} ms)")
 

@@ -4,16 +4,18 @@
 # the kernel benchmark, and a ResNet-50 training benchmark (fastai: fp32, mixedprec, fastai's native AMP; plain
 # PyTorch: fp32, mixedprec.amp, torch's GradScaler) with host syncs counted per step. Prints the tables; run it where a
 # GPU is lent and put them in the README.
-#   bash bench/gpu.sh                  # python3 with torch and pytest; fastai from .whl/ (`make gpu-wheels` beforehand,
-#                                      # for a GPU machine that reaches no package index), or the project's .venv if neither
+#   bash bench/gpu.sh                  # python3 with torch and pytest, fastai from .whl/ where python3 lacks it
+#                                      # (`make gpu-wheels` beforehand, for a machine that reaches no package index);
+#                                      # the project's .venv where python3 has neither
 #   PYTHON=python3 bash bench/gpu.sh   # with another Python that has torch, fastai and pytest
 #   PROFILE=1 bash bench/gpu.sh        # then also the device time per op of the fastai loop's half configurations
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
-  if python3 -c 'import torch, pytest' 2>/dev/null && { python3 -c 'import fastai' 2>/dev/null || ls .whl/fastai-*.whl >/dev/null 2>&1; }; then
+  has_fastai() { python3 -c 'import fastai' 2>/dev/null; }
+  if python3 -c 'import torch, pytest' 2>/dev/null && { has_fastai || ls .whl/fastai-*.whl >/dev/null 2>&1; }; then
     PYTHON=python3
-    if ! python3 -c 'import fastai' 2>/dev/null; then      # a bare GPU machine: fastai and its pure-Python needs from .whl/
+    if ! has_fastai; then        # a bare GPU machine: fastai and its pure-Python needs from .whl/
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mixedprec-site .whl/*.whl || exit 1
       export PYTHONPATH=/tmp/mixedprec-site
     fi

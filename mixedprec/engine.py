@@ -10,7 +10,7 @@ __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS',
            'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
-import contextvars, math
+import contextvars
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
@@ -425,7 +425,7 @@ class StepEngine:
         self._skip, self.on_device = True, False
 
     def settle_books(self):
-        "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait: only where a host read decided)"
+        "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
         for s in self.scalers: s.drain()
 
     def discard(self):
@@ -444,7 +444,8 @@ class StepEngine:
         self.stepping = True
         try:
             if found is not None and self.on_device: res = self._fused(found)
-            elif self.must_skip(): self.settle_books(); self.masters.zero_grads(); return None   # the history names the params first
+            elif self.must_skip():                 # the books name the overflowed params before their grads are zeroed
+                self.settle_books(); self.masters.zero_grads(); return None
             elif plan is not None and closure is None: res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
             else: res = self._own_step(closure)
             self.masters.gather_shards()           # sharded masters: each rank stepped its own; every rank gets all the half params
@@ -509,7 +510,8 @@ class StepEngine:
     def zero_grad(self, set_to_none:bool=True, masters:bool=True):
         "Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would (zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own `zero_grad` clears the masters'"
         self.masters.drop_lent_grads()
-        for s in self.scalers: s.freeze_names()      # a decision the books have not read yet keeps which params overflowed
+        if not set_to_none:                # zeroed in place: steps not yet in the books keep which params overflowed
+            for s in self.scalers: s.freeze_names()
         for p in chain(*self.masters.model_groups, *(self.masters.groups if masters else ())):
             if p.grad is None: continue
             if set_to_none: p.grad = None
@@ -687,18 +689,17 @@ def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=Tr
     return loss.float() * (scale if scale.device == loss.device else scale.to(loss.device))
 
 class OverflowNames:
-    "The names of the params whose unscaled grads are not finite, asked for when the scaler's books catch up; `freeze()` first keeps which (on the device, no host read) where the grads are about to be zeroed"
+    "The params whose unscaled grads are not finite, named when the scaler's books catch up (or as at `freeze()`)"
     def __init__(self, engines:list, grads:list): self.engines, self.grads, self.frozen = engines, grads, None
     def freeze(self):
-        "Each grad's largest magnitude (inf or NaN where the grad holds one), one foreach op, before the grads are zeroed in place"
-        if self.frozen is None: self.frozen = [torch._foreach_norm([g for _, g in gs], float('inf')) if gs else [] for gs in self.grads]
+        "Each grad's largest magnitude (inf or NaN where it holds one), one foreach op on the device"
+        if self.frozen is None:
+            self.frozen = [torch._foreach_norm([g for _, g in gs], float('inf')) if gs else [] for gs in self.grads]
     def __call__(self) -> list:
-        if self.frozen is None: return [n for e, g in zip(self.engines, self.grads) for n in e.masters.nonfinite_grads(grads=g)]
-        res = []
-        for e, gs, peaks in zip(self.engines, self.grads, self.frozen):
-            for (p, _), peak in zip(gs, torch.stack(peaks).tolist() if peaks else []):
-                if not math.isfinite(peak): res.append(f"{e.masters.names.get(p, tuple(p.shape))} ({'nan' if peak != peak else 'inf'})")
-        return res[:10]
+        if self.frozen is None: peaks = [None] * len(self.grads)
+        else: peaks = [torch.stack(p).tolist() if p else [] for p in self.frozen]
+        return [n for e, g, pk in zip(self.engines, self.grads, peaks)
+                for n in e.masters.nonfinite_grads(grads=g, peaks=pk)]
 
 def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=True, forward_overflow=None) -> torch.Tensor:
     "Unscale the model grads into the masters of `engines`, check them and the losses, clip, agree across ranks and advance `scaler`: one decision, kept by each engine (`forward_overflow`: a sentence on where this batch's forward overflowed, asked for only when training stops)"

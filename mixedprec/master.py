@@ -807,18 +807,20 @@ class MasterParams:
         return ([(p, g if g is not None else m.grad) for p, m, g in self.pairs if p.grad is not None] + [(p, p.grad) for p in self.own if p.grad is not None]
                 + self._remote_grads)
 
-    def nonfinite_grads(self, limit:int=10, grads:list=None) -> list:
-        "Names of the model params whose grads (default: the model's; or `(param, grad)` pairs) hold inf or NaN (with which), for messages"
-        if grads is None: grads = [(p, p.grad) for p, _, _ in self.pairs if p.grad is not None] + [(p, p.grad) for p in self.own if p.grad is not None]
+    def nonfinite_grads(self, limit:int=10, grads:list=None, peaks:list=None) -> list:
+        "Names of the params whose grads (default: the model's; or `(param, grad)` pairs) hold inf or NaN, for messages"
+        # `peaks`: each grad's largest magnitude, taken earlier (the grads may have been zeroed since)
+        if grads is None:
+            grads = [(p, p.grad) for p, _, _ in self.pairs if p.grad is not None]
+            grads += [(p, p.grad) for p in self.own if p.grad is not None]
         if not grads: return []
-        try: norms = l2norm([g for _, g in grads], per_tensor=True, impl=self.impl)[1].tolist()   # one host read: a non-finite grad has a non-finite norm
-        except (RuntimeError, ValueError): norms = [float('nan')] * len(grads)     # a layout the kernel refuses: look at each
-        res = []
-        for (p, g), n in zip(grads, norms):
-            if math.isfinite(n) or torch.isfinite(g).all(): continue               # (a huge finite fp32 grad can have an inf norm)
-            res.append(f"{self.names.get(p, tuple(p.shape))} ({'nan' if torch.isnan(g).any() else 'inf'})")
-            if len(res) >= limit: break
-        return res
+        if peaks is not None: kinds = ['nan' if x != x else 'inf' if not math.isfinite(x) else None for x in peaks]
+        else:   # one host read: a non-finite grad has a non-finite norm (and a huge finite fp32 grad may have one too)
+            try: norms = l2norm([g for _, g in grads], per_tensor=True, impl=self.impl)[1].tolist()
+            except (RuntimeError, ValueError): norms = [float('nan')] * len(grads)     # a layout the kernel refuses
+            kinds = [None if math.isfinite(n) or torch.isfinite(g).all() else 'nan' if torch.isnan(g).any() else 'inf'
+                     for (_, g), n in zip(grads, norms)]
+        return [f"{self.names.get(p, tuple(p.shape))} ({kind})" for (p, _), kind in zip(grads, kinds) if kind][:limit]
 
     def device(self) -> torch.device:
         "The device of the params (the CPU when there are none)"

@@ -110,7 +110,7 @@ class LossScaler:
         return ~clean
 
     def freeze_names(self):
-        "Steps not yet in the books keep which params overflowed now (on the device), before their grads are zeroed"
+        "Steps not yet in the books keep which params overflowed (on the device), before their grads are zeroed"
         for entry in self._pending:
             if hasattr(entry[3], 'freeze'): entry[3].freeze()
 

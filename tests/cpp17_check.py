@@ -1,20 +1,15 @@
-"""Compile every kernel source as C++17 against this Python's torch headers (`python tests/cpp17_check.py`): the C++ sources
-and the CUDA emulator with g++ (-fsyntax-only), the CUDA sources with nvcc (to PTX only: no GPU and no link needed) where a
-CUDA toolkit is found. torch up to 2.13 builds extensions as C++17 (torch 2.14 as C++20), so the oldest torch that
-pyproject.toml declares is where this runs (.ci/torch_range.sh); its headers compile as C++17, and ours must too."""
-import os, subprocess, sys, sysconfig, tempfile, time
+"""Compile every kernel source as C++17 against this Python's torch headers (`python tests/cpp17_check.py`): the C++
+sources and the CUDA emulator with g++ (-fsyntax-only), the CUDA sources with nvcc (to PTX only: no GPU and no link
+needed) where a CUDA toolkit is found. torch up to 2.13 builds extensions as C++17 (torch 2.14 as C++20), so this runs
+under an older torch whose headers compile as C++17 (.ci/torch_range.sh: 2.4.1); ours must too."""
+import subprocess, sys, sysconfig, tempfile, time
 from pathlib import Path
 from torch.utils.cpp_extension import include_paths
+from mixedprec.ops import find_cuda_home
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / 'mixedprec' / 'csrc'
 CUDA_ARCH = 'compute_90'
-
-def cuda_home():
-    "The CUDA toolkit's folder (with bin/nvcc), or None; the same search as mixedprec.ops.find_cuda_home, without importing torch's CUDA"
-    for d in (os.environ.get('CUDA_HOME'), os.environ.get('CUDA_PATH'), '/usr/local/cuda'):
-        if d and (Path(d) / 'bin' / 'nvcc').exists(): return Path(d)
-    return None
 
 def run(what, cmd):
     "Run one compile; print its time, or its errors and fail"
@@ -27,11 +22,12 @@ def main():
     incs = [f'-I{p}' for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f'-I{CSRC}']
     for src in [CSRC / 'mixedprec.cpp', CSRC / 'cpu_kernels.cpp', ROOT / 'tests' / 'csrc' / 'cuda_emulator.cpp']:
         run(src.name, ['g++', '-std=c++17', '-fsyntax-only', '-fopenmp', '-DWITH_CUDA', *incs, str(src)])
-    home = cuda_home()
+    home = find_cuda_home()
     if home is None: print("cpp17_check: no CUDA toolkit: the .cu sources were not compiled"); return
+    nvcc = [str(Path(home) / 'bin' / 'nvcc'), '-std=c++17', '--fmad=false', '-DWITH_CUDA', f'-arch={CUDA_ARCH}', '-ptx']
     with tempfile.TemporaryDirectory() as tmp:
         for src in sorted(CSRC.glob('*.cu')):
-            run(src.name, [str(home / 'bin' / 'nvcc'), '-std=c++17', '--fmad=false', '-DWITH_CUDA', f'-arch={CUDA_ARCH}', '-ptx',
-                           *incs, f'-I{home / "include"}', str(src), '-o', str(Path(tmp) / f'{src.stem}.ptx')])
+            out = Path(tmp) / f'{src.stem}.ptx'
+            run(src.name, nvcc + [*incs, f'-I{Path(home) / "include"}', str(src), '-o', str(out)])
 
 if __name__ == '__main__': main()

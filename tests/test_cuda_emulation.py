@@ -160,9 +160,9 @@ def test_adam_step_bit_exact(device, mode, layout, grad_dtype, decoupled, wd):
     assert_same(*runs)
 
 def test_many_tensors_over_many_launches_carry_their_state(on_emulator):
-    # over 48 tensors per launch (the most a table of Adam's seven lists holds): tensors in later tables keep their step
-    # count, seed and per-tensor norm, and a launch's many blocks (the small grid gives the 25,000-element tensor 391) each
-    # find their own tensor
+    # over 48 tensors per launch (the most a table of Adam's seven lists holds): tensors in later tables keep their
+    # step count, seed and per-tensor norm, and a launch's many blocks (the small grid gives the 25,000-element tensor
+    # 391) each find their own tensor
     rng = random.Random(0)
     sizes = [rng.randrange(1, 300) for _ in range(70)] + [25_000] + [rng.randrange(1, 300) for _ in range(30)]
     on_emulator.reset_counters()
@@ -178,7 +178,7 @@ def test_many_tensors_over_many_launches_carry_their_state(on_emulator):
     for r, f in zip(runs[:2], runs[2:]):
         assert_same(r[:-2], f[:-2])
         torch.testing.assert_close(f[-1], r[-1], rtol=1e-5, atol=0)
-    assert on_emulator.counters()[2] >= 2 * 3                # each fused step: at least 3 launches of at most 48 tensors
+    assert on_emulator.counters()[2] >= 2 * 3                # each fused step: 3 launches or more (48 tensors each)
 
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 1023, 1024, 1025, 70_001])
 def test_aligned_lists_go_in_packs_and_ragged_ends_element_by_element(emu, n):
@@ -283,7 +283,8 @@ def state8(sizes, layout, which, seed, scale, signed, device):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ['sgd', 'adam'])
 def test_8bit_state_steps_bit_exact(device, mode, layout, kind):
-    "8-bit optimizer state: codes and a scale per 256 elements, decoded, updated and encoded again by a warp per block (on the small grid, blocks that start in one chunk and end in the next), as the reference"
+    "8-bit state: codes and a scale per 256 elements, decoded, updated and encoded again by a warp a block, as the ref"
+    # (on the small grid, blocks that start in one chunk and end in the next)
     sizes = SIZES['tiny'] + SIZES['ragged'] + [255, 256, 257, 70000]
     runs = []
     for impl in ('ref', 'fused'):
@@ -314,8 +315,8 @@ def test_8bit_step_reads_each_input_once_in_coalesced_packs(emu, layout, packed)
     v, vsc = state8(sizes, layout, 4, 92, 0.01, False, 'cpu')
     grads = make(sizes, torch.float16, layout, 0, seed=93, scale=1024.)
     emu.reset_counters()
-    emu.adam_step(grads, params, m, v, out, torch.tensor(False), [torch.zeros(1)], 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, 0.1, True,
-                  [], None, torch.tensor([[1, 2]]), [*msc, *vsc])
+    emu.adam_step(grads, params, m, v, out, torch.tensor(False), [torch.zeros(1)], 1 / 1024, 1e-2, 0.9, 0.999, 1e-8,
+                  0.1, True, [], None, torch.tensor([[1, 2]]), [*msc, *vsc])
     elements, packs, _ = emu.counters()
     n = sizes[0]
     assert elements + PACK * packs == 8 * n               # g, master, m, v read; master, m, v, half copy written

@@ -53,8 +53,8 @@ template <int Depth, bool WithScalar = false> struct TensorTable {
   float* scalar[WithScalar ? kMaxTensors : 1];   // a per-tensor scalar in device memory (WithScalar only)
   int64_t numel[kMaxTensors];
   int global_index[kMaxTensors];            // index of the tensor in the caller's lists (for per-tensor outputs)
-  int first_block[kMaxTensors + 1];         // the first block of each slot's tensor; first_block[slots] = the launch's blocks
-  int slots;
+  int first_block[kMaxTensors];             // the first block of each slot's tensor (its chunks follow it)
+  int slots;                                // slots in use
 };
 
 // One thread of a launch: its block, its index in the block, and the block's size.
@@ -75,7 +75,6 @@ void plan_launches(const std::vector<std::vector<at::Tensor>>& lists, const std:
   int64_t blocks = 0;
   auto flush = [&]() {
     if (slots == 0) return;
-    table.first_block[slots] = (int)blocks;
     table.slots = slots;
     launch(table, (int)blocks);
     slots = 0; blocks = 0;
@@ -84,8 +83,8 @@ void plan_launches(const std::vector<std::vector<at::Tensor>>& lists, const std:
     const int64_t numel = lists[0][t].numel();
     if (numel == 0) continue;
     const int64_t chunks = (numel + chunk - 1) / chunk;
-    TORCH_CHECK(chunks <= kMaxLaunchBlocks, msg("multi_tensor_apply: tensor ", (int64_t)t, " has ", numel, " elements, more than ",
-                                                  kMaxLaunchBlocks, " chunks of ", chunk));
+    TORCH_CHECK(chunks <= kMaxLaunchBlocks, msg("multi_tensor_apply: tensor ", (int64_t)t, " has ", numel,
+                                                  " elements, more than ", kMaxLaunchBlocks, " chunks of ", chunk));
     if (slots == Table::kMaxTensors || blocks + chunks > kMaxLaunchBlocks) flush();
     for (int d = 0; d < Depth; ++d) table.addr[d][slots] = lists[d][t].data_ptr();
     if constexpr (WithScalar) table.scalar[slots] = (*scalars)[t].data_ptr<float>();
@@ -252,7 +251,7 @@ MIXEDPREC_HD void walk(const Lane& lane, int64_t begin, int64_t end, int head, B
 #ifdef __CUDA_ARCH__
 #pragma unroll 4
 #endif
-  for (int64_t k = lane.thread; k < packs; k += lane.threads) body(Width<kPack>(), first + k * kPack);   // unrolled: loads in flight
+  for (int64_t k = lane.thread; k < packs; k += lane.threads) body(Width<kPack>(), first + k * kPack);  // unrolled
   for (int64_t i = begin + lane.thread; i < first; i += lane.threads) body(Width<1>(), i);
   for (int64_t i = rest + lane.thread; i < end; i += lane.threads) body(Width<1>(), i);
 }
@@ -269,13 +268,15 @@ constexpr int kLanesPerCall = kWarp;
 constexpr int kQPerLane = 8;                   // 8-bit state: elements of a 256-element quantisation block per lane
 
 template <typename F, typename = void> struct is_warp_wide : std::false_type {};
-template <typename F> struct is_warp_wide<F, std::void_t<decltype(F::kWarpWide)>> : std::integral_constant<bool, F::kWarpWide> {};
+template <typename F>
+struct is_warp_wide<F, std::void_t<decltype(F::kWarpWide)>> : std::integral_constant<bool, F::kWarpWide> {};
 
 // The largest of each list's values over a warp's lanes (v[lane in the call][list]), given to every lane.
 template <int N> MIXEDPREC_HD void warp_max(uint32_t (&v)[kLanesPerCall][N]) {
 #ifdef __CUDA_ARCH__
   MIXEDPREC_UNROLL for (int k = 0; k < N; ++k)
-    MIXEDPREC_UNROLL for (int o = kWarp / 2; o > 0; o >>= 1) v[0][k] = max(v[0][k], __shfl_xor_sync(0xffffffffu, v[0][k], o));
+    MIXEDPREC_UNROLL for (int o = kWarp / 2; o > 0; o >>= 1)
+      v[0][k] = max(v[0][k], __shfl_xor_sync(0xffffffffu, v[0][k], o));
 #else
   for (int k = 0; k < N; ++k) {
     uint32_t m = 0;

@@ -12,7 +12,8 @@ namespace mixedprec {
 // At least two blocks per multiprocessor: the 8-bit steps' functors would take 66-71 registers a thread and leave room
 // for one block (16 warps) only, too few to keep loads in flight; capped at 64, two blocks fit.
 template <typename Table, typename Functor, typename... Args>
-__global__ void __launch_bounds__(kBlockSize, 2) multi_tensor_kernel(int64_t chunk, const int* __restrict__ noop, Table table, Functor f, Args... args) {
+__global__ void __launch_bounds__(kBlockSize, 2)
+multi_tensor_kernel(int64_t chunk, const int* __restrict__ noop, Table table, Functor f, Args... args) {
   f(Lane{(int)blockIdx.x, (int)threadIdx.x, (int)blockDim.x}, chunk, noop, table, args...);
 }
 

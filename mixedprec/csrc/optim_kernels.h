@@ -74,14 +74,17 @@ template <int SMode, int W> MIXEDPREC_HD void store_state(const float (&x)[W], S
 }
 
 // 8-bit state: the quantisation blocks that start in the chunk [begin, end) (a block may run past the chunk's end: it
-// belongs to the chunk it starts in), one per warp at a time, as body(first, lane in the warp of the call's first lane).
+// belongs to the chunk it starts in), one per warp at a time, as body(first, lane in the warp of the call's first
+// lane).
 template <typename Body> MIXEDPREC_HD void walk_qblocks(const Lane& lane, int64_t begin, int64_t end, Body&& body) {
   const int64_t first = (begin + kQBlock - 1) / kQBlock * kQBlock;
-  const int warps = lane.threads < kWarp ? 1 : lane.threads / kWarp;
-  for (int64_t q = first + (int64_t)(lane.thread / kWarp) * kQBlock; q < end; q += (int64_t)warps * kQBlock) body(q, lane.thread % kWarp);
+  const int64_t warps = lane.threads < kWarp ? 1 : lane.threads / kWarp;
+  for (int64_t q = first + (int64_t)(lane.thread / kWarp) * kQBlock; q < end; q += warps * kQBlock)
+    body(q, lane.thread % kWarp);
 }
 
-static_assert(kQPerLane * kWarp == kQBlock && kQPerLane % kPack == 0, "a warp's lanes cover a quantisation block in whole packs");
+static_assert(kQPerLane * kWarp == kQBlock && kQPerLane % kPack == 0,
+              "a warp's lanes cover a quantisation block in whole packs");
 
 MIXEDPREC_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
@@ -113,8 +116,9 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
   // `update(g, master, state...)` (one state list: SGD's buffer, signed; two: Adam's m signed and v unsigned), which
   // updates the decoded state in place and returns the new master. A block's scale depends on all its new values: each
   // lane keeps its new values in registers, the warp agrees on each list's largest magnitude (warp_max), and each lane
-  // encodes and writes its own. Every input is read once, in coalesced packs (lane l's packs at qb + 4l and qb + 128 + 4l)
-  // when the block is whole and every list aligned at its start, else element by element (lane l's at qb + l + 32j).
+  // encodes and writes its own. Every input is read once, in coalesced packs (lane l's packs at qb + 4l and
+  // qb + 128 + 4l) when the block is whole and every list aligned at its start, else element by element (lane l's at
+  // qb + l + 32j).
   template <int N, typename Update> MIXEDPREC_HD void step_qblock8(int64_t qb, int wl0, Update&& update) const {
     static_assert(SMode == kState8 && (N == 1 || N == 2), "8-bit state, one or two lists");
     StateBits<SMode>* const codes[2] = {s0, s1};
@@ -128,7 +132,8 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
     uint32_t most[kLanesPerCall][N];
     auto lane_items = [&](int wl, auto&& item) {          // item(width, j, i): the lane's items j.. at element i..
       if (packed) {
-        MIXEDPREC_UNROLL for (int j = 0; j < kQPerLane; j += kPack) item(Width<kPack>(), j, qb + (int64_t)j * kWarp + wl * kPack);
+        MIXEDPREC_UNROLL for (int j = 0; j < kQPerLane; j += kPack)
+          item(Width<kPack>(), j, qb + (int64_t)j * kWarp + wl * kPack);
       } else {
         MIXEDPREC_UNROLL for (int j = 0; j < kQPerLane; ++j) {
           const int64_t i = qb + (int64_t)j * kWarp + wl;
@@ -289,7 +294,8 @@ inline std::vector<at::Tensor> scale_list(const std::vector<at::Tensor>& state_s
     default: { constexpr int kSMode = kStateFp32; __VA_ARGS__(); break; }                                   \
   }
 
-// A type passed as a value (C++17 has no std::type_identity): `body(TypeTag<float>())`, then `typename decltype(tag)::type`.
+// A type passed as a value (C++17 has no std::type_identity): `body(TypeTag<float>())`, then
+// `typename decltype(tag)::type`.
 template <typename T> struct TypeTag { using type = T; };
 
 // The element type O of the half model copy, which is part of every functor's type: dispatched only where there is a copy
@@ -297,7 +303,8 @@ template <typename T> struct TypeTag { using type = T; };
 template <int Mode, typename Body> void with_out_type(bool has_out, at::ScalarType type, Body&& body) {
   if constexpr (Mode == kFp32) {
     if (has_out) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out", [&] { body(TypeTag<scalar_t>()); });
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out",
+                                      [&] { body(TypeTag<scalar_t>()); });
       return;
     }
   }

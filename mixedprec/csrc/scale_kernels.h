@@ -12,7 +12,9 @@ template <typename S, typename D, bool Add> struct ScaleFunctor {
     const float scale = scale_ptr ? *scale_ptr : host_scale;
     int64_t begin, end;
     const int slot = block_range(t, lane, chunk, begin, end);
-    const S* __restrict__ src = static_cast<const S*>(t.addr[0][slot]);   // distinct tensors (or the same, in place, read first)
+    // restrict: lets nvcc keep the unrolled packs' loads in flight ahead of the stores. In place (src == dst), each
+    // element is read by the thread that writes it, before it writes it, and no two elements overlap.
+    const S* __restrict__ src = static_cast<const S*>(t.addr[0][slot]);
     D* __restrict__ dst = static_cast<D*>(t.addr[1][slot]);
     bool bad = false;
     walk(lane, begin, end, pack_head(src, dst), [&](auto width, int64_t i) {

@@ -25,7 +25,7 @@ struct HostGrid {
   static void run(const Table& table, int blocks, const int* noop, Functor f, Args... args) {
     Table arg = table;                                     // a kernel gets its own copy of the table
     ++launches_;
-    const int step = is_warp_wide<Functor>::value ? kWarp : 1;   // a warp-wide functor: one call per warp, for all its lanes
+    const int step = is_warp_wide<Functor>::value ? kWarp : 1;   // warp-wide: one call per warp, for all its lanes
     for (int b = 0; b < blocks; ++b)
       for (int th = 0; th < threads_; th += step) f(Lane{b, th, threads_}, chunk_, noop, arg, args...);
   }
