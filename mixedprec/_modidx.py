@@ -200,6 +200,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'mixedprec.convert.fp32_copy': ('convert.html#fp32_copy', 'mixedprec/convert.py'),
                                    'mixedprec.convert.masters_for': ('convert.html#masters_for', 'mixedprec/convert.py'),
                                    'mixedprec.convert.speed_note': ('convert.html#speed_note', 'mixedprec/convert.py'),
+                                   'mixedprec.convert.state_dict_hooks': ('convert.html#state_dict_hooks', 'mixedprec/convert.py'),
                                    'mixedprec.convert.to_fp32': ('convert.html#to_fp32', 'mixedprec/convert.py'),
                                    'mixedprec.convert.watch_overflow': ('convert.html#watch_overflow', 'mixedprec/convert.py')},
             'mixedprec.demo': { 'mixedprec.demo.TableLogger': ('demo.html#tablelogger', 'mixedprec/demo.py'),

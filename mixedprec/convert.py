@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'ModelConversion', 'CastIO', 'DtypeHint', 'masters_for',
-           'TakeMasterEdits', 'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model', 'fp32_copy',
-           'Overflow', 'watch_overflow', 'speed_note']
+           'TakeMasterEdits', 'state_dict_hooks', 'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model',
+           'fp32_copy', 'Overflow', 'watch_overflow', 'speed_note']
 
 # %% ../nbs/12_convert.ipynb #1944725e
 import contextlib, copy, dataclasses, sys
@@ -232,6 +232,12 @@ class TakeMasterEdits:
         if torch.compiler.is_compiling(): return     # traced code does not read version counters: a compiled model takes such edits at its next step
         take_master_edits(self.conversion.masters.items())
 
+def state_dict_hooks(model:nn.Module) -> tuple:
+    "`model`'s `register_state_dict_post_hook` and `register_load_state_dict_pre_hook` (torch before 2.5: the same hooks, private)"
+    save = getattr(model, 'register_state_dict_post_hook', None) or model._register_state_dict_hook
+    load = getattr(model, 'register_load_state_dict_pre_hook', None)
+    return save, load or (lambda hook: model._register_load_state_dict_pre_hook(hook, with_module=True))
+
 class SaveMasters:
     "`state_dict` hook: the fp32 master of each half param in place of its rounded value"
     def __init__(self, conversion): self.conversion = conversion
@@ -340,7 +346,8 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                 _check_range(b, dtype, f"buffer {name} of a {type(m).__name__}")
     if masters:
         load = LoadMasters(res)
-        res.hooks += [model.register_state_dict_post_hook(SaveMasters(res)), model.register_load_state_dict_pre_hook(load),
+        save_hook, load_hook = state_dict_hooks(model)
+        res.hooks += [save_hook(SaveMasters(res)), load_hook(load),
                       model.register_load_state_dict_post_hook(load.loaded), model.register_forward_pre_hook(TakeMasterEdits(res))]
         for p, m in res.masters.items(): mark_written(p, m)
     if cast_io:

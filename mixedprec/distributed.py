@@ -59,8 +59,10 @@ FSDP2_ADVICE = ("mixedprec does not drive FSDP2 yet. For weights sharded across 
 def fsdp2_sharded(params) -> bool:
     "True when a module (or any of its submodules) was wrapped by FSDP2's `fully_shard`, or any of `params` is a DTensor it holds (between a forward and its backward, the root's params are plain tensors: the module's class tells)"
     if not dist.is_available(): return False
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.fsdp import FSDPModule
+    try: from torch.distributed.tensor import DTensor
+    except ImportError: from torch.distributed._tensor import DTensor                 # torch before 2.5
+    try: from torch.distributed.fsdp import FSDPModule
+    except ImportError: from torch.distributed._composable.fsdp import FSDPModule     # torch before 2.6
     if isinstance(params, torch.nn.Module):
         if any(isinstance(m, FSDPModule) for m in params.modules()): return True
         params = params.parameters()

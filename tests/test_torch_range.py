@@ -10,7 +10,7 @@ def fit(how):
     learn = synth_learner(seed=3)
     if how != 'fp32': getattr(learn, how)()
     before = float(learn.validate()[0])
-    learn.fit(8, 3e-2)
+    learn.fit(12, 3e-2)
     return learn, before, float(learn.validate()[0])
 
 @pytest.mark.parametrize("how", ['to_fp16', 'to_bf16'])

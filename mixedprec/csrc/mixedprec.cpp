@@ -208,7 +208,11 @@ void adam_step_op(TL grads_, TL params_, TL exp_avgs_, TL exp_avg_sqs_, TL out_,
 
 }  // namespace mixedprec
 
-TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+// TORCH_LIBRARY stringizes its namespace argument as written, before torch 2.14 (or so) without expanding it: called
+// directly, it defined the ops as TORCH_EXTENSION_NAME::op, while TORCH_LIBRARY_IMPL expands the name, so the ops had
+// kernels and no schema and torch.ops found none. One macro between them expands the build's name first.
+#define MIXEDPREC_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+MIXEDPREC_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("scale_check_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor? scale_tensor=None) -> Tensor");
   m.def("scale_add_check_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor? scale_tensor=None) -> Tensor");
   m.def("l2norm(Tensor[] tensors) -> (Tensor, Tensor)");
