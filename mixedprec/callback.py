@@ -27,7 +27,7 @@ from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters, watch_overflow
 from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_param_state, bf16_master
-from .engine import StepEngine, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
+from .engine import StepEngine, unscale_into, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
 from fastcore.xtras import join_path_file
 from .ops import warn_once, require_impl
@@ -115,11 +115,21 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def learn(self, learn):
         "fastai sets `learn` to None when it removes the callback (`remove_cb`, or the end of `fit(cbs=...)`): leave mixed precision then, as `to_fp32()` does"
         old = self.__dict__.get('_learn')
-        if learn is not None and old is not None and learn is not old:
-            raise ValueError("this MixedPrecision callback already runs another Learner's mixed precision (its masters are that model's): give each Learner "
-                             "its own, `cbs=MixedPrecision(...)` per Learner, `learn.to_fp16()`, or pass the class `cbs=MixedPrecision`")
+        if learn is not None and old is not None and learn is not old: self._move_from(old)
         if learn is None and old is not None and self.conversion is not None: self.leave()
         self.__dict__['_learn'] = learn
+
+    def _move_from(self, old):
+        "Given to another Learner: leave the first one (back in fp32, without this callback), unless it is fitting now"
+        if _fitting(old):
+            raise ValueError("this MixedPrecision callback runs the mixed precision of a Learner that is fitting now (its masters are that model's): "
+                             "give each Learner its own, `cbs=MixedPrecision(...)` per Learner, or pass the class `cbs=MixedPrecision`")
+        old.remove_cb(self)                    # the first Learner is fp32 again, with its weights from the masters
+
+    @property
+    def model_pgs(self) -> list: "The half model's params, by optimizer group (fastai's `NonNativeMixedPrecision` name)"; return self.masters.model_groups
+    @property
+    def master_pgs(self) -> list: "The fp32 masters the optimizer steps, by group (fastai's `NonNativeMixedPrecision` name)"; return self.masters.groups
 
     def leave(self):
         "Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state kept (sharded: gathered, on every rank)"
@@ -225,7 +235,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self.__dict__.update({'engine': None, 'state_io': None, 'decide': None, 'impl': None, '_kept_history': None, **state})
 
     def before_fit(self):
-        "Prepare the half model and the masters, and swap the masters into the optimizer; the step engine steps them in `before_step`"
+        "Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step engine's"
         self.prepare()
         cast_back = [p for p in self.conversion.masters if p.dtype != self.dtype]
         if cast_back: raise ValueError(f"the model's weights are {cast_back[0].dtype} again (`model.float()` after `to_fp16()`?) while mixed precision is on, "
@@ -259,23 +269,14 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if self.engine is not None: self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
 
     def before_step(self):
-        "Unscale into the master grads (check, clip, update the scale), let the later callbacks see them, then step or skip in the engine, which cancels fastai's own step"
+        "Unscale into the master grads (check, clip, update the scale); cancel the step if it is skipped. fastai's `opt.step()` is then the engine's"
         xb, e = self.learn.xb, self.engine
         if e is None: return                         # nothing was converted: nothing to unscale
         e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
                   forward_overflow=lambda: self._forward_overflow(xb))                  # run when training stops
-        if not e.on_device and e.must_skip():        # a skip decided on the host: cancelled here, as fastai's own MixedPrecision does (later callbacks do not run)
+        if not e.on_device and e.must_skip():        # a skip decided on the host: cancelled, as fastai's own MixedPrecision does
             e.discard()
             raise CancelStepException()
-        try: self._later_callbacks('before_step')
-        except BaseException: e.discard(); raise     # one of them cancelled the step (or failed): the grads are dropped, as fastai's own step would not run
-        e.step()
-        raise CancelStepException()                  # stepped (or skipped) already: fastai's `opt.step()` must not step the masters again
-
-    def _later_callbacks(self, event:str):
-        "Run `event` on the Learner's callbacks ordered after this one: the ones fastai's loop will not reach once `before_step` cancels"
-        cbs = list(self.learn.cbs.sorted('order'))
-        for cb in cbs[next(i for i, c in enumerate(cbs) if c is self) + 1:]: cb(event)
 
     def after_step(self):
         "Drop the model's half grads (the engine has written the masters into the model); fastai's own `opt.zero_grad()`, which follows, clears the masters' grads as it would in fp32"
@@ -398,6 +399,16 @@ class MixedPrecisionOpt(GetAttr):
         if cb.state_io is not self: cb.attach_opt()
         return cb
 
+    def step(self, closure=None):
+        "The step engine's step: the fp32 masters stepped (or the step skipped), then written into the half model. Outside a fit, the grads of a plain `loss.backward()` are taken as they are (no loss scale)"
+        e = self._attached().engine
+        if e.found is None and e.masters.raw_grads(): unscale_into([e], LossScaler(1., dynamic=False))
+        return e.step(closure)
+
+    def zero_grad(self):
+        "Clear the grads of the model's params and of the masters: zeroed in place by fastai's optimizer, set to None by a torch one (`OptimWrapper`)"
+        self._attached().engine.zero_grad(set_to_none=not isinstance(self.opt, Optimizer))
+
     def state_dict(self) -> dict:
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
         cb = self._attached(); opt, masters = self.opt, cb.masters
@@ -458,6 +469,15 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
         self.opt.load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
         self.cb.engine.drop_remote_state()
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
+
+def _fitting(learn) -> bool:
+    "True while `learn.fit` runs, in any thread (its `_do_fit` is on a stack)"
+    import sys
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code is Learner._do_fit.__code__ and frame.f_locals.get('self') is learn: return True
+            frame = frame.f_back
+    return False
 
 def _raw_opt(learn):
     "`learn.opt` as fastai built it: the optimizer inside mixedprec's `MixedPrecisionOpt`, if it is one"

@@ -150,7 +150,7 @@ class CastIO:
         "Register both hooks on `module`; returns their handles"
         return [module.register_forward_pre_hook(self.pre, with_kwargs=True), module.register_forward_hook(self.post)]
 
-_DTYPE_ERRORS = ('must have the same dtype', 'expected scalar type', 'Input type', 'should be the same', 'found dtype', 'expected both')
+_DTYPE_ERRORS = ('the same dtype', 'expected scalar type', 'Input type', 'should be the same', 'found dtype', 'expected both')
 
 def _running(model) -> bool:
     "True when `model`'s own forward is on the stack (a frame of torch's module call has it as `self`): read on an error path only"
@@ -216,9 +216,13 @@ class DtypeHint:
                        f"Call it through that model, or cast its inputs (`x.to({self.dtype})`). fastai's GANLearner is not supported: train it "
                        f"with fastai's own AMP (`mixedprec.callback.fastai_to_fp16(learn)`) or in fp32.")
             return
+        inner = _innermost_module(e.__traceback__) or module
+        root = self.model if self.model is not None else module
+        where = next((f"`{n}` ({type(inner).__name__})" for n, m in root.named_modules() if m is inner and n), type(inner).__name__)
         e.add_note(f"mixedprec: the model runs in {name} (its inputs are cast on the way in), so this usually means a float32 tensor made inside "
-                   f"`forward` (noise, a positional encoding, `torch.randn(h.shape)`) met a {name} one. Make it in the activations' dtype "
-                   f"(`torch.randn(h.shape, dtype=h.dtype, device=h.device)`, or `t.to(h)`), or keep that module in fp32 (`keep_fp32=`).")
+                   f"the `forward` of {where} (noise, a positional encoding, `torch.zeros(n)`, `torch.randn(h.shape)`) met a {name} one. "
+                   f"Make it in the activations' dtype (`torch.randn(h.shape, dtype=h.dtype, device=h.device)`, or `t.to(h)`), or keep "
+                   f"{type(inner).__name__} in fp32 (`keep_fp32={type(inner).__name__}`).")
 
 def masters_for(params) -> dict:
     "fp32 masters for the half params among `params` (for models that were made half before we saw them)"

@@ -33,6 +33,7 @@ class _ScaleTensors:
 
 class LossScaler:
     "Static or dynamic loss scale: grows after `max_noskip` clean steps, halves on overflow, never below `min_scale`"
+    judge_after = 32                  # steps (since the first clean one) before the share of skipped steps is judged: a short fit is judged too
     def __init__(self,
         loss_scale:float=None,        # starting scale; 2**16 if dynamic else 512
         dynamic:bool=True,            # adapt the scale to overflows
@@ -145,7 +146,8 @@ class LossScaler:
         self.history.append(rec)
         if self.verbose: self._say(rec)
         overflow = code in (1, 3)
-        self._recent.append((overflow, overflow and self.dynamic and before <= self.min_scale))
+        if self.n_steps > self.n_skipped:            # the first search for a scale (2**16 halved until clean) is not judged
+            self._recent.append((overflow, overflow and self.dynamic and before <= self.min_scale))
         share, at_min = self._shares()
         if share > self.max_skip_share and not self._warned_share and not at_min > self.max_skip_share:
             self._warned_share = True
@@ -155,9 +157,9 @@ class LossScaler:
                           f"some grads are beyond half precision's range: train in bf16, or keep the modules that overflow in fp32." + self._advice(), stacklevel=2)
 
     def _shares(self) -> tuple:
-        "The shares of the last `skip_window` steps (once that many ran; 0 before) that were skipped for overflowing grads, and that overflowed at `min_scale`"
+        "The shares of the last `skip_window` steps since the first clean one (once `judge_after` ran; 0 before) that were skipped for overflowing grads, and that overflowed at `min_scale`"
         r = self._recent
-        if len(r) < r.maxlen: return 0., 0.
+        if len(r) < min(self.judge_after, r.maxlen): return 0., 0.
         return sum(o for o, _ in r) / len(r), sum(m for _, m in r) / len(r)
 
     def update(self, found_inf:bool, reason:str='overflow', grad_norm:float=None, params:tuple=None) -> bool:
@@ -200,7 +202,7 @@ class LossScaler:
         if share > self.max_skip_share:
             return (f"gradients overflowed in {share:.0%} of the last {len(self._recent)} steps at the minimum loss scale {self.min_scale:g} "
                     f"(on and off, not in a row), so only the rest trained. Scaling cannot help: train in bf16, keep the offending modules in fp32, "
-                    f"or lower the learning rate." + self._advice())
+                    f"or lower the learning rate; a loss multiplied by a large constant needs a lower `min_scale` (or a smaller constant)." + self._advice())
         return None
 
     def _advice(self) -> str: return f" {self.advice}" if getattr(self, 'advice', None) else ''

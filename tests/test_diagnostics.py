@@ -307,3 +307,77 @@ def test_overflow_names_kept_before_the_grads_are_zeroed():
     for _, g in grads: g.zero_()
     assert names() == ['0.bias (nan)', '1.weight (inf)']
     assert OverflowNames([e], [grads])() == []                     # unfrozen names look at the grads as they are now
+
+def _classifier(loss_times:float, seed:int=0):
+    "A 4-class MLP Learner (Adam, 33 batches an epoch) whose loss is cross-entropy times `loss_times`"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1200, 16, generator=g); y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
+    dls = DataLoaders(DataLoader(TensorDataset(x[:1056], y[:1056]), bs=32, shuffle=True), DataLoader(TensorDataset(x[1056:], y[1056:]), bs=64))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    learn = Learner(dls, model, loss_func=lambda p, t: nn.functional.cross_entropy(p, t) * loss_times, opt_func=Adam, lr=1e-3)
+    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    return learn
+
+def test_a_short_fit_that_skips_most_steps_at_the_floor_stops_saying_what_to_do():
+    # the loss times 5e5: at fp16's default floor (scale 1) the grads overflow on and off, and 118 of 132 steps were
+    # skipped without a word (fp32: accuracy 0.81, fp16: 0.31). Judged after 32 steps past the scale's first search
+    learn = _classifier(5e5).to_fp16()
+    with pytest.raises(ScalingError, match=r"at the minimum loss scale 1 \(on and off.*lower `min_scale`"): learn.fit(4)
+    sc = learn.mixed_precision.scaler
+    first_clean = next(r.step for r in sc.history if not r.skipped)
+    assert sc.n_steps - first_clean < 32 < 132 - sc.n_steps         # judged 32 steps after the first clean one, in the fit
+    learn = _classifier(5e5).to_fp16(min_scale=2.**-8)          # what the error says: the loss is beyond fp16 at scale 1
+    learn.fit(4)
+    assert learn.mixed_precision.scaler.n_skipped < 30
+
+def test_a_high_share_of_skips_above_the_floor_warns_within_a_short_fit():
+    model = mlp().half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.01), static_loss_scale=8., verbose=False)
+    x = torch.randn(16, 8).half()
+    with pytest.warns(UserWarning, match=r"50% of the last 32 optimizer steps were skipped"):
+        for i in range(40):
+            opt.zero_grad(); opt.backward(model(x).float().mean(), update_master_grads=False)
+            if i % 2: model[3].weight.grad[0, 0] = float('inf')
+            opt.update_master_grads(); opt.step()
+
+def test_the_first_search_for_a_scale_is_not_judged():
+    # 2**24 halves until the first clean step; then none skip: no warning, though more than 25% of the first 32 skipped
+    import warnings
+    learn = _classifier(1.).to_fp16(loss_scale=2.**24)
+    learn.model[0].weight.register_hook(lambda g: g * 2.**8)      # grads that overflow at the first scales
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', UserWarning)
+        warnings.filterwarnings('ignore', message='.*no fp16 units.*')
+        learn.fit(1)
+    assert learn.mixed_precision.scaler.n_skipped > 32 * 0.25
+
+class _NoisyBlock(nn.Module):
+    "A block that makes fp32 tensors inside `forward` (no dtype given), as user code often does"
+    def __init__(self): super().__init__(); self.lin = nn.Linear(8, 8)
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.relu(h) @ (torch.eye(8) + torch.zeros(8)) + 0.01 * torch.randn(h.shape)
+
+class _NoisyNet(nn.Module):
+    def __init__(self): super().__init__(); self.body = nn.Sequential(nn.Linear(8, 8), nn.Sequential(_NoisyBlock())); self.out = nn.Linear(8, 1)
+    def forward(self, x): return self.out(self.body(x))
+
+@pytest.mark.parametrize("precision", ['fp16', 'bf16'])
+def test_an_fp32_tensor_made_in_forward_names_the_module_and_the_fix_that_trains(precision):
+    # decided (DESIGN.md): mixedprec does not run the model under autocast, which would override keep_fp32; the error
+    # names the module by its path and type, and the fix it gives trains like fp32
+    def learner(**kw):
+        torch.manual_seed(0)
+        x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
+        dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
+        learn = Learner(dls, _NoisyNet(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2)
+        learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+        return getattr(learn, f'to_{precision}')(**kw) if precision else learn
+    with pytest.raises(RuntimeError, match="same dtype") as e: learner().fit(1)
+    note = ' '.join(getattr(e.value, '__notes__', []))
+    assert "`body.1.0` (_NoisyBlock)" in note and "keep_fp32=_NoisyBlock" in note and "dtype=h.dtype" in note
+    learn = learner(keep_fp32=_NoisyBlock)
+    learn.fit(3)
+    assert learn.model.body[1][0].lin.weight.dtype == torch.float32 and learn.model.out.weight.dtype != torch.float32
+    assert learn.recorder.values[-1][1] < learn.recorder.values[0][1]

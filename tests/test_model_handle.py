@@ -253,10 +253,19 @@ def test_a_copied_model_keeps_its_masters_for_the_checkpoint():
 
 # ---------------------------------------------------------------- one callback, one Learner
 
-def test_one_callback_instance_on_two_learners_is_refused():
-    mp = MixedPrecision()
-    synth_learner(cbs=mp)
-    with pytest.raises(ValueError, match="another Learner"): synth_learner(cbs=mp)
+def test_one_callback_instance_moves_to_a_second_learner_with_the_first_ones_masters_kept():
+    # fastai's gradient-accumulation cell passes one callback to two Learners in turn: the first goes back to fp32 with
+    # its masters' exact values (not the half weights), the second trains in mixed precision like a fresh to_fp16()
+    mp = MixedPrecision(loss_scale=2.**8)
+    first = synth_learner(opt_func=Adam, lr=1e-2, cbs=mp)
+    first.fit(1)
+    masters = [m.detach().clone() for m in masters_of(first)]
+    second, ref = synth_learner(opt_func=Adam, lr=1e-2, cbs=mp), synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
+    assert _is_fp32(first) and all(torch.equal(p.detach(), m) for p, m in zip(first.model.parameters(), masters))
+    mp.scaler.load_state_dict(ref.mixed_precision.scaler.state_dict())     # the same scale as a fresh callback
+    second.fit(1); ref.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(masters_of(second), masters_of(ref)))
+    first.fit(1)                                          # the first Learner trains on, in fp32
 
 
 # ---------------------------------------------------------------- fastai's own ways out return to fp32
