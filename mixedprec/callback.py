@@ -150,8 +150,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def prepare(self):
         "Convert the model to the half dtype (once), keeping fp32 masters of its weights"
         if self.conversion is None:
-            _refuse_gan(self.learn, "MixedPrecision")
-            self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True)
+            self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True, entries=_called_alone(self.learn.model))
             if not self.conversion.masters and not self.conversion.buffers:     # nothing to cast: the cast hooks go, and the callback does nothing
                 self.conversion.undo()
                 floats = any(p.is_floating_point() for p in self.learn.model.parameters())
@@ -312,13 +311,9 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         return f"This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at {watch.first}. {watch.first.advice()}."
 
     def _check_trainable(self):
-        "Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, and a change made through `.data` since the last step is taken"
+        "Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, and a change made through `.data` since the last step is taken (each step takes them too)"
         self._checked = True
-        if (taken := self.conversion.take_data_edits()):
-            warn_once(f"the weights of {', '.join(map(str, taken[:5]))}{' ...' if len(taken) > 5 else ''} were changed through `.data` since the last step, "
-                      f"which torch's version counter does not show: they are taken as their masters at the start of this fit. A change through "
-                      f"`.data` during a fit is lost at the next step: change params in place under `torch.no_grad()` (`p.normal_()`, not "
-                      f"`p.data.normal_()`)", ('data edits', tuple(map(str, taken))))
+        self.conversion.take_data_edits()              # changes through `.data` since the last step: the masters before anything reads them
         model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
         if not model_params: raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some (`learn.unfreeze()`), or use `get_preds` for inference")
         if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
@@ -485,18 +480,14 @@ def _raw_opt(learn):
     return opt.opt if isinstance(opt, MixedPrecisionOpt) else opt
 
 # %% ../nbs/15_callback.ipynb #adb7b617
-def _refuse_gan(learn, where:str):
-    "Raise `TypeError`, saying why and what to do, for fastai's `GANLearner`, which mixedprec does not support yet"
-    if any(type(m).__module__ == 'fastai.vision.gan' for m in learn.model.modules()) or any(type(c).__name__ == 'GANTrainer' for c in learn.cbs):
-        raise TypeError(f"{where}: mixedprec does not support fastai's GANLearner yet. Its `GANLoss` calls the generator and the critic itself, "
-                        "with fp32 tensors that the half model's input casting never sees, and its `GANTrainer` clamps the critic's weights "
-                        "through `p.data`, which bypasses the version counters that carry an edit to the fp32 masters, so a WGAN would train "
-                        "unclipped. Train the GAN in fp32, or with fastai's native AMP on a GPU (`mixedprec.callback.fastai_to_fp16(learn)`)")
+def _called_alone(model) -> tuple:
+    "The submodules that code outside the model's forward calls: fastai's `GANLoss` calls a `GANModule`'s generator and critic"
+    if not any(c.__name__ == 'GANModule' and c.__module__ == 'fastai.vision.gan' for c in type(model).__mro__): return ()
+    return tuple(m for m in (getattr(model, 'generator', None), getattr(model, 'critic', None)) if isinstance(m, nn.Module))
 
 def _attach(learn, cb):
     "Replace any mixed-precision callback of `learn` by `cb`: convert the model, and give the optimizer its masters"
     refuse_fsdp2(learn.model, "to_fp16/to_bf16")
-    _refuse_gan(learn, "to_fp16/to_bf16")
     require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)   # kernels that cannot run: refused before anything changes
     learn.to_fp32()
     learn.add_cb(cb)

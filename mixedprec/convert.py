@@ -213,8 +213,8 @@ class DtypeHint:
         if self.model is not None and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) and not _running(self.model):
             e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was called by itself with float32 "
                        f"inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs of the model it converted only. "
-                       f"Call it through that model, or cast its inputs (`x.to({self.dtype})`). fastai's GANLearner is not supported: train it "
-                       f"with fastai's own AMP (`mixedprec.callback.fastai_to_fp16(learn)`) or in fp32.")
+                       f"Call it through that model, or cast its inputs (`x.to({self.dtype})`); `convert_model(..., entries=)` names the "
+                       f"submodules called by themselves, whose inputs are cast too (fastai's GANLearner's generator and critic are).")
             return
         inner = _innermost_module(e.__traceback__) or module
         root = self.model if self.model is not None else module
@@ -320,8 +320,9 @@ def _check_range(t, dtype, what):
     if tiny > 0.01 * t.numel(): warn_once(f"{tiny / t.numel():.1%} of the {what} are below fp16's smallest value (6e-8) and become 0 in the half model; "
                                           "the fp32 masters keep them, but the forward pass sees zeros. Consider bf16", ('tiny', what))
 
-def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchNorm,), cast_io:bool=False, masters:bool=True) -> ModelConversion:
-    "Cast `model` in place to `dtype`, except modules of a `keep_fp32` type; return the fp32 masters (none with `masters=False`) and what to undo"
+def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchNorm,), cast_io:bool=False, masters:bool=True,
+                  entries:tuple=()) -> ModelConversion:
+    "Cast `model` in place to `dtype`, except modules of a `keep_fp32` type; return the fp32 masters (none with `masters=False`) and what to undo. `entries`: submodules that code calls by themselves too (a GAN's generator and critic), whose inputs and outputs are cast like the model's"
     dtype = check_half_dtype(dtype)
     if not isinstance(model, nn.Module): raise TypeError(f"convert_model takes an nn.Module, got {type(model).__name__}")
     if getattr(model, '_mixedprec_conversion', None) is not None:
@@ -355,7 +356,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                       model.register_load_state_dict_post_hook(load.loaded), model.register_forward_pre_hook(TakeMasterEdits(res))]
         for p, m in res.masters.items(): mark_written(p, m)
     if cast_io:
-        res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(model)
+        for entry in (model, *entries): res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(entry)
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))
         res.hooks += [child.register_forward_hook(DtypeHint(dtype, model), always_call=True) for child in model.children()]
     model._mixedprec_conversion = res

@@ -470,6 +470,7 @@ class StepEngine:
         "The optimizer's own step (as it was before a front end replaced it), then the master copy, also after an exception"
         opt = self.optimizer
         if self._own_layout_due: self.own_layout()
+        self.masters.adopt_data_edits()           # the fused steps take edits through `.data` as they read the masters; this step reads them here
         restore = self.masters.hold_gradless(opt.state) if self.masters.flat else None
         own = self._own or partial(type(opt).step, opt)
         if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True

@@ -17,7 +17,7 @@ from functools import partial
 from itertools import chain
 import torch
 from torch import nn
-from .ops import scale_check_, scale_add_check_, l2norm, split_bf16_ref, join_bf16_ref, round_stochastic_ref, quantize8_ref, dequantize8_ref, Q_BLOCK
+from .ops import scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, split_bf16_ref, join_bf16_ref, round_stochastic_ref, quantize8_ref, dequantize8_ref, Q_BLOCK
 from .distributed import Shards
 from torch.utils._pytree import tree_map, tree_flatten
 
@@ -717,6 +717,11 @@ class MasterParams:
     def take_model_edits(self) -> list:
         "Make the masters of half params edited in place since mixedprec wrote them (a clamp, a re-init, `load_state_dict` into the model) the edited values; returns those params"
         return take_model_edits((p, m) for p, m, _ in self.pairs)
+
+    def adopt_data_edits(self):
+        "Elements of half params that are not their fp32 master's rounding (edited through `.data`) become the masters' values, as the fused steps do"
+        for p, m, _ in self.pairs:
+            if bf16_master(m) is None and remote_master(m) is None: adopt_edits_ref_(m.view(p.shape), p)
 
     def master_grads(self) -> list:
         "The master grads that exist"

@@ -8,8 +8,8 @@ __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUIL
            'stream_min_bytes', 'default_cache', 'unsafe', 'unsafe_above', 'compiled_here', 'build_extension', 'Kernels',
            'warn_once', 'backend', 'require_impl', 'scale_check_', 'scale_add_check_ref_', 'scale_add_check_',
            'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref', 'rounding_bits_ref', 'round_stochastic_ref',
-           'in_memory_order', 'quantize8_ref', 'dequantize8_ref', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_',
-           'adam_step_']
+           'in_memory_order', 'quantize8_ref', 'dequantize8_ref', 'adopt_edits_ref_', 'sgd_step_ref_', 'adam_step_ref_',
+           'sgd_step_', 'adam_step_']
 
 # %% ../nbs/10_ops.ipynb #8848a001
 import contextvars, functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
@@ -599,12 +599,19 @@ def dequantize8_ref(codes:torch.Tensor, scales:torch.Tensor) -> torch.Tensor:
     return out
 
 # %% ../nbs/10_ops.ipynb #b2871197
+def adopt_edits_ref_(master:torch.Tensor, half:torch.Tensor):
+    "Reference: where `half` is not `master`'s rounding (an edit through `.data`), the master takes `half`'s value"
+    with torch.no_grad():
+        edited = half.float()
+        master.copy_(torch.where(master.to(half.dtype).float() == edited, master, edited))
+
 def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0., dampening=0., weight_decay=0., nesterov=False, first_run=False,
                   decoupled=False):
-    "Reference: torch.optim.SGD's step (`decoupled`: weight decay as fastai's SGD) on fp32 `params` from `grads*inv_scale`; a momentum buffer in `bufs` when given; half copy into `out`"
+    "Reference: torch.optim.SGD's step (`decoupled`: weight decay as fastai's SGD) on fp32 `params` from `grads*inv_scale`; a momentum buffer in `bufs` when given; half copy into `out`, whose `.data` edits are taken first"
     if bool(found_inf): return
     with torch.no_grad():
         for i, (g, p) in enumerate(zip(grads, params)):
+            if out: adopt_edits_ref_(p, out[i])
             gi = g.float().mul(inv_scale)
             if decoupled: p.mul_(1 - lr * weight_decay)
             elif weight_decay: gi = gi.add(p.mul(weight_decay))
@@ -621,6 +628,7 @@ def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, 
     if bool(found_inf): return
     with torch.no_grad():
         for i, (g, p, m, v) in enumerate(zip(grads, params, exp_avgs, exp_avg_sqs)):
+            if out: adopt_edits_ref_(p, out[i])
             t = steps[i].item() + 1
             step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t)
             gi = g.float().mul(inv_scale)
@@ -718,7 +726,7 @@ def _launches(grads, out):
 def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, momentum:float=0., dampening:float=0., weight_decay:float=0.,
               nesterov:bool=False, first_run:bool=False, decoupled:bool=False, lows:list=None, seeds:list=None, state_seeds:list=None,
               state_scales:list=None, impl:str=None):
-    "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit `bufs` with `[buf scales]`); a no-op when `found_inf` is set"
+    "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, taking the `.data` edits of the half copy `out` as masters, then writing it (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit `bufs` with `[buf scales]`); a no-op when `found_inf` is set"
     grads, params, (bufs,), out = _step_lists(grads, params, [bufs], out)
     lows = _bf16_lists(lows, seeds)
     if not params: return
@@ -748,7 +756,7 @@ def _check_steps(steps, params):
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
                eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None, state_seeds:list=None,
                state_scales:list=None, impl:str=None):
-    "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, writing the half copy into `out` (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit moments with `[exp_avg scales, exp_avg_sq scales]`); a no-op when `found_inf` is set"
+    "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, taking the `.data` edits of the half copy `out` as masters, then writing it (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit moments with `[exp_avg scales, exp_avg_sq scales]`); a no-op when `found_inf` is set"
     grads, params, (exp_avgs, exp_avg_sqs), out = _step_lists(grads, params, [exp_avgs, exp_avg_sqs], out)
     lows = _bf16_lists(lows, seeds)
     if not params: return

@@ -96,7 +96,7 @@ def test_split_steps_equal_fp32_master_steps_bit_for_bit(kind):
     params, lows, *_ = _run_bf16(kind, 'split', 'fused', 'cpu', steps=40, skip_at=7)
     g = torch.Generator().manual_seed(3)
     masters = [torch.randn(n, generator=g) for n in SIZES]
-    st1, st2, step, out = [torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES], [torch.zeros(()) for _ in SIZES], [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
+    st1, st2, step, out = [torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES], [torch.zeros(()) for _ in SIZES], [m.bfloat16() for m in masters]
     for i in range(40):
         grads = [(torch.randn(n, generator=g) * 8).bfloat16() for n in SIZES]
         flag = torch.tensor(i == 7)
@@ -350,9 +350,11 @@ def test_overflow_diagnostics_are_the_same_in_every_mode():
     assert names['fp32'] == names['split'] == names['none']
     assert names['fp32'][0] == [False, True, False]
 
-def test_split_masters_train_a_transformer_exactly_as_fp32_masters_with_the_same_weight_rounding():
-    # Independent forward passes, 150 steps: the split run equals an fp32-master run whose model copy is rounded as split's
-    # weights are (ties away from zero), bit for bit, so the tie rule is the only difference from fp32 masters
+def test_split_masters_train_a_transformer_as_fp32_masters():
+    # Independent forward passes, 150 steps. The two differ only where a master is a tie between two bf16 values: split's
+    # weights round it away from zero, fp32 masters' copy to even. (Until 2026-12-04 this test rounded the fp32 run's copy
+    # as split does and compared bit for bit; since every step takes a half param that is not its master's rounding as an
+    # edit through `.data`, a copy rounded otherwise is such an edit.)
     def run(masters):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(32, 64), nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, dropout=0., batch_first=True,
@@ -360,22 +362,19 @@ def test_split_masters_train_a_transformer_exactly_as_fp32_masters_with_the_same
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         model, opt = amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', masters=masters, verbosity=0)
         e = opt._mixedprec_engine
-        def round_as_split():
-            if masters == 'fp32':
-                with torch.no_grad():
-                    for p, m, _ in e.masters.pairs: p.copy_(split_bf16_ref(m)[0]); mark_written(p)    # this rounding stands in for mixedprec's own copy: no user edit
-        round_as_split()
         g, losses = torch.Generator().manual_seed(1), []
         for i in range(150):
             x = torch.randint(0, 32, (8, 12), generator=g)
             loss = nn.functional.cross_entropy(model(x).float().flatten(0, 1), x.sort(1).values.flatten())
             with amp.scale_loss(loss, opt) as sl: sl.backward()
-            opt.step(); opt.zero_grad(); round_as_split()
+            opt.step(); opt.zero_grad()
             losses.append(loss.item())
         return losses, e.masters_state()
     (l1, m1), (l2, m2) = run('fp32'), run('split')
-    assert l1 == l2 and l2[-1] < l2[0] * 0.8
-    for a, b in zip(m1, m2): assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert l2[-1] < l2[0] * 0.8
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=2e-2, atol=0)
+    a, b = torch.cat([t.flatten() for t in m1]), torch.cat([t.flatten() for t in m2])
+    assert (a - b).norm() <= 0.02 * b.norm()              # (one small bias, whose grads are near 0, is 48% off: Adam's steps there are signs)
 
 def test_stochastic_rounding_under_an_optimizers_own_step_is_reproducible_and_learns():
     def run(seed):

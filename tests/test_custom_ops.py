@@ -29,7 +29,7 @@ def test_every_op_passes_opcheck(kernels, device):
     opcheck(k['scale_check_'], (g16, [torch.zeros_like(m) for m in m32], 1., torch.tensor([0.25], device=device)))
     opcheck(k['scale_add_check_'], (g16, [torch.zeros_like(m) for m in m32], 0.5, None))
     opcheck(k['l2norm'], (m32,))
-    out = [torch.empty_like(g) for g in g16]
+    out = [m.to(g.dtype) for g, m in zip(g16, m32)]
     opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, None, []))
     opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], out, flag,
                               [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, [], None, None, []))

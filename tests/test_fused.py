@@ -139,7 +139,7 @@ def _sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device='cpu', 
     sizes = [7, CHUNK + 3, 300]
     params = [torch.randn(n, generator=g).to(device) for n in sizes]
     bufs = [torch.zeros(n, device=device) for n in sizes]
-    out = [torch.empty(n, dtype=torch.half, device=device) for n in sizes]
+    out = [p.half() for p in params]                   # the model copy holds its masters' rounding, as after every write
     for i in range(steps):
         grads = [(torch.randn(n, generator=g) * 256).to(grad_dtype).to(device) for n in sizes]
         ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == skip_at, device=device), 1/256, 0.1, momentum, dampening, wd, nesterov,
@@ -161,7 +161,7 @@ def test_sgd_step_matches_torch_sgd_with_skip_as_noop(momentum, nesterov, wd, da
     master = torch.randn(500, generator=g)
     ref = torch.nn.Parameter(master.clone())
     opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd, dampening=dampening)
-    buf, out, first = torch.zeros(500), torch.empty(500, dtype=torch.half), True
+    buf, out, first = torch.zeros(500), master.half(), True
     for i in range(30):
         g16 = (torch.randn(500, generator=g) * 64).half()
         skip = i == 7
@@ -175,7 +175,7 @@ def _adam_run(impl, grad_dtype, decoupled, wd, device='cpu', steps=12, skip_at=4
     sizes = [5, CHUNK + 1, 333]
     params = [torch.randn(n, generator=g).to(device) for n in sizes]
     m, v = [torch.zeros(n, device=device) for n in sizes], [torch.zeros(n, device=device) for n in sizes]
-    out, step = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes], torch.zeros((), device=device)
+    out, step = [p.bfloat16() for p in params], torch.zeros((), device=device)
     for i in range(steps):
         grads = [(torch.randn(n, generator=g) * 1024).to(grad_dtype).to(device) for n in sizes]
         ops.adam_step_(grads, params, m, v, out, torch.tensor(i == skip_at, device=device), step, 1/1024, 1e-2, 0.9, 0.999, 1e-8, wd, decoupled, impl=impl)
@@ -215,7 +215,7 @@ def test_adam_per_param_step_counts(device):
         params = [torch.randn(n, generator=g).to(device) for n in sizes]
         m, v = [torch.zeros(n, device=device) for n in sizes], [torch.zeros(n, device=device) for n in sizes]
         steps = [torch.tensor(float(t), device=device) for t in (0, 5, 2)]
-        out = [torch.empty(n, dtype=torch.half, device=device) for n in sizes]
+        out = [p.half() for p in params]
         for i in range(4):
             grads = [torch.randn(n, generator=g).half().to(device) for n in sizes]
             ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1, device=device), steps, 1., 1e-2, 0.9, 0.99, 1e-8, 0.1, True, impl=impl)
@@ -313,3 +313,39 @@ def test_bad_input_raises_a_value_error_on_each_device(device):
         ops.adam_step_([t(2)], [t(2)], [t(2)], [t(2)], [], torch.tensor(False), [t((), dtype=torch.float64)], 1., 0.1, impl='fused')
     with pytest.raises(ValueError, match='fp32 master params, tensor 0 is Half'):
         ops.sgd_step_([t(2)], [t(2, dtype=torch.half)], [], [], torch.tensor(False), 1., 0.1, impl='fused')
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ['sgd', 'adam'])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("state", ['fp32', 'bf16', '8bit'])
+def test_a_step_takes_edits_of_the_half_copy_through_data_as_masters(device, kind, out_dtype, state):
+    # a WGAN critic's `p.data.clamp_(-c, c)` changes the half param only: the step reads it before the update, and an
+    # element that is not its master's rounding becomes the master; the others keep their fp32 bits. lr=0: the step
+    # changes nothing else, so the masters after it are exactly what was adopted
+    g = torch.Generator().manual_seed(7)
+    sizes = [5, CHUNK + 3, 300]
+    masters = [torch.randn(n, generator=g).to(device) for n in sizes]
+    out = [m.to(out_dtype) for m in masters]
+    for o in out: o.clamp_(-0.5, 0.5)                       # through `.data`: no version counter the engine could read
+    expected = [torch.where(m.to(out_dtype) == o, m, o.float()) for m, o in zip(masters, out)]
+    assert any(not torch.equal(e, m) for e, m in zip(expected, masters))
+    grads = [torch.randn(n, generator=g).to(out_dtype).to(device) for n in sizes]
+    kw = {}
+    if state == 'fp32': st = [[torch.zeros(n, device=device) for n in sizes] for _ in range(2)]
+    elif state == 'bf16': st = [[torch.zeros(n, dtype=torch.bfloat16, device=device) for n in sizes] for _ in range(2)]
+    else:
+        st = [[torch.zeros(n, dtype=dt, device=device) for n in sizes] for dt in (torch.int8, torch.uint8)]
+        kw['state_scales'] = [[torch.zeros(-(-n // ops.Q_BLOCK), device=device) for n in sizes] for _ in range(2)]
+    if state != 'fp32': kw['state_seeds'] = [(2 * i, 2 * i + 1) for i in range(len(sizes))]
+    for impl in ('ref', 'fused'):
+        ms, os_ = [m.clone() for m in masters], [o.clone() for o in out]
+        if kind == 'sgd':
+            if state != 'fp32': kw2 = {**kw, 'state_seeds': [s[:1] for s in kw['state_seeds']], **({'state_scales': kw['state_scales'][:1]} if 'state_scales' in kw else {})}
+            else: kw2 = kw
+            ops.sgd_step_(grads, ms, st[0], os_, torch.tensor(False, device=device), 1., 0., 0.9, 0., 0., False, first_run=True, impl=impl, **kw2)
+        else:
+            ops.adam_step_(grads, ms, st[0], st[1], os_, torch.tensor(False, device=device), [torch.zeros((), device=device) for _ in sizes],
+                           1., 0., impl=impl, **kw)
+        for m, o, e in zip(ms, os_, expected):
+            assert torch.equal(m, e), impl
+            assert torch.equal(o, e.to(out_dtype))

@@ -249,6 +249,29 @@ template <typename O> static void copy_out(const float* p, O* o, int64_t n, bool
   for (; i < n; ++i) o[i] = static_cast<O>(p[i]);
 }
 
+// Before each update: an element of the half model copy `o` that is not its fp32 master's rounding (which every write of
+// mixedprec leaves there) was edited through `.data` (a WGAN critic's clamp), and its value becomes the master.
+template <typename O> static void adopt_edits(float* p, const O* o, int64_t n) {
+  int64_t i = 0;
+  if constexpr (vectorizable<O>) {
+    for (; i + kStep <= n; i += kStep) {
+      Vec pv[2], ov[2], rv[2];
+      VecIO<float>::load(p + i, pv[0], pv[1]);
+      VecIO<O>::load(o + i, ov[0], ov[1]);
+      if constexpr (std::is_same_v<O, float>) { rv[0] = pv[0]; rv[1] = pv[1]; }
+      else {
+        auto r = at::vec::convert_to_float<O>(at::vec::convert_from_float<O>(pv[0], pv[1]));
+        rv[0] = std::get<0>(r); rv[1] = std::get<1>(r);
+      }
+      for (int h = 0; h < 2; ++h) Vec::blendv(ov[h], pv[h], rv[h] == ov[h]).store(p + i + h * Vec::size());
+    }
+  }
+  for (; i < n; ++i) {
+    const float edited = static_cast<float>(o[i]);
+    if (static_cast<float>(static_cast<O>(p[i])) != edited) p[i] = edited;
+  }
+}
+
 // Where the kernels find each master: an fp32 tensor (with an optional half model copy written in the same pass), or a bf16
 // model param that is its own master, with its int16 low halves (split) or rounded stochastically (bf16_bits.h).
 struct MasterStore {
@@ -317,12 +340,17 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
   if (!st.bf16() && !ss.lean()) {
     float* p = st.params[t].data_ptr<float>() + s.begin;
     for (int j = 0; j < k; ++j) direct[j] = (*ss.lists[j])[t].data_ptr<float>() + s.begin;
-    update(p, direct, s.begin, s.end - s.begin);
-    if (!st.out.empty()) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_out", [&] {
-        copy_out(p, st.out[t].data_ptr<scalar_t>() + s.begin, s.end - s.begin, st.stream_out);
-      });
-    }
+    if (st.out.empty()) { update(p, direct, s.begin, s.end - s.begin); return; }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_out", [&] {
+      scalar_t* o = st.out[t].data_ptr<scalar_t>() + s.begin;
+      for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {     // in blocks, so the copy is still in the cache for its update
+        const int64_t n = std::min(kBlock, s.end - s.begin - b);
+        float* states[2] = {direct[0] ? direct[0] + b : nullptr, direct[1] ? direct[1] + b : nullptr};
+        adopt_edits(p + b, o + b, n);
+        update(p + b, states, s.begin + b, n);
+        copy_out(p + b, o + b, n, st.stream_out);
+      }
+    });
     return;
   }
   uint16_t* hi = st.bf16() ? reinterpret_cast<uint16_t*>(st.params[t].data_ptr<at::BFloat16>()) : nullptr;
@@ -343,6 +371,11 @@ static void on_masters(const MasterStore& st, const StateStore& ss, const Span& 
   for (int64_t b = s.begin; b < s.end; b += kBlock) {
     const int64_t n = std::min(kBlock, s.end - b);
     float* p = fp ? fp + b : buf;
+    if (fp && !st.out.empty()) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st.out[t].scalar_type(), "mixedprec_step_adopt", [&] {
+        adopt_edits(p, st.out[t].data_ptr<scalar_t>() + b, n);
+      });
+    }
     if (hi && lo) for (int64_t i = 0; i < n; ++i) buf[i] = join_bf16(hi[b + i], lo[b + i]);
     else if (hi) for (int64_t i = 0; i < n; ++i) buf[i] = bits_float((uint32_t)hi[b + i] << 16);
     float* states[2] = {nullptr, nullptr};

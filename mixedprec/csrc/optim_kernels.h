@@ -14,11 +14,24 @@ enum MasterMode { kFp32 = 0, kSplit = 1, kStochastic = 2 };
 // The param list's element: the fp32 master itself, or the raw bits of a bf16 param.
 template <int Mode> using ParamBits = std::conditional_t<Mode == kFp32, float, uint16_t>;
 
-// The fp32 masters of elements i..i+W-1.
-template <int Mode, int W> MIXEDPREC_HD void load_masters(const ParamBits<Mode>* p, const int16_t* lo, int64_t i, float (&x)[W]) {
+// The fp32 masters of elements i..i+W-1. With a half model copy `o`, an element of o that is not its master's rounding
+// (which every write of mixedprec leaves there) was edited through `.data` (a WGAN critic's clamp): o's value becomes
+// the master. Split and stochastic bf16 masters need no such read: the bf16 param is their high half.
+template <int Mode, int W, typename O>
+MIXEDPREC_HD void load_masters(const ParamBits<Mode>* p, const int16_t* lo, const O* o, int64_t i, float (&x)[W]) {
   ParamBits<Mode> bits[W];
   load<W>(p, i, bits);
-  if constexpr (Mode == kFp32) { MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) x[j] = bits[j]; }
+  if constexpr (Mode == kFp32) {
+    MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) x[j] = bits[j];
+    if (o) {
+      O half[W];
+      load<W>(o, i, half);
+      MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) {
+        const float edited = to_float(half[j]);
+        if (to_float(static_cast<O>(x[j])) != edited) x[j] = edited;
+      }
+    }
+  }
   else if constexpr (Mode == kSplit) {
     int16_t low[W];
     load<W>(lo, i, low);
@@ -149,7 +162,7 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
         float p0[W];
         StateBits<SMode> cs[N][W];
         load<W>(g, i, gs);
-        load_masters<Mode, W>(p, lo, i, p0);
+        load_masters<Mode, W>(p, lo, o, i, p0);
         MIXEDPREC_UNROLL for (int k = 0; k < N; ++k) load<W>(codes[k], i, cs[k]);
         MIXEDPREC_UNROLL for (int e = 0; e < W; ++e) {
           float s[N];
@@ -209,7 +222,7 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
         G gs[W];
         float p0[W], m[W], p1[W];
         load<W>(l.g, i, gs);
-        load_masters<Mode, W>(l.p, l.lo, i, p0);
+        load_masters<Mode, W>(l.p, l.lo, l.o, i, p0);
         if (l.s0 && !first_run) load_state<SMode, W>(l.s0, i, m);
         MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) p1[j] = update(to_float(gs[j]), p0[j], m[j]);
         if (l.s0) store_state<SMode, W>(m, l.s0, l.sseed0, i);
@@ -251,7 +264,7 @@ template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
         G gs[W];
         float pv[W], m[W], v[W];
         load<W>(l.g, i, gs);
-        load_masters<Mode, W>(l.p, l.lo, i, pv);
+        load_masters<Mode, W>(l.p, l.lo, l.o, i, pv);
         load_state<SMode, W>(l.s0, i, m);
         load_state<SMode, W>(l.s1, i, v);
         MIXEDPREC_UNROLL for (int j = 0; j < W; ++j) pv[j] = update(to_float(gs[j]), pv[j], m[j], v[j]);
