@@ -9,6 +9,7 @@
 #                                      # the project's .venv where python3 has neither
 #   PYTHON=python3 bash bench/gpu.sh   # with another Python that has torch, fastai and pytest
 #   PROFILE=1 bash bench/gpu.sh        # then also the device time per op of the fastai loop's half configurations
+#   CONFIGS="mixedprec fp16,torch amp fp16" STEPS=40 MAX_SECONDS=6 bash bench/gpu.sh   # fewer training configurations
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
@@ -30,11 +31,14 @@ step "build" $PYTHON -c "
 import time, torch; from mixedprec import ops
 t = time.time(); ext = ops.build_extension(cuda=True)
 print(f'torch {torch.__version__}, {torch.cuda.get_device_name()}: CUDA kernels built or loaded in {time.time() - t:.0f}s, has_cuda={ext.has_cuda()}')"
+step "split masters on the GPU against fp32 masters there, and the CPU runs" $PYTHON -m pytest tests/test_bf16_masters.py \
+    -k follow_the_model_to_the_gpu -q -s -p no:cacheprovider
 step "CUDA tests" $PYTHON -m pytest tests/test_fused.py tests/test_cuda.py tests/test_custom_ops.py tests/test_bf16_masters.py tests/test_cuda_emulation.py -k cuda -q -p no:cacheprovider -rfE --tb=short
 step "kernel benchmark" $PYTHON bench/kernels.py --device cuda --repeat 10
 step "lean state: the AdamW step alone" $PYTHON bench/bf16_masters.py speed --device cuda --repeat 10
-step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 60 --max-seconds 10 --sync-sites \
-    --configs "fp32,mixedprec fp16,fastai fp16,mixedprec bf16,fastai bf16,torch fp32,mixedprec amp O2 fp16,torch amp fp16"
+CONFIGS=${CONFIGS:-"fp32,mixedprec fp16,fastai fp16,mixedprec bf16,fastai bf16,torch fp32,mixedprec amp O2 fp16,torch amp fp16"}
+step "training benchmark" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps "${STEPS:-60}" \
+    --max-seconds "${MAX_SECONDS:-10}" --sync-sites --configs "$CONFIGS"
 if [ "${PROFILE:-0}" = 1 ]; then    # PROFILE=1: where the device time goes in the fastai loop, mixedprec's bf16 against fastai's
 step "profile" $PYTHON bench/train.py --device cuda --models resnet50 --bs 256 --pool 8 --steps 12 --max-seconds 30 --profile \
     --configs "mixedprec fp16,mixedprec bf16,fastai bf16"

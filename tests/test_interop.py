@@ -178,4 +178,4 @@ def test_an_fp32_tensor_made_in_forward_gets_a_hint():
     learn = synth_learner(Noisy()).to_fp16()
     with pytest.raises(RuntimeError) as e: learn.fit(1)
     notes = ' '.join(getattr(e.value, '__notes__', []))
-    assert 'float32 tensor made inside `forward`' in notes and 'dtype=h.dtype' in notes
+    assert 'float32 tensor made inside the `forward` of' in notes and 'dtype=h.dtype' in notes
