@@ -39,6 +39,7 @@ def _string_fix(tok, depth:int):
     is_f = 'f' in prefix.lower()
     col = tok.start[1] + (0 if depth else 1)
     over = 4                                                       # room for the quotes, a prefix and a closing bracket
+    if LIMIT - col - len(prefix) - over < 40: return None       # too far right: the code is broken first, then the string
     pieces = _split_body(body, is_f, LIMIT - col - len(prefix) - over, LIMIT - col - len(prefix) - over)
     if pieces is None: return None
     def lit(b):
@@ -76,6 +77,87 @@ def wrap_source(src:str) -> str:
         return src                                                  # never break what compiled
     return out
 
+_COMPOUND = {'def', 'class', 'if', 'elif', 'else', 'for', 'while', 'with', 'try', 'except', 'finally', 'async'}
+
+def _row_tokens(toks, row):
+    "The tokens that start on `row`, with the depth of brackets each starts at"
+    depth, res = 0, []
+    for t in toks:
+        if t.start[0] == row: res.append((t, depth))
+        if t.type == tokenize.OP and t.string in '([{': depth += 1
+        elif t.type == tokenize.OP and t.string in ')]}': depth -= 1
+        if t.start[0] > row: break
+    return res
+
+def _to_block(line:str, row_toks) -> list:
+    "A one-line compound statement (`def f(): \"doc\"; return x`) as a header and a block, or None"
+    code = [(t, d) for t, d in row_toks if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+    if not code or code[0][0].string not in _COMPOUND or code[0][1] != 0: return None
+    colon = next((t for t, d in code if d == 0 and t.type == tokenize.OP and t.string == ':'), None)
+    if colon is None: return None
+    after = [t for t, d in code if t.start[1] >= colon.end[1]]
+    if not after or after[0].type == tokenize.COMMENT: return None
+    cuts = [colon.end[1]] + [t.end[1] for t, d in code if d == 0 and t.type == tokenize.OP and t.string == ';'] + [len(line)]
+    indent = len(line) - len(line.lstrip()) + 4
+    body = [line[x:y].strip().rstrip(';').strip() for x, y in zip(cuts, cuts[1:])]
+    return [line[:colon.end[1]]] + [' ' * indent + b for b in body if b]
+
+def _code_break(src:str, blocks_only:bool=False):
+    "`src` with its first code line over the limit broken once: a one-line compound statement made a block, else a break inside brackets (after the last comma that fits, after an open bracket, or before an operator), or None"
+    try: toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError): return None
+    lines = src.split('\n')
+    strings = {t.start[0] for t in toks if t.type == tokenize.STRING and t.start[0] != t.end[0]}
+    for row, line in enumerate(lines, 1):
+        if len(line) <= LIMIT or row in strings: continue
+        rt = _row_tokens(toks, row)
+        block = _to_block(line, rt)
+        if block is not None and len(block) > 1: return '\n'.join(lines[:row - 1] + block + lines[row:])
+        if blocks_only: continue
+        indent = len(line) - len(line.lstrip())
+        opens, commas, hangs, ops = [], [], [], []
+        for i, (t, d) in enumerate(rt):
+            nxt = rt[i + 1][0] if i + 1 < len(rt) else None
+            last = nxt is None or nxt.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)
+            if t.type == tokenize.OP and t.string in '([{':
+                opens.append(t)
+                if not last and t.end[1] <= LIMIT - 2: hangs.append(t.end[1])
+            elif t.type == tokenize.OP and t.string in ')]}':
+                if opens: opens.pop()
+            elif t.type == tokenize.OP and t.string == ',' and not last and t.end[1] <= LIMIT - 2 and (opens or d > 0):
+                commas.append((t.end[1], opens[-1].end[1] if opens else indent + 4))
+            elif (t.string in ('+', '-', '*', '|', '&', 'and', 'or', 'if', 'else', 'for') and (opens or d > 0)
+                  and indent + 4 < t.start[1] <= LIMIT - 2):
+                ops.append(t.start[1])
+        fits = [(c, al) for c, al in commas if al <= 70 and al + len(line) - c <= LIMIT or al <= 70 and c == max(x for x, _ in commas)]
+        if fits: cut, al = fits[-1]
+        elif hangs: cut, al = hangs[0], indent + 4
+        elif ops: cut, al = ops[-1], indent + 4
+        else: continue
+        head, tail = line[:cut].rstrip(), line[cut:].lstrip()
+        if not tail or len(head) <= al: continue
+        return '\n'.join(lines[:row - 1] + [head, ' ' * al + tail] + lines[row:])
+    return None
+
+def _repeat(src:str, step) -> str:
+    "`step` applied to `src` while it changes it, compiles, and adds no long line"
+    for _ in range(5000):
+        new = step(src)
+        if new is None or new == src: break
+        try: compile(new, '<wrapped>', 'exec')
+        except SyntaxError: break
+        if long_lines(new) > long_lines(src): break
+        src = new
+    return src
+
+def wrap_all(src:str) -> str:
+    "`src` within the limit as far as mechanical rewrites go: one-line compound statements over it made blocks, then strings and comments wrapped, then code broken inside brackets"
+    try: compile(src, '<original>', 'exec')
+    except SyntaxError: return src
+    src = _repeat(src, lambda s: _code_break(s, blocks_only=True))
+    src = _repeat(wrap_source(src), _code_break)
+    return _repeat(wrap_source(src), _code_break)
+
 def wrap_notebook(path) -> bool:
     "Wrap the code cells of the notebook at `path` in place; True if it changed"
     nb = json.load(open(path))
@@ -83,7 +165,7 @@ def wrap_notebook(path) -> bool:
     for c in nb['cells']:
         if c['cell_type'] != 'code': continue
         src = ''.join(c['source'])
-        new = wrap_source(src)
+        new = wrap_all(src)
         if new != src: c['source'], changed = new.splitlines(keepends=True), True
     if changed:
         with open(path, 'w') as f: json.dump(nb, f, indent=1, ensure_ascii=False); f.write('\n')
@@ -98,10 +180,10 @@ if __name__ == '__main__':
         if path.endswith('.ipynb'):
             if check:
                 nb = json.load(open(path))
-                if any(wrap_source(''.join(c['source'])) != ''.join(c['source']) for c in nb['cells'] if c['cell_type'] == 'code'): changed.append(path)
+                if any(wrap_all(''.join(c['source'])) != ''.join(c['source']) for c in nb['cells'] if c['cell_type'] == 'code'): changed.append(path)
             elif wrap_notebook(path): changed.append(path)
         else:
-            src = open(path).read(); new = wrap_source(src)
+            src = open(path).read(); new = wrap_all(src)
             if new != src:
                 changed.append(path)
                 if not check: open(path, 'w').write(new)

@@ -15,5 +15,7 @@ from .fp16_optimizer import FP16_Optimizer
 from . import amp, ops
 
 # %% ../nbs/20_all.ipynb #7bb9f4dc
-__all__ = ['LossScaler', 'StepRecord', 'ScalingError', 'convert_model', 'MasterParams', 'cast_floats', 'to_fp32', 'StepEngine',
-           'settings', 'save_checkpoint', 'speed_note', 'MixedPrecision', 'fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'FP16_Optimizer', 'amp', 'ops']
+__all__ = ['LossScaler', 'StepRecord', 'ScalingError', 'convert_model', 'MasterParams', 'cast_floats', 'to_fp32',
+           'StepEngine',
+           'settings', 'save_checkpoint', 'speed_note', 'MixedPrecision', 'fastai_to_fp16', 'fastai_to_bf16',
+               'fastai_to_fp32', 'FP16_Optimizer', 'amp', 'ops']

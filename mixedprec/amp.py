@@ -21,32 +21,45 @@ from .distributed import refuse_fsdp2
 
 # %% ../nbs/17_amp.ipynb #0004312e
 OPT_LEVELS = {
-    'O0': dict(cast_model_type=torch.float32, autocast=False, keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
-    'O1': dict(cast_model_type=None, autocast=True, keep_batchnorm_fp32=None, master_weights=None, loss_scale='dynamic'),
-    'O2': dict(cast_model_type=torch.float16, autocast=False, keep_batchnorm_fp32=True, master_weights=True, loss_scale='dynamic'),
-    'O3': dict(cast_model_type=torch.float16, autocast=False, keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
+    'O0': dict(cast_model_type=torch.float32, autocast=False, keep_batchnorm_fp32=None, master_weights=False,
+               loss_scale=1.0),
+    'O1': dict(cast_model_type=None, autocast=True, keep_batchnorm_fp32=None, master_weights=None,
+               loss_scale='dynamic'),
+    'O2': dict(cast_model_type=torch.float16, autocast=False, keep_batchnorm_fp32=True, master_weights=True,
+               loss_scale='dynamic'),
+    'O3': dict(cast_model_type=torch.float16, autocast=False, keep_batchnorm_fp32=False, master_weights=False,
+               loss_scale=1.0),
 }
 
-def resolve_opt_level(opt_level='O1', cast_model_type=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None, half_dtype=None) -> dict:
+def resolve_opt_level(opt_level='O1', cast_model_type=None, keep_batchnorm_fp32=None, master_weights=None,
+                      loss_scale=None, half_dtype=None) -> dict:
     "The properties of `opt_level` with the overrides applied; raises when an override contradicts the level"
-    if opt_level not in OPT_LEVELS: raise ValueError(f"opt_level must be one of {list(OPT_LEVELS)} (the letter O, then a digit), got {opt_level!r}")
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"opt_level must be one of {list(OPT_LEVELS)} (the letter O, then a digit), got {opt_level!r}")
     props = dict(OPT_LEVELS[opt_level])
     dtype = check_half_dtype(half_dtype) if half_dtype is not None else None
     if cast_model_type is not None:
-        if opt_level == 'O1': raise ValueError("O1 keeps fp32 weights and lets autocast pick each op's precision; cast_model_type must be None (use O2 or O3 to cast the model)")
-        if opt_level == 'O0' and cast_model_type != torch.float32: raise ValueError("O0 is pure fp32: cast_model_type must be torch.float32 or None")
+        if opt_level == 'O1':
+            raise ValueError("O1 keeps fp32 weights and lets autocast pick each op's precision; cast_model_type must "
+                             "be None (use O2 or O3 to cast the model)")
+        if opt_level == 'O0' and cast_model_type != torch.float32:
+            raise ValueError("O0 is pure fp32: cast_model_type must be torch.float32 or None")
         if opt_level in ('O2', 'O3'):
             cast_model_type = check_half_dtype(cast_model_type)
-            if dtype is not None and dtype != cast_model_type: raise ValueError(f"cast_model_type={cast_model_type} contradicts half_dtype={dtype}")
+            if dtype is not None and dtype != cast_model_type:
+                raise ValueError(f"cast_model_type={cast_model_type} contradicts half_dtype={dtype}")
             dtype = cast_model_type
     dtype = dtype or torch.float16
     if props['cast_model_type'] in HALF_DTYPES: props['cast_model_type'] = dtype
     half_model = props['cast_model_type'] in HALF_DTYPES
     if keep_batchnorm_fp32 is not None:
-        if not half_model: raise ValueError(f"keep_batchnorm_fp32 applies only when the model is cast to half (O2, O3), not to {opt_level}")
+        if not half_model:
+            raise ValueError("keep_batchnorm_fp32 applies only when the model is cast to half (O2, O3), not to "
+                             f"{opt_level}")
         props['keep_batchnorm_fp32'] = bool(keep_batchnorm_fp32)
     if master_weights is not None:
-        if master_weights and not half_model: raise ValueError(f"master_weights=True needs a half model (O2, O3); {opt_level}'s weights are fp32 already")
+        if master_weights and not half_model:
+            raise ValueError(f"master_weights=True needs a half model (O2, O3); {opt_level}'s weights are fp32 already")
         props['master_weights'] = bool(master_weights)
     if loss_scale is None and dtype == torch.bfloat16: loss_scale = 1.0
     if loss_scale is not None:
@@ -63,44 +76,57 @@ class AmpState:
         self.props, self.scalers, self.enabled, self.verbosity, self.engines = props, scalers, enabled, verbosity, []
 
     @property
-    def optimizers(self) -> list: "The optimizers, in the order `initialize` got them"; return [e.optimizer for e in self.engines]
+    def optimizers(self) -> list:
+        "The optimizers, in the order `initialize` got them"
+        return [e.optimizer for e in self.engines]
 
     def scaler(self, loss_id:int) -> LossScaler:
         "The scaler of `loss_id`"
         n = len(self.scalers)
-        if not (isinstance(loss_id, int) and 0 <= loss_id < n): raise ValueError(f"loss_id {loss_id} is out of range: amp.initialize was called with num_losses={n}")
+        if not (isinstance(loss_id, int) and 0 <= loss_id < n):
+            raise ValueError(f"loss_id {loss_id} is out of range: amp.initialize was called with num_losses={n}")
         return self.scalers[loss_id]
 
-_state = None                                    # the last `initialize`'s, for `state_dict`, `load_state_dict` and `history`
+# the last `initialize`'s, for `state_dict`, `load_state_dict` and `history`
+_state = None
 _initialized = weakref.WeakSet()                 # the models an `initialize` took
 
-NO_FLOOR = 2.**-126                              # `min_loss_scale=None`: the smallest normal fp32 scale, whose inverse fp32 still holds
+# `min_loss_scale=None`: the smallest normal fp32 scale, whose inverse fp32 still holds
+NO_FLOOR = 2.**-126
 
 _HINT = ("wrap the backward in `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` "
          "(with `delay_unscale=True`, the last loss before the step must be scaled without it)")
 
-_engines = weakref.WeakKeyDictionary()          # the optimizer a user passed to `initialize`, and the `AmpOptimizer` it returned -> their engine
+# the optimizer a user passed to `initialize`, and the `AmpOptimizer` it returned -> their engine
+_engines = weakref.WeakKeyDictionary()
 
 def _refuse_own_step(engine_ref):
-    "A step pre-hook for the optimizer passed to `initialize`: its own `step()` would step the masters without the skip or the copy into the model"
+    ("A step pre-hook for the optimizer passed to `initialize`: its own `step()` would step the masters without the "
+     "skip or the copy into the model")
     def hook(opt, args, kwargs):
         e = engine_ref()
         if e is not None and not e.stepping:
-            raise RuntimeError(f"this {type(opt).__name__} was passed to amp.initialize, which returned the optimizer to step: "
-                               "`model, optimizer = amp.initialize(model, optimizer, ...)`, then `optimizer.step()`. Stepping the one passed in "
+            raise RuntimeError(f"this {type(opt).__name__} was passed to amp.initialize, which returned the "
+                               "optimizer to step: "
+                               "`model, optimizer = amp.initialize(model, optimizer, ...)`, then `optimizer.step()`. "
+                               "Stepping the one passed in "
                                "would skip nothing on overflow and leave the model's weights behind its fp32 masters")
     return hook
 
 class AmpOptimizer(torch.optim.Optimizer):
-    "What `amp.initialize` returns for each optimizer: the one passed in (its groups, state, hooks and hyper-parameters, shared), stepped through its step engine"
+    ("What `amp.initialize` returns for each optimizer: the one passed in (its groups, state, hooks and "
+     "hyper-parameters, shared), stepped through its step engine")
     def __init__(self, optimizer:torch.optim.Optimizer, engine:StepEngine):
         self.__dict__.update(optimizer=optimizer, _mixedprec_engine=engine)
         _engines[optimizer] = _engines[self] = engine
         optimizer.register_step_pre_hook(_refuse_own_step(weakref.ref(engine)))
 
     engine = property(lambda self: self._mixedprec_engine, doc="The step engine")
-    param_groups = property(lambda self: self.optimizer.param_groups, lambda self, v: setattr(self.optimizer, 'param_groups', v), doc="The optimizer's groups (holding the masters at O2)")
-    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, 'state', v), doc="The optimizer's state (keyed by the masters at O2)")
+    param_groups = property(
+        lambda self: self.optimizer.param_groups, lambda self, v: setattr(self.optimizer, 'param_groups', v),
+            doc="The optimizer's groups (holding the masters at O2)")
+    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, 'state', v),
+                     doc="The optimizer's state (keyed by the masters at O2)")
     defaults = property(lambda self: self.optimizer.defaults, doc="The optimizer's defaults")
 
     def __getattr__(self, name:str):
@@ -109,13 +135,18 @@ class AmpOptimizer(torch.optim.Optimizer):
         return getattr(self.optimizer, name)
     def __getstate__(self):
         "Refused: the copy would share the model and the masters with this one, and train neither"
-        raise TypeError("an amp optimizer does not pickle or deep-copy (it steps masters that live in one process): save "
-                        "`{'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'amp': amp.state_dict()}` and load them in that order after `amp.initialize`")
+        raise TypeError("an amp optimizer does not pickle or deep-copy (it steps masters that live in one process): "
+                        "save "
+                        "`{'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'amp': "
+                        "amp.state_dict()}` and load them in that order after `amp.initialize`")
     def __repr__(self): return f"AmpOptimizer({self.optimizer!r})"
 
     def step(self, closure=None):
-        "Step the masters (or skip when their grads overflowed) and copy them into the model; the optimizer's step hooks run once per step taken"
-        if closure is not None: raise NotImplementedError("amp does not support optimizer closures: call optimizer.step() after the scale_loss block")
+        ("Step the masters (or skip when their grads overflowed) and copy them into the model; the optimizer's step "
+         "hooks run once per step taken")
+        if closure is not None:
+            raise NotImplementedError("amp does not support optimizer closures: call optimizer.step() after the "
+                                      "scale_loss block")
         self._opt_called = True                       # what torch's LR schedulers look for
         return self.engine.step()
 
@@ -133,12 +164,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         with self.engine.consolidated(): return self.optimizer.state_dict()
 
     def load_state_dict(self, sd:dict):
-        "Checked against the masters first (torch checks the group sizes only); sharded, every rank loads the whole state and keeps its shard's"
+        ("Checked against the masters first (torch checks the group sizes only); sharded, every rank loads the whole "
+         "state and keeps its shard's")
         self.engine.check_optimizer_state(sd, "optimizer.load_state_dict")
         self.engine.load_optimizer_state(sd)
 
+# %% ../nbs/17_amp.ipynb #6a0513d8
 class AutocastForward:
-    "`model.forward` under `torch.autocast` for `dtype` on the params' device, with fp32 outputs (O1); copies and pickles of the model keep it, bound to the copy"
+    ("`model.forward` under `torch.autocast` for `dtype` on the params' device, with fp32 outputs (O1); copies and "
+     "pickles of the model keep it, bound to the copy")
     def __init__(self, model, dtype): self.model, self.dtype = model, dtype
     def __call__(self, *args, **kwargs):
         device = next(self.model.parameters(), torch.zeros(0)).device.type
@@ -150,41 +184,58 @@ def _autocast_forward(model, dtype):
     model.forward = AutocastForward(model, dtype)
 
 # %% ../nbs/17_amp.ipynb #8e25d7f3
-def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", cast_model_type=None, keep_batchnorm_fp32=None,
-               master_weights=None, loss_scale=None, num_losses:int=1, min_loss_scale:float=None, max_loss_scale:float=2.**24,
-               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None, masters:str='fp32', shard:bool=False,
+def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", cast_model_type=None,
+               keep_batchnorm_fp32=None,
+               master_weights=None, loss_scale=None, num_losses:int=1, min_loss_scale:float=None,
+                   max_loss_scale:float=2.**24,
+               verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None,
+                   masters:str='fp32', shard:bool=False,
                state:str='fp32'):
     "Prepare `models` and `optimizers` for mixed precision at `opt_level`; returns them in the shapes they came in"
     global _state
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
     opt_list = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     for m in model_list:
-        if not isinstance(m, nn.Module): raise TypeError(f"amp.initialize takes nn.Modules as models, got {type(m).__name__}")
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"amp.initialize takes nn.Modules as models, got {type(m).__name__}")
         refuse_fsdp2(m, "amp.initialize")
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise TypeError("call amp.initialize on the bare model, then wrap it in DistributedDataParallel")
         if m in _initialized or getattr(m, '_mixedprec_conversion', None) is not None:
-            raise RuntimeError("this model was already passed to amp.initialize (or converted by mixedprec): initializing it again would convert it "
-                               "twice and make masters from its rounded weights. Call amp.initialize once, with every model and optimizer in one call")
+            raise RuntimeError("this model was already passed to amp.initialize (or converted by mixedprec): "
+                               "initializing it again would convert it "
+                               "twice and make masters from its rounded weights. Call amp.initialize once, with "
+                               "every model and optimizer in one call")
     for o in opt_list:
-        if not isinstance(o, torch.optim.Optimizer): raise TypeError(f"amp.initialize takes torch.optim.Optimizers, got {type(o).__name__} (do not wrap them in FP16_Optimizer)")
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(f"amp.initialize takes torch.optim.Optimizers, got {type(o).__name__} (do not wrap them "
+                            "in FP16_Optimizer)")
         if o in _engines: raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
         refuse_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize")
-        _check_lean(o, state)                                   # an optimizer the fused steps do not know, with lean state: before any model is converted
-    if not (isinstance(num_losses, int) and num_losses >= 1): raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
+        # an optimizer the fused steps do not know, with lean state: before any model is converted
+        _check_lean(o, state)
+    if not (isinstance(num_losses, int) and num_losses >= 1):
+        raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
     check_store(masters, props['dtype'])
     check_state_store(state)
     if decide is not None: _check_decide(decide)
-    for m in model_list: require_impl(impl, next(m.parameters(), torch.empty(0)).device)   # before anything is converted or recorded
-    if masters != 'fp32':                                        # bf16 masters in place of O2's fp32 ones (or of O3's none)
-        if props['cast_model_type'] not in HALF_DTYPES: raise ValueError(f"masters={masters!r} keeps the masters in the bf16 weights: it needs a bf16 model, opt_level 'O2' or 'O3' with half_dtype='bf16'")
+    for m in model_list:
+        require_impl(impl, next(m.parameters(), torch.empty(0)).device)   # before anything is converted or recorded
+    # bf16 masters in place of O2's fp32 ones (or of O3's none)
+    if masters != 'fp32':
+        if props['cast_model_type'] not in HALF_DTYPES:
+            raise ValueError(f"masters={masters!r} keeps the masters in the bf16 weights: it needs a bf16 model, "
+                             "opt_level 'O2' or 'O3' with half_dtype='bf16'")
         props['master_weights'] = True
     dynamic = props['loss_scale'] == 'dynamic'
     kw = dict(min_scale=min_loss_scale if min_loss_scale is not None else NO_FLOOR)      # apex: None is no floor
-    scalers = [LossScaler(min(2.**16, max_loss_scale) if dynamic else props['loss_scale'], dynamic=dynamic, max_noskip=max_noskip,
-                          max_scale=max_loss_scale if dynamic else max(max_loss_scale, props['loss_scale']), verbose=verbosity > 0,
-                          advice="With amp: `amp.initialize(..., half_dtype='bf16')`, or opt_level='O2' (fp32 masters), or the modules that overflow kept in fp32.",
+    scalers = [LossScaler(min(2.**16, max_loss_scale) if dynamic else props['loss_scale'], dynamic=dynamic,
+                          max_noskip=max_noskip,
+                          max_scale=max_loss_scale if dynamic else max(max_loss_scale, props['loss_scale']),
+                              verbose=verbosity > 0,
+                          advice="With amp: `amp.initialize(..., half_dtype='bf16')`, or opt_level='O2' (fp32 "
+                                 "masters), or the modules that overflow kept in fp32.",
                           **kw) for _ in range(num_losses)]
     setup = _state = AmpState(props, scalers, enabled, verbosity)
     setup.models = [weakref.ref(m) for m in model_list]
@@ -193,19 +244,26 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     for m in model_list:
         if props['cast_model_type'] in HALF_DTYPES:
             keep = (_BatchNorm,) if props['keep_batchnorm_fp32'] else ()
-            converted.update(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True, masters=props['master_weights']).masters)
+            converted.update(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True,
+                                           masters=props['master_weights']).masters)
         elif props['autocast']: _autocast_forward(m, props['dtype'])
         _initialized.add(m)
     names, returned = {p: n for m in model_list for n, p in m.named_parameters()}, []
     for o in opt_list:
         masters_of = {}
-        if props['master_weights']: masters_of = {**converted, **masters_for(p for g in o.param_groups for p in g['params'] if p not in converted)}
-        if shard and not props['master_weights']: raise ValueError(f"shard=True shards the fp32 masters, and {opt_level} keeps none: use opt_level='O2'")
-        e = StepEngine.attach(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters, shard=shard, state=state)
+        if props['master_weights']:
+            masters_of = {**converted,
+                          **masters_for(p for g in o.param_groups for p in g['params'] if p not in converted)}
+        if shard and not props['master_weights']:
+            raise ValueError(f"shard=True shards the fp32 masters, and {opt_level} keeps none: use opt_level='O2'")
+        e = StepEngine.attach(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters,
+                              shard=shard, state=state)
         e.amp, e.masters_of = setup, masters_of
         returned.append(AmpOptimizer(o, e))
         setup.engines.append(e)
-    if verbosity: print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale {props['loss_scale']}, {num_losses} scaler(s)")
+    if verbosity:
+        print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale "
+              f"{props['loss_scale']}, {num_losses} scaler(s)")
     if optimizers is None: return models
     return models, (returned if isinstance(optimizers, (list, tuple)) else returned[0])
 
@@ -218,36 +276,47 @@ def _engines_of(optimizers) -> list:
     return [_engines[o] for o in opts]
 
 @contextlib.contextmanager
-def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_unscale:bool=False, delay_overflow_check:bool=False):
+def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_unscale:bool=False,
+               delay_overflow_check:bool=False):
     "Yield `loss.float()*scale`; on exit unscale into the master grads of `optimizers`, check, and update the scale"
     if _state is None: raise RuntimeError("call amp.initialize(model, optimizer, ...) before amp.scale_loss")
-    if not _state.enabled and not any(o in _engines for o in (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])):
+    if not _state.enabled and not any(
+        o in _engines for o in (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])):
         yield loss; return
     engines = _engines_of(optimizers)
-    for ref in getattr(engines[0].amp, 'models', []):      # a model wrapped by `fully_shard` after initialize would run, and never train
-        if (m := ref()) is not None: refuse_fsdp2(m, "amp.scale_loss: the model was wrapped by `fully_shard` after amp.initialize")
+    # a model wrapped by `fully_shard` after initialize would run, and never train
+    for ref in getattr(engines[0].amp, 'models', []):
+        if (m := ref()) is not None:
+            refuse_fsdp2(m, "amp.scale_loss: the model was wrapped by `fully_shard` after amp.initialize")
     scaler = engines[0].amp.scaler(loss_id)
     yield scale_into(engines, loss, scaler)
-    if delay_unscale: return                   # the engines stay at stage 'scaled': the next unscale takes these grads too
+    if delay_unscale:
+        return                   # the engines stay at stage 'scaled': the next unscale takes these grads too
     unscale_into(engines, scaler)
 
 # %% ../nbs/17_amp.ipynb #939c780f
 def master_params(optimizer, local:bool=False):
-    "The params `optimizer` owns, as an iterator: the fp32 masters at O2, the model's params otherwise. Refused with sharded masters (each rank's clip would use its own shard's norm) unless `local=True`"
+    ("The params `optimizer` owns, as an iterator: the fp32 masters at O2, the model's params otherwise. Refused "
+     "with sharded masters (each rank's clip would use its own shard's norm) unless `local=True`")
     e = _engines.get(optimizer)
     if not local and e is not None and e.masters.shards is not None and e.masters.shards.world > 1:
         raise RuntimeError("amp.master_params(optimizer) with shard=True gives this rank's shard of the masters, so "
-                           "`clip_grad_norm_(amp.master_params(optimizer), max_norm)` would clip each rank by the norm of its own shard and "
-                           "the ranks would train apart. Clip with `amp.clip_grad_norm_(optimizer, max_norm)`, which uses the global norm; "
+                           "`clip_grad_norm_(amp.master_params(optimizer), max_norm)` would clip each rank by the "
+                           "norm of its own shard and "
+                           "the ranks would train apart. Clip with `amp.clip_grad_norm_(optimizer, max_norm)`, which "
+                           "uses the global norm; "
                            "pass local=True to iterate this rank's masters on purpose")
     return (p for g in optimizer.param_groups for p in g['params'])
 
 def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
-    "Clip the unscaled master grads of `optimizer`'s pending step by their global norm (across every rank's shard when sharded), as `torch.nn.utils.clip_grad_norm_` would over all of them: after the `scale_loss` block, before `step()`. Returns the norm; a non-finite one skips the step"
+    ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (across every rank's shard "
+     "when sharded), as `torch.nn.utils.clip_grad_norm_` would over all of them: after the `scale_loss` block, "
+     "before `step()`. Returns the norm; a non-finite one skips the step")
     return _engines_of(optimizer)[0].clip_now(max_norm, norm_type)
 
 def skipped(optimizer) -> bool:
-    "True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was decided on the device)"
+    ("True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was "
+     "decided on the device)")
     return _engines_of(optimizer)[0].last_skipped()
 
 def _drained(loss_id:int, what:str) -> LossScaler:
@@ -262,7 +331,8 @@ def history(loss_id:int=0):
     return _drained(loss_id, 'history').history
 
 def loss_scale(loss_id:int=0) -> float:
-    "The current scale of the scaler of `loss_id`. For a penalty on the grads: `torch.autograd.grad(loss * amp.loss_scale(), params, create_graph=True)`, each grad divided by it, as with torch's `GradScaler`"
+    ("The current scale of the scaler of `loss_id`. For a penalty on the grads: `torch.autograd.grad(loss * "
+     "amp.loss_scale(), params, create_graph=True)`, each grad divided by it, as with torch's `GradScaler`")
     return _drained(loss_id, 'loss_scale').scale
 
 def state_dict() -> dict:
@@ -275,12 +345,17 @@ def state_dict() -> dict:
     return sd
 
 def load_state_dict(sd:dict):
-    "Restore the loss scalers and the optimizers' fp32 masters (and the half params from them); everything is checked before anything changes"
+    ("Restore the loss scalers and the optimizers' fp32 masters (and the half params from them); everything is "
+     "checked before anything changes")
     if _state is None: raise RuntimeError("call amp.initialize before amp.load_state_dict")
     n = len([k for k in sd if k.startswith('loss_scaler')])
-    if n != len(_state.scalers): raise ValueError(f"the state_dict holds {n} loss scalers but amp.initialize was called with num_losses={len(_state.scalers)}; nothing was loaded")
+    if n != len(_state.scalers):
+        raise ValueError(f"the state_dict holds {n} loss scalers but amp.initialize was called with "
+                         f"num_losses={len(_state.scalers)}; nothing was loaded")
     saved = sd.get('masters', [])
-    if len(saved) != len(_state.engines): raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; nothing was loaded")
+    if len(saved) != len(_state.engines):
+        raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
+                         "nothing was loaded")
     for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.check_masters(ms, f"the state_dict (optimizer {i})")
     for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
     for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])

@@ -16,7 +16,8 @@ from fastcore.foundation import L
 from torch.nn.modules.batchnorm import _BatchNorm
 from fastcore.basics import patch, noop, GetAttr
 from fastcore.meta import delegates
-import fastai.callback.fp16 as fastai_fp16    # fastai patches Learner.to_fp16 on first import: let it happen before we do
+# fastai patches Learner.to_fp16 on first import: let it happen before we do
+import fastai.callback.fp16 as fastai_fp16
 from fastai.learner import Learner
 import fastai.learner as fastai_learner
 from fastai.torch_core import get_model, distrib_barrier
@@ -34,14 +35,16 @@ from .ops import warn_once, require_impl
 
 # %% ../nbs/15_callback.ipynb #95846fd0
 def _fastais(name):
-    "fastai's own `Learner.<name>`, also when mixedprec's already stands in for it (this module run twice in one process)"
+    ("fastai's own `Learner.<name>`, also when mixedprec's already stands in for it (this module run twice in one "
+     "process)")
     f = getattr(Learner, name)
     return getattr(f, 'fastai_original', f)
 fastai_to_fp16, fastai_to_bf16, fastai_to_fp32 = _fastais('to_fp16'), _fastais('to_bf16'), _fastais('to_fp32')
 fastai_to_fp16.__doc__ = "fastai's own `Learner.to_fp16` (native AMP), as it was before mixedprec replaced it"
 
 # %% ../nbs/15_callback.ipynb #a0883456
-_SCALER_KWARGS = ('min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size', 'skip_window', 'max_skip_share')
+_SCALER_KWARGS = ('min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size', 'skip_window',
+                  'max_skip_share')
 
 _GRADSCALER_NAMES = {'init_scale': 'loss_scale', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
 
@@ -54,21 +57,27 @@ def _gradscaler_names(loss_scale, max_noskip, kwargs):
     if 'backoff_factor' in kwargs:
         b = kwargs.pop('backoff_factor')
         if abs(b * kwargs.get('factor', 2.) - 1) > 1e-12:
-            raise TypeError(f"backoff_factor={b} is not 1/growth factor: mixedprec's scale grows and backs off by the same `factor` "
+            raise TypeError(f"backoff_factor={b} is not 1/growth factor: mixedprec's scale grows and backs off by "
+                            "the same `factor` "
                             f"(default 2, so backoff 0.5); pass `factor=` (GradScaler's growth_factor) alone")
     return loss_scale, max_noskip, kwargs
 
 def _all_finite(o, limit:float=float('inf')) -> bool:
-    "False if any floating tensor in `o` (recursively) holds inf or nan, or a magnitude above `limit` (the half dtype's largest: the cast into the model makes it inf)"
-    if isinstance(o, torch.Tensor): return not o.is_floating_point() or bool((torch.isfinite(o) & (o.abs() <= limit)).all())
+    ("False if any floating tensor in `o` (recursively) holds inf or nan, or a magnitude above `limit` (the half "
+     "dtype's largest: the cast into the model makes it inf)")
+    if isinstance(o, torch.Tensor):
+        return not o.is_floating_point() or bool((torch.isfinite(o) & (o.abs() <= limit)).all())
     if isinstance(o, (list, tuple)): return all(_all_finite(x, limit) for x in o)
     if isinstance(o, dict): return all(_all_finite(x, limit) for x in o.values())
     return True
 
+# %% ../nbs/15_callback.ipynb #4d846810
 class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
     "Train in fp16 or bf16 with fp32 master weights and dynamic loss scaling"
-    # an instance of fastai's own mixed-precision callbacks, so that fastai's ways out (`to_contiguous(to_fp32=True)`, `load_learner`,
-    # `to_non_native_fp32`, `remove_cb(MixedPrecision)`) find it; none of their events runs (autocast, GradScaler, fastai v1's loss scale)
+    # an instance of fastai's own mixed-precision callbacks, so that fastai's ways out (`to_contiguous(to_fp32=True)`,
+    # `load_learner`,
+    # `to_non_native_fp32`, `remove_cb(MixedPrecision)`) find it; none of their events runs (autocast, GradScaler,
+    # fastai v1's loss scale)
     order, run_valid = 10, True
     before_batch = after_loss = after_batch = noop
     param_groups = step = None
@@ -85,35 +94,53 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         check_loss:bool=True,         # skip (without lowering the scale) when the loss is already inf/nan
         verbose:bool=False,           # print each change of loss scale, with its cause
         table:bool=False,             # add the loss scale and the epoch's skipped steps to fastai's progress table
-        decide:str=None,              # where the skip is decided: 'cuda', 'always' or 'never' (default: `mixedprec.engine.settings`)
+        # where the skip is decided: 'cuda', 'always' or 'never' (default: `mixedprec.engine.settings`)
+        decide:str=None,
         impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
-        masters:str='fp32',           # bf16 only: 'split' keeps the exact master as the bf16 weight + an int16 half, 'none' rounds stochastically
-        shard:bool=False,             # under torch.distributed (`distrib_ctx`): each rank keeps the fp32 masters and optimizer state of its shard only
-        state:str='fp32',             # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for fastai's or torch's SGD and Adam
-        **kwargs):                    # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size (and GradScaler's names)
+        # bf16 only: 'split' keeps the exact master as the bf16 weight + an int16 half, 'none' rounds stochastically
+        masters:str='fp32',
+        # under torch.distributed (`distrib_ctx`): each rank keeps the fp32 masters and optimizer state of its shard
+        # only
+        shard:bool=False,
+        # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for
+        # fastai's or torch's SGD and Adam
+        state:str='fp32',
+        # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size (and GradScaler's
+        # names)
+        **kwargs):
         loss_scale, max_noskip, kwargs = _gradscaler_names(loss_scale, max_noskip, kwargs)
         bad = [k for k in kwargs if k not in _SCALER_KWARGS]
-        if bad: raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are {list(_SCALER_KWARGS)} "
+        if bad:
+            raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are "
+                            f"{list(_SCALER_KWARGS)} "
                                 f"(and GradScaler's {[*_GRADSCALER_NAMES, 'backoff_factor']})")
-        if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
         self.master_store = check_store(masters, dtype, flat_master)
         self.state_store = check_state_store(state, flat_master)
-        if shard and masters != 'fp32': raise ValueError(f"shard=True shards fp32 masters: pass masters='fp32' (masters={masters!r} keeps them in the bf16 weights, which every rank holds)")
+        if shard and masters != 'fp32':
+            raise ValueError(f"shard=True shards fp32 masters: pass masters='fp32' (masters={masters!r} keeps them "
+                             "in the bf16 weights, which every rank holds)")
         self.shard = shard
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
-        self.dtype, self.clip, self.flat_master, self.keep_fp32, self.check_loss = check_half_dtype(dtype), clip, flat_master, keep, check_loss
+        self.dtype, self.clip, self.flat_master, self.keep_fp32, self.check_loss = check_half_dtype(
+            dtype), clip, flat_master, keep, check_loss
         self.table, self.decide, self.impl = table, decide, impl
         self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs,
-                                 advice="With fastai: `learn.to_bf16()`, or `learn.to_fp16(keep_fp32=(nn.BatchNorm2d, TheModule))` for the modules that overflow.")
+                                 advice="With fastai: `learn.to_bf16()`, or "
+                                        "`learn.to_fp16(keep_fp32=(nn.BatchNorm2d, TheModule))` for the modules that "
+                                        "overflow.")
         self.conversion, self.engine, self._checked, self._epoch_skipped, self._kept_history = None, None, False, 0, None
-        self.state_io = None                       # `learn.opt` while attached: the `MixedPrecisionOpt` that reads and writes the state in the model's layout
+        # `learn.opt` while attached: the `MixedPrecisionOpt` that reads and writes the state in the model's layout
+        self.state_io = None
 
     @property
     def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
     @learn.setter
     def learn(self, learn):
-        "fastai sets `learn` to None when it removes the callback (`remove_cb`, or the end of `fit(cbs=...)`): leave mixed precision then, as `to_fp32()` does"
+        ("fastai sets `learn` to None when it removes the callback (`remove_cb`, or the end of `fit(cbs=...)`): "
+         "leave mixed precision then, as `to_fp32()` does")
         old = self.__dict__.get('_learn')
         if learn is not None and old is not None and learn is not old: self._move_from(old)
         if learn is None and old is not None and self.conversion is not None: self.leave()
@@ -122,42 +149,66 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def _move_from(self, old):
         "Given to another Learner: leave the first one (back in fp32, without this callback), unless it is fitting now"
         if _fitting(old):
-            raise ValueError("this MixedPrecision callback runs the mixed precision of a Learner that is fitting now (its masters are that model's): "
-                             "give each Learner its own, `cbs=MixedPrecision(...)` per Learner, or pass the class `cbs=MixedPrecision`")
+            raise ValueError("this MixedPrecision callback runs the mixed precision of a Learner that is fitting now "
+                             "(its masters are that model's): "
+                             "give each Learner its own, `cbs=MixedPrecision(...)` per Learner, or pass the class "
+                             "`cbs=MixedPrecision`")
         old.remove_cb(self)                    # the first Learner is fp32 again, with its weights from the masters
 
     @property
-    def model_pgs(self) -> list: "The half model's params, by optimizer group (fastai's `NonNativeMixedPrecision` name)"; return self.masters.model_groups
+    def model_pgs(self) -> list:
+        "The half model's params, by optimizer group (fastai's `NonNativeMixedPrecision` name)"
+        return self.masters.model_groups
     @property
-    def master_pgs(self) -> list: "The fp32 masters the optimizer steps, by group (fastai's `NonNativeMixedPrecision` name)"; return self.masters.groups
+    def master_pgs(self) -> list:
+        "The fp32 masters the optimizer steps, by group (fastai's `NonNativeMixedPrecision` name)"
+        return self.masters.groups
 
     def leave(self):
-        "Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state kept (sharded: gathered, on every rank)"
+        ("Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state "
+         "kept (sharded: gathered, on every rank)")
         if self.masters is not None and self.masters.shards is not None: self.engine.unshard_()
         self.release_opt()
         if self.conversion is not None: self.conversion.undo()
         self.conversion = None
 
-    masters = property(lambda self: self.engine.masters if self.engine is not None else None, doc="The masters' layout in the optimizer (while it holds them)")
+    masters = property(lambda self: self.engine.masters if self.engine is not None else None,
+                       doc="The masters' layout in the optimizer (while it holds them)")
     @property
-    def loss_scale(self) -> float: "The current loss scale (the scaler's books catch up first: a host read on a GPU)"; self.scaler.drain(); return self.scaler.scale
+    def loss_scale(self) -> float:
+        "The current loss scale (the scaler's books catch up first: a host read on a GPU)"
+        self.scaler.drain()
+        return self.scaler.scale
     @property
-    def skipped(self) -> bool: "True if the last optimizer step was skipped (the books catch up first)"; self.scaler.drain(); return self.scaler.skipped
+    def skipped(self) -> bool:
+        "True if the last optimizer step was skipped (the books catch up first)"
+        self.scaler.drain()
+        return self.scaler.skipped
     @property
-    def history(self): "A `StepRecord` per optimizer step (the books catch up first)"; self.scaler.drain(); return self.scaler.history
-    def plot(self, ax=None): "Plot the loss scale and the skipped steps against the step"; return plot_history(self.history, ax)
+    def history(self):
+        "A `StepRecord` per optimizer step (the books catch up first)"
+        self.scaler.drain()
+        return self.scaler.history
+    def plot(self, ax=None):
+        "Plot the loss scale and the skipped steps against the step"
+        return plot_history(self.history, ax)
 
     def prepare(self):
         "Convert the model to the half dtype (once), keeping fp32 masters of its weights"
         if self.conversion is None:
-            self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True, entries=_called_alone(self.learn.model))
-            if not self.conversion.masters and not self.conversion.buffers:     # nothing to cast: the cast hooks go, and the callback does nothing
+            self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True,
+                                            entries=_called_alone(self.learn.model))
+            # nothing to cast: the cast hooks go, and the callback does nothing
+            if not self.conversion.masters and not self.conversion.buffers:
                 self.conversion.undo()
                 floats = any(p.is_floating_point() for p in self.learn.model.parameters())
-                why = (f"every module with params is of a type kept in fp32: {', '.join(t.__name__ for t in self.keep_fp32)}" if floats else
+                why = ("every module with params is of a type kept in fp32: "
+                       f"{', '.join(t.__name__ for t in self.keep_fp32)}" if floats else
                        "it has no float params or buffers")
-                warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and fastai's optimizer "
-                          f"steps the model's params itself" + (": train in fp32, or keep fewer module types in fp32" if floats else ""),
+                warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and "
+                          "fastai's optimizer "
+                          f"steps the model's params itself" + (
+                              ": train in fp32, or keep fewer module types in fp32" if floats else ""),
                           ('nothing converted', id(self)))
             p = next(iter(self.conversion.masters), None)
             convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
@@ -168,91 +219,125 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def after_create(self): self.prepare()
 
     def attach_opt(self):
-        "Swap the fp32 masters into `learn.opt` in place of the half model params, carrying the optimizer state across; a step engine over them"
-        wrapped, opt = self.learn.opt, _raw_opt(self.learn)       # `learn.opt` is this callback's `MixedPrecisionOpt` while attached
-        if self.engine is not None and self.engine.optimizer is not opt: self.engine.masters.sync_requires_grad()   # a freeze on the old optimizer reaches the model
+        ("Swap the fp32 masters into `learn.opt` in place of the half model params, carrying the optimizer state "
+         "across; a step engine over them")
+        # `learn.opt` is this callback's `MixedPrecisionOpt` while attached
+        wrapped, opt = self.learn.opt, _raw_opt(self.learn)
+        if self.engine is not None and self.engine.optimizer is not opt:
+            self.engine.masters.sync_requires_grad()   # a freeze on the old optimizer reaches the model
         self._copied_masters_to_model(opt)
         held = [p for g in opt.param_lists for p in g]
         shard = getattr(self, 'shard', False) and world_size() > 1
         if shard and self.flat_master and not isinstance(opt, Optimizer):
-            raise ValueError(f"sharded flat masters need fastai's own optimizer, whose state_dict is per param; {type(opt).__name__}'s is by position "
-                             f"over the flat masters, which differ with the world size: pass flat_master=False, or a fastai opt_func (Adam, SGD, ...)")
-        if self.engine is not None and self.engine.optimizer is opt and {id(p) for p in held} == {id(p) for p in self.masters.master_params}:
+            raise ValueError("sharded flat masters need fastai's own optimizer, whose state_dict is per param; "
+                             f"{type(opt).__name__}'s is by position "
+                             "over the flat masters, which differ with the world size: pass flat_master=False, or a "
+                             "fastai opt_func (Adam, SGD, ...)")
+        if self.engine is not None and self.engine.optimizer is opt and {
+            id(p) for p in held} == {id(p) for p in self.masters.master_params}:
             if (self.masters.shards is not None) == shard: return self._wrap(wrapped, opt)
-            if not shard: raise RuntimeError("the masters are sharded across ranks and torch.distributed has gone (or has one rank): call `learn.save()`, "
-                                             "`to_fp32()` or `export()` inside `distrib_ctx`, where the shards can be gathered")
+            if not shard:
+                raise RuntimeError("the masters are sharded across ranks and torch.distributed has gone (or has one "
+                                   "rank): call `learn.save()`, "
+                                             "`to_fp32()` or `export()` inside `distrib_ctx`, where the shards can "
+                                             "be gathered")
             self.release_opt()                            # first fit under distrib_ctx: shard the masters
             held = [p for g in opt.param_lists for p in g]
         names = {p: n for n, p in self.learn.model.named_parameters()}
-        self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master, store=getattr(self, 'master_store', 'fp32'),
-                                        state=getattr(self, 'state_store', 'fp32'), shard=shard, scaler=self.scaler, clip=self.clip, decide=self.decide, impl=self.impl)
+        self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master,
+                                        store=getattr(self, 'master_store', 'fp32'),
+                                        state=getattr(self, 'state_store', 'fp32'), shard=shard, scaler=self.scaler,
+                                            clip=self.clip, decide=self.decide, impl=self.impl)
         self._wrap(wrapped, opt)
 
     def _wrap(self, wrapped, opt):
-        "Make `learn.opt` a `MixedPrecisionOpt` over `opt` (the same one again when it already was), so `learn.opt.state_dict()` is in the model's layout, as fastai and users read it"
-        io = wrapped if isinstance(wrapped, MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is self else MixedPrecisionOpt.wrapping(self, opt)
+        ("Make `learn.opt` a `MixedPrecisionOpt` over `opt` (the same one again when it already was), so "
+         "`learn.opt.state_dict()` is in the model's layout, as fastai and users read it")
+        io = wrapped if isinstance(wrapped,
+                                   MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is self else MixedPrecisionOpt.wrapping(self, opt)
         if io is not None: self.learn.opt = self.state_io = io
 
     def _copied_masters_to_model(self, opt):
-        "A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model params back in their places, with their state"
+        ("A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model "
+         "params back in their places, with their state")
         if self.engine is not None: return
-        flats = {id(fm): ps for fm, ps in (self.__dict__.pop('_copied_flats', None) or [])}    # flat master -> its params, as `__getstate__` noted them
-        bf16s = {id(m): p for m, p in (self.__dict__.pop('_copied_bf16', None) or [])}        # bf16 master (the conversion's copy made a new one) -> its param
+        # flat master -> its params, as `__getstate__` noted them
+        flats = {id(fm): ps for fm, ps in (self.__dict__.pop('_copied_flats', None) or [])}
+        # bf16 master (the conversion's copy made a new one) -> its param
+        bf16s = {id(m): p for m, p in (self.__dict__.pop('_copied_bf16', None) or [])}
         put_model_params_back(opt, self.conversion.masters, flats, bf16s)
 
     def release_opt(self):
-        "Put the model params back into fastai's optimizer, with their state in its own layout, and make it `learn.opt` again"
+        ("Put the model params back into fastai's optimizer, with their state in its own layout, and make it "
+         "`learn.opt` again")
         opt, e = _raw_opt(self.learn), self.engine
         if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
         if opt is None or e is None: return
         if e.optimizer is opt: e.detach()
-        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'): opt.__dict__.pop(k, None)   # methods an earlier version patched onto a pickled Learner's optimizer
+        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'):
+            opt.__dict__.pop(k, None)   # methods an earlier version patched onto a pickled Learner's optimizer
         self.engine = self.state_io = None
 
     @contextmanager
     def consolidated(self, gather:bool=True):
-        "A block in which this rank holds every master and all the optimizer state (sharded: gathered, so every rank must enter it); sharded again after"
+        ("A block in which this rank holds every master and all the optimizer state (sharded: gathered, so every "
+         "rank must enter it); sharded again after")
         if self.masters is None or self.masters.shards is None: yield; return
         with self.engine.consolidated(gather): yield
 
     def follow_model_device(self):
-        "The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and the optimizer state after it"
+        ("The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and "
+         "the optimizer state after it")
         self.release_opt()
         self.conversion.follow_devices()
         adapter_for(_raw_opt(self.learn)).state_to_devices()
 
     def __getstate__(self):
-        "Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which params each flat master holds, and whose each bf16 master is"
+        ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
+         "params each flat master holds, and whose each bf16 master is")
         flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-        bf16s = [(m, p) for p, m in self.conversion.masters.items() if bf16_master(m) is not None] if self.conversion is not None else None
+        bf16s = [(m, p) for p,
+                 m in self.conversion.masters.items(
+                     ) if bf16_master(m) is not None] if self.conversion is not None else None
         return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
 
     def __setstate__(self, state:dict):
         "Unpickle, also a callback pickled by an earlier version (with a `masters` layout and step flags)"
         for k in ('masters', '_fused', '_found', '_on_device', 'loss_finite'): state.pop(k, None)
         if 'learn' in state: state['_learn'] = state.pop('learn')
-        self.__dict__.update({'engine': None, 'state_io': None, 'decide': None, 'impl': None, '_kept_history': None, **state})
+        self.__dict__.update({'engine': None, 'state_io': None, 'decide': None, 'impl': None, '_kept_history': None,
+                              **state})
 
     def before_fit(self):
-        "Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step engine's"
+        ("Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step "
+         "engine's")
         self.prepare()
         cast_back = [p for p in self.conversion.masters if p.dtype != self.dtype]
-        if cast_back: raise ValueError(f"the model's weights are {cast_back[0].dtype} again (`model.float()` after `to_fp16()`?) while mixed precision is on, "
-                                       f"so inputs would be cast to {self.dtype} for them: leave mixed precision with `learn.to_fp32()` (the model gets the fp32 masters), "
+        if cast_back:
+            raise ValueError(f"the model's weights are {cast_back[0].dtype} again (`model.float()` after "
+                             "`to_fp16()`?) while mixed precision is on, "
+                                       f"so inputs would be cast to {self.dtype} for them: leave mixed precision "
+                                       "with `learn.to_fp32()` (the model gets the fp32 masters), "
                                        f"or convert anew with `learn.to_fp16()` / `to_bf16()`")
         if any(isinstance(cb, GradientClip) for cb in self.learn.cbs):
-            raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never sees under mixedprec. "
+            raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never "
+                             "sees under mixedprec. "
                              "Remove it and pass the max norm to mixedprec instead: `learn.to_fp16(clip=max_norm)`.")
         if self.table: self._add_table_metrics()
         self._checked = False
-        if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs): self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
+        if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs):
+            self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
         changed = self.conversion.unconverted()
-        if changed: raise ValueError(f"the model has fp32 params that were added or replaced after `to_fp16()` ({', '.join(changed[:5])}). "
-                                     f"Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they are converted and get masters.")
+        if changed:
+            raise ValueError("the model has fp32 params that were added or replaced after `to_fp16()` "
+                             f"({', '.join(changed[:5])}). "
+                                     "Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so "
+                                     "they are converted and get masters.")
         if getattr(self.learn, 'opt', None) is None or not self.conversion.masters: return
         if any(m.device != p.device for p, m in self.conversion.masters.items()): self.follow_model_device()
         self.attach_opt()
-        self.engine.follow_layouts()                     # fastai's ChannelsLast (order -1) has just laid the model out anew
+        # fastai's ChannelsLast (order -1) has just laid the model out anew
+        self.engine.follow_layouts()
         if not self.masters.sync_requires_grad():        # requires_grad changed within a flat master: lay them out anew
             self.release_opt(); self.attach_opt()
         for p in self.learn.model.parameters(): p.grad = None
@@ -265,40 +350,50 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def before_backward(self):
         "Scale the loss (noting, on the device, whether it is finite)"
         if not self._checked: self._check_trainable()
-        if self.engine is not None: self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
+        if self.engine is not None:
+            self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
 
     def before_step(self):
-        "Unscale into the master grads (check, clip, update the scale); cancel the step if it is skipped. fastai's `opt.step()` is then the engine's"
+        ("Unscale into the master grads (check, clip, update the scale); cancel the step if it is skipped. fastai's "
+         "`opt.step()` is then the engine's")
         xb, e = self.learn.xb, self.engine
         if e is None: return                         # nothing was converted: nothing to unscale
         e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
                   forward_overflow=lambda: self._forward_overflow(xb))                  # run when training stops
-        if not e.on_device and e.must_skip():        # a skip decided on the host: cancelled, as fastai's own MixedPrecision does
+        # a skip decided on the host: cancelled, as fastai's own MixedPrecision does
+        if not e.on_device and e.must_skip():
             e.discard()
             raise CancelStepException()
 
     def after_step(self):
-        "Drop the model's half grads (the engine has written the masters into the model); fastai's own `opt.zero_grad()`, which follows, clears the masters' grads as it would in fp32"
-        if self.engine is not None: self.engine.zero_grad(set_to_none=not isinstance(self.engine.optimizer, Optimizer), masters=False)
+        ("Drop the model's half grads (the engine has written the masters into the model); fastai's own "
+         "`opt.zero_grad()`, which follows, clears the masters' grads as it would in fp32")
+        if self.engine is not None:
+            self.engine.zero_grad(set_to_none=not isinstance(self.engine.optimizer, Optimizer), masters=False)
 
     def after_fit(self):
-        "Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the metrics"
+        ("Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the "
+         "metrics")
         opt = getattr(self.learn, 'opt', None)
         if self.engine is not None and opt is not None:
-            self.scaler.drain()                          # the last step into the books (naming overflowed params reads the master grads)
+            # the last step into the books (naming overflowed params reads the master grads)
+            self.scaler.drain()
             self.engine.own_layout()
         if self._kept_history is not None:
             self.scaler.drain()
             while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()
             self._kept_history = None
         # the table columns hold bound methods, which `export` need not pickle
-        if self.table: self.learn.metrics = [m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
+        if self.table:
+            self.learn.metrics = [
+                m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
 
     # fastai v1's hook names, for readers of the seed
     on_train_begin, on_loss_begin, on_backward_begin, on_backward_end, on_step_end, on_train_end = before_fit, after_pred, before_backward, before_step, after_step, after_fit
 
     def _forward_overflow(self, xb) -> str:
-        "This batch's forward pass run again under `watch_overflow` (the buffers put back after): a sentence on the first op that overflowed, or ''"
+        ("This batch's forward pass run again under `watch_overflow` (the buffers put back after): a sentence on the "
+         "first op that overflowed, or ''")
         model, watch = self.learn.model, None
         kept = [(b, b.detach().clone()) for b in model.buffers()]
         try:
@@ -308,29 +403,40 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
             with torch.no_grad():
                 for b, v in kept: b.copy_(v)
         if watch is None or watch.first is None: return ''
-        return f"This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at {watch.first}. {watch.first.advice()}."
+        return ("This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at "
+                f"{watch.first}. {watch.first.advice()}.")
 
     def _check_trainable(self):
-        "Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, and a change made through `.data` since the last step is taken (each step takes them too)"
+        ("Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, "
+         "and a change made through `.data` since the last step is taken (each step takes them too)")
         self._checked = True
-        self.conversion.take_data_edits()              # changes through `.data` since the last step: the masters before anything reads them
+        # changes through `.data` since the last step: the masters before anything reads them
+        self.conversion.take_data_edits()
         model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
-        if not model_params: raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some (`learn.unfreeze()`), or use `get_preds` for inference")
+        if not model_params:
+            raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
+                             "(`learn.unfreeze()`), or use `get_preds` for inference")
         if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
-        elif not self.conversion.masters:                  # nothing converted (every module kept in fp32): fastai's optimizer holds the params
+        # nothing converted (every module kept in fp32): fastai's optimizer holds the params
+        elif not self.conversion.masters:
             opt = _raw_opt(self.learn)
             held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
         else: held = set()
         missing = [n for n, p in model_params if id(p) not in held]
-        if missing: refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
-        if missing: raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they were replaced after the "
-                                     f"optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so they get masters and an optimizer.")
+        if missing:
+            refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
+        if missing:
+            raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
+                             "were replaced after the "
+                                     "optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after "
+                                     "changing the model, so they get masters and an optimizer.")
 
     def _add_table_metrics(self):
         "Add the loss scale and the epoch's skipped steps to the Learner's metrics, for this fit"
         names = [getattr(m, 'name', None) for m in self.learn.metrics]
         if 'loss_scale' in names: return
-        self.learn.metrics = list(self.learn.metrics) + [ValueMetric(self._table_scale, 'loss_scale'), ValueMetric(self._table_skipped, 'skipped')]
+        self.learn.metrics = list(self.learn.metrics) + [ValueMetric(self._table_scale, 'loss_scale'),
+                                                         ValueMetric(self._table_skipped, 'skipped')]
 
     def before_train(self): self._epoch_skipped = self.scaler.n_skipped
     def _table_scale(self):
@@ -340,23 +446,30 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def _table_skipped(self): self.scaler.drain(); return self.scaler.n_skipped - self._epoch_skipped
 
     def check_whole(self):
-        "Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would miss them"
+        ("Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would "
+         "miss them")
         if self.masters is not None and any(remote_master(m) is not None for _, m, _ in self.masters.pairs):
-            raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call `learn.save()` on every rank (it gathers "
-                               "the shards), or read the state inside `with learn.mixed_precision.consolidated():` entered on every rank")
+            raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call "
+                               "`learn.save()` on every rank (it gathers "
+                               "the shards), or read the state inside `with learn.mixed_precision.consolidated():` "
+                               "entered on every rank")
 
     def state_dict(self) -> dict:
         "The scaler state and the fp32 masters, one per model param"
         self.check_whole()
         masters = self.conversion.masters if self.conversion else {}
         return {'scaler': self.scaler.state_dict(),
-                'masters': [master_value(masters[p]).clone() if p in masters else None for p in self.learn.model.parameters()]}
+                'masters': [
+                    master_value(masters[p]).clone() if p in masters else None for p in self.learn.model.parameters()]}
 
     def load_state_dict(self, sd:dict):
-        "Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything changes"
+        ("Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything "
+         "changes")
         self.prepare()
         params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
-        if len(saved) != len(params): raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} params: it comes from another model; nothing was loaded")
+        if len(saved) != len(params):
+            raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
+                                  "params: it comes from another model; nothing was loaded")
         names = [n for n, _ in self.learn.model.named_parameters()]
         for i, (p, m) in enumerate(zip(params, saved)):
             if m is not None and p in masters: check_master_value(m, p, f"master {i} ({names[i]})", "the state_dict")
@@ -376,13 +489,15 @@ def _plain(o):
     return o
 
 class MixedPrecisionOpt(GetAttr):
-    "`learn.opt` in mixed precision: fastai's optimizer, whose groups hold the fp32 masters, with `state_dict`/`load_state_dict` in the layout of the model's params and the loss scaler beside them"
+    ("`learn.opt` in mixed precision: fastai's optimizer, whose groups hold the fp32 masters, with "
+     "`state_dict`/`load_state_dict` in the layout of the model's params and the loss scaler beside them")
     _default = 'opt'
     def __init__(self, cb, opt): self.cb, self.opt = cb, opt
     def __repr__(self): return f"{type(self).__name__}({type(self.opt).__name__})"
     @staticmethod
     def wrapping(cb, opt) -> 'MixedPrecisionOpt':
-        "The class for `opt`: fastai's own `Optimizer` (state per param) or an `OptimWrapper` (torch's positional state dict); None for neither"
+        ("The class for `opt`: fastai's own `Optimizer` (state per param) or an `OptimWrapper` (torch's positional "
+         "state dict); None for neither")
         if isinstance(opt, Optimizer): return MixedPrecisionOpt(cb, opt)
         if callable(getattr(opt, 'state_dict', None)): return MixedPrecisionOptimWrapper(cb, opt)
 
@@ -390,18 +505,21 @@ class MixedPrecisionOpt(GetAttr):
         "The callback, attached to the optimizer (a copied or unpickled Learner's masters go back into it first)"
         cb = self.cb
         if cb.learn is None or _raw_opt(cb.learn) is not self.opt:
-            raise RuntimeError("this optimizer has left mixed precision (`to_fp32()`, or a new `create_opt()`): use `learn.opt`")
+            raise RuntimeError("this optimizer has left mixed precision (`to_fp32()`, or a new `create_opt()`): use "
+                               "`learn.opt`")
         if cb.state_io is not self: cb.attach_opt()
         return cb
 
     def step(self, closure=None):
-        "The step engine's step: the fp32 masters stepped (or the step skipped), then written into the half model. Outside a fit, the grads of a plain `loss.backward()` are taken as they are (no loss scale)"
+        ("The step engine's step: the fp32 masters stepped (or the step skipped), then written into the half model. "
+         "Outside a fit, the grads of a plain `loss.backward()` are taken as they are (no loss scale)")
         e = self._attached().engine
         if e.found is None and e.masters.raw_grads(): unscale_into([e], LossScaler(1., dynamic=False))
         return e.step(closure)
 
     def zero_grad(self):
-        "Clear the grads of the model's params and of the masters: zeroed in place by fastai's optimizer, set to None by a torch one (`OptimWrapper`)"
+        ("Clear the grads of the model's params and of the masters: zeroed in place by fastai's optimizer, set to "
+         "None by a torch one (`OptimWrapper`)")
         self._attached().engine.zero_grad(set_to_none=not isinstance(self.opt, Optimizer))
 
     def state_dict(self) -> dict:
@@ -411,39 +529,53 @@ class MixedPrecisionOpt(GetAttr):
         steps_to_ints(opt.state)
         state = cb.engine.state_by_model_param()
         params = [p for g in masters.model_groups for p in g]
-        res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers), 'mixedprec': {'scaler': cb.scaler.state_dict()}}
-        if type(opt).state_dict is not Optimizer.state_dict:      # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
+        res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers),
+               'mixedprec': {'scaler': cb.scaler.state_dict()}}
+        # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
+        if type(opt).state_dict is not Optimizer.state_dict:
             res.update({k: _plain(v) for k, v in opt.state_dict().items() if k not in res})
         return res
 
     def check_state_dict(self, sd:dict, what:str='the optimizer state'):
-        "Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load: groups, params, each state tensor, the loss scaler (nothing changes)"
+        ("Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load: groups, "
+         "params, each state tensor, the loss scaler (nothing changes)")
         cb = self._attached(); masters = cb.masters
         params = [p for g in masters.model_groups for p in g]
-        if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple, L)) and isinstance(sd.get('hypers'), (list, tuple, L))):
-            raise CheckpointError(f"{what} is not a fastai optimizer state_dict (it needs 'state' and 'hypers'); nothing was loaded")
+        if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple,
+                                                                      L)) and isinstance(
+                                                                          sd.get('hypers'), (list, tuple, L))):
+            raise CheckpointError(f"{what} is not a fastai optimizer state_dict (it needs 'state' and 'hypers'); "
+                                  "nothing was loaded")
         if len(sd['hypers']) != len(masters.model_groups) or len(sd['state']) != len(params):
-            raise CheckpointError(f"{what} holds state for {len(sd['state'])} params in {len(sd['hypers'])} groups, this model has "
-                                  f"{len(params)} params in {len(masters.model_groups)} groups: it comes from another model; nothing was loaded")
+            raise CheckpointError(f"{what} holds state for {len(sd['state'])} params in {len(sd['hypers'])} groups, "
+                                  "this model has "
+                                  f"{len(params)} params in {len(masters.model_groups)} groups: it comes from "
+                                  "another model; nothing was loaded")
         names = masters.names
         for i, (p, s) in enumerate(zip(params, sd['state'])):
-            if not isinstance(s, dict): raise CheckpointError(f"{what}: the state of param {i} is a {type(s).__name__}, not a dict; nothing was loaded")
+            if not isinstance(s, dict):
+                raise CheckpointError(f"{what}: the state of param {i} is a {type(s).__name__}, not a dict; nothing "
+                                      "was loaded")
             check_param_state(s, p, f"param {i} ({names.get(p, 'param')})", what)
         if 'mixedprec' in sd: cb.scaler.check_state(sd['mixedprec']['scaler'])
 
     def load_state_dict(self, sd:dict):
-        "Load a `state_dict` written by this class or by a plain fastai optimizer over the same model; everything is checked before anything changes"
+        ("Load a `state_dict` written by this class or by a plain fastai optimizer over the same model; everything "
+         "is checked before anything changes")
         self.check_state_dict(sd)
         cb, opt = self.cb, self.opt
         params = [p for g in cb.masters.model_groups for p in g]
-        state = cb.engine.state_onto_masters(dict(zip(params, sd['state'])))   # fp32, whatever the file holds; sharded: this rank's shard
+        # fp32, whatever the file holds; sharded: this rank's shard
+        state = cb.engine.state_onto_masters(dict(zip(params, sd['state'])))
         cb.engine.adapter.set_state(state, sd['hypers'])
         for k, v in sd.items():                        # a wrapper's own state (Lookahead's count and slow weights)
             if k not in ('state', 'hypers', 'mixedprec'): setattr(opt, k, v)
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
 
+# %% ../nbs/15_callback.ipynb #7d444047
 class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
-    "`learn.opt` in mixed precision over fastai's `OptimWrapper`: torch's positional state dict of the masters, the loss scaler beside it"
+    ("`learn.opt` in mixed precision over fastai's `OptimWrapper`: torch's positional state dict of the masters, the "
+     "loss scaler beside it")
     def state_dict(self) -> dict:
         "The wrapped torch optimizer's state_dict and the loss scaler (refused while other ranks hold some masters)"
         cb = self._attached()
@@ -458,7 +590,8 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
         if scaler is not None: cb.scaler.check_state(scaler)
 
     def load_state_dict(self, sd:dict):
-        "The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai loads the file too); sharded, this rank keeps its shard"
+        ("The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai "
+         "loads the file too); sharded, this rank keeps its shard")
         self.check_state_dict(sd)
         scaler = sd.get('mixedprec', {}).get('scaler')
         self.opt.load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
@@ -481,14 +614,18 @@ def _raw_opt(learn):
 
 # %% ../nbs/15_callback.ipynb #adb7b617
 def _called_alone(model) -> tuple:
-    "The submodules that code outside the model's forward calls: fastai's `GANLoss` calls a `GANModule`'s generator and critic"
-    if not any(c.__name__ == 'GANModule' and c.__module__ == 'fastai.vision.gan' for c in type(model).__mro__): return ()
-    return tuple(m for m in (getattr(model, 'generator', None), getattr(model, 'critic', None)) if isinstance(m, nn.Module))
+    ("The submodules that code outside the model's forward calls: fastai's `GANLoss` calls a `GANModule`'s generator "
+     "and critic")
+    if not any(c.__name__ == 'GANModule' and c.__module__ == 'fastai.vision.gan' for c in type(model).__mro__):
+        return ()
+    return tuple(m for m in (getattr(model, 'generator', None),
+                             getattr(model, 'critic', None)) if isinstance(m, nn.Module))
 
 def _attach(learn, cb):
     "Replace any mixed-precision callback of `learn` by `cb`: convert the model, and give the optimizer its masters"
     refuse_fsdp2(learn.model, "to_fp16/to_bf16")
-    require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)   # kernels that cannot run: refused before anything changes
+    # kernels that cannot run: refused before anything changes
+    require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)
     learn.to_fp32()
     learn.add_cb(cb)
     try:
@@ -497,11 +634,13 @@ def _attach(learn, cb):
         old = learn.opt
         held = {id(p) for g in old.param_lists for p in g} if old is not None else set()
         if old is None or any(id(p) not in held for p in learn.model.parameters()):
-            learn.create_opt()                           # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
+            # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
+            learn.create_opt()
             if old is not None: adapter_for(learn.opt).take_state(adapter_for(old), list(learn.model.parameters()))
         cb.attach_opt()
     except BaseException:
-        learn.to_fp32()                                  # refused (an optimizer lean state cannot use, ...): the Learner is fp32 again, as it came
+        # refused (an optimizer lean state cannot use, ...): the Learner is fp32 again, as it came
+        learn.to_fp32()
         raise
     return learn
 
@@ -510,14 +649,16 @@ def _attach(learn, cb):
 def to_fp16(self:Learner, loss_scale:float=None, max_noskip:int=1000, dynamic:bool=True, clip:float=None,
             flat_master:bool=False, max_scale:float=2**24, **kwargs):
     "Put `learn` in fp16 mixed precision: half model, fp32 batchnorm and masters, dynamic loss scale"
-    return _attach(self, MixedPrecision(loss_scale, max_noskip, dynamic, clip, flat_master, max_scale, dtype=torch.float16, **kwargs))
+    return _attach(self, MixedPrecision(loss_scale, max_noskip, dynamic, clip, flat_master, max_scale,
+                                        dtype=torch.float16, **kwargs))
 
 @patch
 @delegates(MixedPrecision, but=['loss_scale', 'max_noskip', 'dynamic', 'clip', 'flat_master', 'max_scale', 'dtype'])
 def to_bf16(self:Learner, loss_scale:float=1., max_noskip:int=1000, dynamic:bool=False, clip:float=None,
             flat_master:bool=False, max_scale:float=2**24, **kwargs):
     "Put `learn` in bf16 mixed precision: half model, fp32 batchnorm and masters, no loss scaling by default"
-    return _attach(self, MixedPrecision(loss_scale, max_noskip, dynamic, clip, flat_master, max_scale, dtype=torch.bfloat16, **kwargs))
+    return _attach(self, MixedPrecision(loss_scale, max_noskip, dynamic, clip, flat_master, max_scale,
+                                        dtype=torch.bfloat16, **kwargs))
 
 fastai_export, fastai_save, fastai_load = _fastais('export'), _fastais('save'), _fastais('load')
 
@@ -534,17 +675,24 @@ def _sharded(learn) -> bool:
 
 @patch
 def save(self:Learner, file, **kwargs):
-    "fastai's `save`, written atomically (a failed save leaves the previous file whole) by rank 0 alone; sharded masters are gathered first, so every rank must call it (as `SaveModelCallback` does) and returns when the file is whole"
+    ("fastai's `save`, written atomically (a failed save leaves the previous file whole) by rank 0 alone; sharded "
+     "masters are gathered first, so every rank must call it (as `SaveModelCallback` does) and returns when the file "
+     "is whole")
     sharded = _sharded(self)
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     with _consolidated(self):
-        # fastai skips a rank by the RANK variable of its launchers; a group made with `init_process_group(rank=...)` has none, and every rank would write one file at once
-        if rank() == 0: write_atomically(file, lambda tmp: fastai_learner.save_model(tmp, self.model, getattr(self, 'opt', None), **kwargs))
-    if sharded: barrier("the wait for rank 0 to write the checkpoint")    # a load on any rank right after reads the whole file
+        # fastai skips a rank by the RANK variable of its launchers; a group made with `init_process_group(rank=...)`
+        # has none, and every rank would write one file at once
+        if rank() == 0:
+            write_atomically(
+                file, lambda tmp: fastai_learner.save_model(tmp, self.model, getattr(self, 'opt', None), **kwargs))
+    if sharded:
+        barrier("the wait for rank 0 to write the checkpoint")    # a load on any rank right after reads the whole file
     return file
 
 def _read_checkpoint(file, device, **torch_load_kwargs):
-    "The checkpoint at `file`, read as fastai's `load_model` reads it (weights only, fastai's `L` and numpy scalars allowed)"
+    ("The checkpoint at `file`, read as fastai's `load_model` reads it (weights only, fastai's `L` and numpy scalars "
+     "allowed)")
     import numpy as np
     allowed = [L, np.dtype, *[getattr(np.dtypes, dt) for dt in np.dtypes.__all__]]
     core = getattr(np, '_core', None) or np.core
@@ -552,12 +700,19 @@ def _read_checkpoint(file, device, **torch_load_kwargs):
     torch_load_kwargs.setdefault('weights_only', True)
     with torch.serialization.safe_globals(allowed): return torch.load(file, map_location=device, **torch_load_kwargs)
 
+# %% ../nbs/15_callback.ipynb #d5067385
 @patch
 def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, **kwargs):
-    "fastai's `load`, all or nothing in mixed precision: the model's keys and weights, the fp32 masters, the optimizer state and the loss scaler are all checked before anything changes, and a misfit raises (fastai would change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its shard"
+    ("fastai's `load`, all or nothing in mixed precision: the model's keys and weights, the fp32 masters, the "
+     "optimizer state and the loss scaler are all checked before anything changes, and a misfit raises (fastai would "
+     "change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its "
+     "shard")
     cb = getattr(self, 'mixed_precision', None)
-    if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.state_io is None or cb.state_io is not getattr(self, 'opt', None):
-        with _consolidated(self, gather=False): return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
+    if not isinstance(cb,
+                      MixedPrecision) or cb.engine is None or cb.state_io is None or cb.state_io is not getattr(
+                          self, 'opt', None):
+        with _consolidated(self, gather=False):
+            return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
@@ -566,30 +721,39 @@ def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, 
     hasopt = isinstance(state, dict) and set(state) == {'model', 'opt'}
     model, model_state = get_model(self.model), state['model'] if hasopt else state
     with _consolidated(self, gather=False):
-        LoadMasters(cb.conversion).check(model, model_state, strict=strict)     # keys, shapes, masters: what the load hook checks, first
+        # keys, shapes, masters: what the load hook checks, first
+        LoadMasters(cb.conversion).check(model, model_state, strict=strict)
         if hasopt and with_opt: cb.state_io.check_state_dict(state['opt'], f"{file.name}'s optimizer state")
-        model.load_state_dict(model_state, strict=strict)          # mixedprec's pre-hook checks every weight and master before it writes any
+        # mixedprec's pre-hook checks every weight and master before it writes any
+        model.load_state_dict(model_state, strict=strict)
         if hasopt and with_opt: cb.state_io.load_state_dict(state['opt'])
         elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
     return self
 
 @patch
 def export(self:Learner, fname='export.pkl', pickle_module=None, pickle_protocol=2, keep_mixed_precision:bool=False):
-    "fastai's `export`, of an fp32 Learner that plain fastai loads (weights from the masters; no mixedprec inside), unless `keep_mixed_precision`; `self` stays in mixed precision"
+    ("fastai's `export`, of an fp32 Learner that plain fastai loads (weights from the masters; no mixedprec inside), "
+     "unless `keep_mixed_precision`; `self` stays in mixed precision")
     cb = getattr(self, 'mixed_precision', None)
-    kw = dict(pickle_protocol=pickle_protocol, **({'pickle_module': pickle_module} if pickle_module is not None else {}))
+    kw = dict(pickle_protocol=pickle_protocol,
+              **({'pickle_module': pickle_module} if pickle_module is not None else {}))
     if keep_mixed_precision or not isinstance(cb, MixedPrecision):
         return write_atomically(self.path/fname, lambda tmp: fastai_export(self, tmp, **kw)) if rank() == 0 else None
-    self.remove_cb(cb)                                   # fp32 weights equal to the masters, the optimizer on them with its state
-    try:                                                 # rank 0 writes (fastai's own check reads a launcher's RANK variable), atomically
+    # fp32 weights equal to the masters, the optimizer on them with its state
+    self.remove_cb(cb)
+    # rank 0 writes (fastai's own check reads a launcher's RANK variable), atomically
+    try:
         if rank() == 0: return write_atomically(self.path/fname, lambda tmp: fastai_export(self, tmp, **kw))
-    finally: _attach(self, cb)                           # back in mixed precision: masters made again, exactly, from the fp32 weights
+    finally:
+        # back in mixed precision: masters made again, exactly, from the fp32 weights
+        _attach(self, cb)
 
 fastai_freeze_to = _fastais('freeze_to')
 
 @patch
 def freeze_to(self:Learner, n:int):
-    "fastai's `freeze_to` (and so `freeze`, `unfreeze`); in mixed precision the model's params take their masters' `requires_grad` at once"
+    ("fastai's `freeze_to` (and so `freeze`, `unfreeze`); in mixed precision the model's params take their masters' "
+     "`requires_grad` at once")
     fastai_freeze_to(self, n)
     cb = getattr(self, 'mixed_precision', None)
     if isinstance(cb, MixedPrecision) and cb.masters is not None: cb.masters.sync_requires_grad()
@@ -602,6 +766,7 @@ def to_fp32(self:Learner):
         elif isinstance(cb, fastai_fp16.MixedPrecision): self.remove_cb(cb)
     return self
 
-for _name, _orig in dict(to_fp16=fastai_to_fp16, to_bf16=fastai_to_bf16, to_fp32=fastai_to_fp32, export=fastai_export, save=fastai_save, load=fastai_load,
+for _name, _orig in dict(to_fp16=fastai_to_fp16, to_bf16=fastai_to_bf16, to_fp32=fastai_to_fp32, export=fastai_export,
+                         save=fastai_save, load=fastai_load,
                          freeze_to=fastai_freeze_to).items():
     getattr(Learner, _name).fastai_original = _orig          # what mixedprec stands in for

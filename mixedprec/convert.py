@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written, take_edit, take_model_edits,
+from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written,
+                              take_edit, take_model_edits,
                      take_master_edits, check_master_value)
 
 # %% ../nbs/12_convert.ipynb #9636570c
@@ -25,27 +26,33 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 def check_half_dtype(dtype) -> torch.dtype:
     "Return `dtype` if it is fp16 or bf16 (names allowed), else raise"
-    names = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16, 'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
+    names = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16, 'bf16': torch.bfloat16,
+             'bfloat16': torch.bfloat16}
     dtype = names.get(dtype, dtype)
-    if dtype not in HALF_DTYPES: raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 ('fp16'/'bf16'), got {dtype!r}")
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 ('fp16'/'bf16'), got {dtype!r}")
     return dtype
 
 # %% ../nbs/12_convert.ipynb #91ecc85e
 def cast_floats(o, dtype:torch.dtype, only:tuple=None):
-    "Cast every floating tensor in `o` (recursively, keeping container types) to `dtype`; with `only`, just tensors of those dtypes"
+    ("Cast every floating tensor in `o` (recursively, keeping container types) to `dtype`; with `only`, just tensors "
+     "of those dtypes")
     if isinstance(o, torch.Tensor):
         if not o.is_floating_point() or o.dtype == dtype or (only is not None and o.dtype not in only): return o
         return o.to(dtype)
     if isinstance(o, (str, bytes, np.ndarray)) or o is None: return o
     if isinstance(o, tuple) and hasattr(o, '_fields'): return type(o)(*(cast_floats(x, dtype, only) for x in o))
     if isinstance(o, (list, tuple)): return type(o)(cast_floats(x, dtype, only) for x in o)
-    if type(o) is dict: return {k: cast_floats(v, dtype, only) for k, v in o.items()}     # (a plain dict also keeps torch.compile's trace whole)
+    if type(o) is dict:
+        # (a plain dict also keeps torch.compile's trace whole)
+        return {k: cast_floats(v, dtype, only) for k, v in o.items()}
     if isinstance(o, Mapping):
         res = copy.copy(o)
         for k in o: res[k] = cast_floats(o[k], dtype, only)
         return res
     if dataclasses.is_dataclass(o) and not isinstance(o, type):
-        return dataclasses.replace(o, **{f.name: cast_floats(getattr(o, f.name), dtype, only) for f in dataclasses.fields(o) if f.init})
+        return dataclasses.replace(o, **{f.name: cast_floats(getattr(o, f.name), dtype,
+                                                             only) for f in dataclasses.fields(o) if f.init})
     to = getattr(o, 'to', None)
     if callable(to): return to(dtype)
     return o
@@ -61,15 +68,21 @@ class ModelConversion:
         self.model, self.dtype, self.keep_fp32 = model, dtype, tuple(keep_fp32)
         self.masters, self.buffers, self.hooks = {}, [], []
 
-    def __repr__(self): return f"ModelConversion({self.dtype}, {len(self.masters)} masters, keep_fp32={[t.__name__ for t in self.keep_fp32]})"
+    def __repr__(self):
+        return (f"ModelConversion({self.dtype}, {len(self.masters)} masters, "
+                f"keep_fp32={[t.__name__ for t in self.keep_fp32]})")
 
     def take_data_edits(self) -> list:
-        "Names of half params whose values are not their fp32 master's rounding: changed through `.data`, which torch's version counter misses. Their values become their masters (a pass over the weights: the callback runs it once per fit)"
-        take_model_edits(self.masters.items())      # in-place edits first: the version counter shows them, and they are no news
+        ("Names of half params whose values are not their fp32 master's rounding: changed through `.data`, which "
+         "torch's version counter misses. Their values become their masters (a pass over the weights: the callback "
+         "runs it once per fit)")
+        # in-place edits first: the version counter shows them, and they are no news
+        take_model_edits(self.masters.items())
         names, taken = {p: n for n, p in self.model.named_parameters()}, []
         with torch.no_grad():
             for p, m in self.masters.items():
-                if bf16_master(m) is not None or remote_master(m) is not None or m.device != p.device: continue   # (a bf16 master's param is part of it)
+                if bf16_master(m) is not None or remote_master(m) is not None or m.device != p.device:
+                    continue   # (a bf16 master's param is part of it)
                 rounded = m.to(p.dtype)
                 if torch.equal(p, rounded) or bool(((p == rounded) | (p.isnan() & rounded.isnan())).all()): continue
                 take_edit(p, m)
@@ -83,7 +96,8 @@ class ModelConversion:
                 for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float32 and p not in self.masters]
 
     def undo(self):
-        "Restore fp32 params from the masters (params converted without masters, as amp's O3 does, from their half values), fp32 buffers, and remove the cast hooks"
+        ("Restore fp32 params from the masters (params converted without masters, as amp's O3 does, from their half "
+         "values), fp32 buffers, and remove the cast hooks")
         take_model_edits(self.masters.items())        # a model edited in place since the last step keeps the edit
         kept = _kept_modules(self.model, self.keep_fp32)
         with torch.no_grad():
@@ -103,35 +117,45 @@ class ModelConversion:
         return self.model
 
     def follow_devices(self) -> bool:
-        "Move each master to its model param's device, when the model moved after conversion (fastai moves it at `fit`); True if any moved"
+        ("Move each master to its model param's device, when the model moved after conversion (fastai moves it at "
+         "`fit`); True if any moved")
         moved = False
         with torch.no_grad():
             for p, m in list(self.masters.items()):
                 if m.device == p.device: continue
                 bm = bf16_master(m)
-                if bm is not None and bm.low is not None: bm.low = bm.low.to(p.device)   # the param moved with the model; its low half follows
-                self.masters[p] = nn.Parameter(master_value(m).reshape(p.shape).to(p.device, copy=True), requires_grad=p.requires_grad)
-                if bm is not None: store_master_(p, self.masters[p], bm.kind)      # kept as it was: in the (moved) bf16 param
+                if bm is not None and bm.low is not None:
+                    bm.low = bm.low.to(p.device)   # the param moved with the model; its low half follows
+                self.masters[p] = nn.Parameter(master_value(m).reshape(p.shape).to(p.device, copy=True),
+                                               requires_grad=p.requires_grad)
+                if bm is not None:
+                    store_master_(p, self.masters[p], bm.kind)      # kept as it was: in the (moved) bf16 param
                 moved = True
         return moved
 
     def take_edits(self):
-        "Take what was changed in place since mixedprec last wrote the model: an edited param becomes its master's value, an edited master (fp32) its param's"
+        ("Take what was changed in place since mixedprec last wrote the model: an edited param becomes its master's "
+         "value, an edited master (fp32) its param's")
         take_model_edits(self.masters.items())
         take_master_edits(self.masters.items())
 
     def __getstate__(self) -> dict:
-        "Pickle (`copy.deepcopy`, fastai's `export`) with the masters kept in bf16 params as fp32 values of their own, edits taken first"
+        ("Pickle (`copy.deepcopy`, fastai's `export`) with the masters kept in bf16 params as fp32 values of their "
+         "own, edits taken first")
         self.take_edits()                            # the copy starts from what the model and its masters say now
         state = dict(self.__dict__)
         if any(bf16_master(m) is not None for m in self.masters.values()):
-            state['masters'] = {p: (nn.Parameter(master_value(m).clone(), requires_grad=m.requires_grad) if bf16_master(m) is not None else m)
+            state['masters'] = {p: (nn.Parameter(master_value(m).clone(),
+                                                 requires_grad=m.requires_grad) if bf16_master(m) is not None else m)
                                 for p, m in self.masters.items()}
         return state
 
     def __setstate__(self, state:dict):
-        "Unpickle: the copy holds fp32 masters (a bf16 master's too: its `state_dict()` values are then lasting tensors, which an EMA lerps in place), and its params what its masters say, so a change to either after this is seen. A copied Learner keeps its masters as its optimizer says at its next fit"
-        state.pop('_stores', None)                   # (a pickle of an earlier version noted where its bf16 masters lived)
+        ("Unpickle: the copy holds fp32 masters (a bf16 master's too: its `state_dict()` values are then lasting "
+         "tensors, which an EMA lerps in place), and its params what its masters say, so a change to either after "
+         "this is seen. A copied Learner keeps its masters as its optimizer says at its next fit")
+        # (a pickle of an earlier version noted where its bf16 masters lived)
+        state.pop('_stores', None)
         self.__dict__.update(state)
         for p, m in self.masters.items(): mark_written(p, m)
 
@@ -142,7 +166,8 @@ class CastIO:
     "Forward hooks that cast a module's floating inputs to `in_dtype` and its floating outputs to `out_dtype`"
     def __init__(self, in_dtype, out_dtype, in_only=None, out_only=None):
         self.in_dtype, self.out_dtype, self.in_only, self.out_only = in_dtype, out_dtype, in_only, out_only
-    def pre(self, module, args, kwargs): return cast_floats(args, self.in_dtype, self.in_only), cast_floats(kwargs, self.in_dtype, self.in_only)
+    def pre(self, module, args, kwargs):
+        return cast_floats(args, self.in_dtype, self.in_only), cast_floats(kwargs, self.in_dtype, self.in_only)
     def post(self, module, args, out): return cast_floats(out, self.out_dtype, self.out_only)
     def register(self, module) -> list:
         "Register both hooks on `module`; returns their handles"
@@ -151,7 +176,8 @@ class CastIO:
 _CASTS = {'float': torch.float32, 'double': torch.float64, 'half': torch.float16, 'bfloat16': torch.bfloat16}
 
 class KeepDtype:
-    "A converted model's own `float`, `double`, `half`, `bfloat16`, `to` and `type`: a cast to a floating dtype is refused at the call, where it would leave the masters behind; the rest (a move to a device) is torch's"
+    ("A converted model's own `float`, `double`, `half`, `bfloat16`, `to` and `type`: a cast to a floating dtype is "
+     "refused at the call, where it would leave the masters behind; the rest (a move to a device) is torch's")
     def __init__(self, model, name): self.model, self.name = model, name
     def __call__(self, *args, **kwargs):
         if self.name in _CASTS: dtype = _CASTS[self.name]
@@ -160,18 +186,24 @@ class KeepDtype:
         conv = self.model.__dict__.get('_mixedprec_conversion')
         if conv is not None and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
             name = 'bf16' if conv.dtype == torch.bfloat16 else 'fp16'
-            raise TypeError(f"this model was converted to {name} by mixedprec, whose fp32 masters (with masters='split', the low halves too) "
-                            f"stay as they are: a cast to {dtype} here would leave them behind, and cast the modules kept in fp32 "
+            raise TypeError(f"this model was converted to {name} by mixedprec, whose fp32 masters (with "
+                            "masters='split', the low halves too) "
+                            f"stay as they are: a cast to {dtype} here would leave them behind, and cast the modules "
+                            "kept in fp32 "
                             f"(batchnorm). For a {dtype} model with the masters' "
-                            f"values, take a copy, `mixedprec.convert.fp32_copy(model)` (an fp32 EMA: `ModelEmaV3(fp32_copy(model))`, "
-                            f"updated from the model's `state_dict()`, whose values are the masters), or leave mixed precision "
+                            "values, take a copy, `mixedprec.convert.fp32_copy(model)` (an fp32 EMA: "
+                            "`ModelEmaV3(fp32_copy(model))`, "
+                            "updated from the model's `state_dict()`, whose values are the masters), or leave mixed "
+                            "precision "
                             f"(fastai: `learn.to_fp32()`)")
         return getattr(nn.Module, self.name)(self.model, *args, **kwargs)
 
-_DTYPE_ERRORS = ('the same dtype', 'expected scalar type', 'Input type', 'should be the same', 'found dtype', 'expected both')
+_DTYPE_ERRORS = ('the same dtype', 'expected scalar type', 'Input type', 'should be the same', 'found dtype',
+                 'expected both')
 
 def _running(model) -> bool:
-    "True when `model`'s own forward is on the stack (a frame of torch's module call has it as `self`): read on an error path only"
+    ("True when `model`'s own forward is on the stack (a frame of torch's module call has it as `self`): read on an "
+     "error path only")
     f = sys._getframe()
     while f is not None:
         if f.f_code.co_name in ('_call_impl', '_wrapped_call_impl') and f.f_locals.get('self') is model: return True
@@ -179,38 +211,51 @@ def _running(model) -> bool:
     return False
 
 _NO_HALF_KERNEL = ("not implemented for 'Half'", "not implemented for 'BFloat16'")
-_CONSTANT_OVERFLOW = ('cannot be converted to type c10::Half without overflow', 'cannot be converted to type c10::BFloat16 without overflow')
+_CONSTANT_OVERFLOW = ('cannot be converted to type c10::Half without overflow',
+                      'cannot be converted to type c10::BFloat16 without overflow')
 
 def _innermost_module(tb):
     "The innermost module whose call a traceback passes through (where an error was raised), or None"
     found = None
     while tb is not None:
         f = tb.tb_frame
-        if f.f_code.co_name in ('_call_impl', '_wrapped_call_impl') and isinstance(f.f_locals.get('self'), nn.Module): found = f.f_locals['self']
+        if f.f_code.co_name in ('_call_impl', '_wrapped_call_impl') and isinstance(f.f_locals.get('self'), nn.Module):
+            found = f.f_locals['self']
         tb = tb.tb_next
     return found
 
+# %% ../nbs/12_convert.ipynb #cbc272ec
 class DtypeHint:
-    "Forward hook, called even when forward raises, that adds to a dtype-mismatch error inside a converted model what happened and what to do"
-    def __init__(self, dtype, model=None): self.dtype, self.model = dtype, model    # `model`: the converted model, when this hook is on one of its submodules
+    ("Forward hook, called even when forward raises, that adds to a dtype-mismatch error inside a converted model "
+     "what happened and what to do")
+    def __init__(self, dtype, model=None):
+        # `model`: the converted model, when this hook is on one of its submodules
+        self.dtype, self.model = dtype, model
     def __call__(self, module, args, out):
         if out is not None: return                   # forward succeeded (the only path `torch.compile` traces)
         e = sys.exc_info()[1]
         if not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or getattr(e, '_mixedprec_hint', False): return
         name = 'bf16' if self.dtype == torch.bfloat16 else 'fp16'
-        if any(s in str(e) for s in _NO_HALF_KERNEL):      # torch's limit (a linear-algebra op on the CPU, ...): that module computes in fp32
+        # torch's limit (a linear-algebra op on the CPU, ...): that module computes in fp32
+        if any(s in str(e) for s in _NO_HALF_KERNEL):
             e._mixedprec_hint = True
             kind = type(_innermost_module(e.__traceback__) or module).__name__
-            e.add_note(f"mixedprec: torch has no {name} kernel for this op on this device, and the model runs in {name}. Keep the module "
-                       f"that calls it in fp32, with its inputs and outputs cast: with fastai, `learn.to_{name}(keep_fp32={kind})` (or a tuple "
+            e.add_note(f"mixedprec: torch has no {name} kernel for this op on this device, and the model runs in "
+                       f"{name}. Keep the module "
+                       "that calls it in fp32, with its inputs and outputs cast: with fastai, "
+                       f"`learn.to_{name}(keep_fp32={kind})` (or a tuple "
                        f"of types, `keep_fp32=({kind}, ...)`); with amp, opt_level 'O1', whose weights stay fp32.")
             return
-        if any(s in str(e) for s in _CONSTANT_OVERFLOW):   # `masked_fill(mask, -1e9)` on fp16 scores, `finfo(torch.float32).min` on any half
+        # `masked_fill(mask, -1e9)` on fp16 scores, `finfo(torch.float32).min` on any half
+        if any(s in str(e) for s in _CONSTANT_OVERFLOW):
             e._mixedprec_hint = True
             kind = type(_innermost_module(e.__traceback__) or module).__name__
-            e.add_note(f"mixedprec: the model runs in {name}, and a constant in the `forward` of {kind} is beyond {name}'s range (its largest "
-                       f"is {torch.finfo(self.dtype).max:.6g}): a mask filled with -1e9 or `torch.finfo(torch.float32).min`, say. Take it from the tensor's own dtype, "
-                       f"`x.masked_fill(mask, torch.finfo(x.dtype).min)` (an additive `-1e9` mask becomes -inf in fp16, and a softmax over a "
+            e.add_note(f"mixedprec: the model runs in {name}, and a constant in the `forward` of {kind} is beyond "
+                       f"{name}'s range (its largest "
+                       f"is {torch.finfo(self.dtype).max:.6g}): a mask filled with -1e9 or "
+                       "`torch.finfo(torch.float32).min`, say. Take it from the tensor's own dtype, "
+                       "`x.masked_fill(mask, torch.finfo(x.dtype).min)` (an additive `-1e9` mask becomes -inf in "
+                       "fp16, and a softmax over a "
                        f"row of -inf is NaN), or keep {kind} in fp32 (`keep_fp32={kind}`).")
             return
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
@@ -218,48 +263,69 @@ class DtypeHint:
         conversion = getattr(self.model if self.model is not None else module, '_mixedprec_conversion', None)
         back = [p for p in (conversion.masters if conversion is not None else ()) if p.dtype != self.dtype]
         if back:
-            e.add_note(f"mixedprec: this model was converted to {name}, and its weights are {back[0].dtype} again (`.float()` or `.to(torch.float32)` "
-                       f"after the conversion?), while mixedprec still casts its inputs to {name}. For an fp32 model with the fp32 masters' values, "
-                       f"use `mixedprec.convert.fp32_copy(model)` (a copy, without mixedprec's hooks), or with fastai `learn.to_fp32()`.")
+            e.add_note(f"mixedprec: this model was converted to {name}, and its weights are {back[0].dtype} again "
+                       "(`.float()` or `.to(torch.float32)` "
+                       f"after the conversion?), while mixedprec still casts its inputs to {name}. For an fp32 model "
+                       "with the fp32 masters' values, "
+                       "use `mixedprec.convert.fp32_copy(model)` (a copy, without mixedprec's hooks), or with "
+                       "fastai `learn.to_fp32()`.")
             return
         new = conversion.unconverted() if conversion is not None else []
         if new:
-            e.add_note(f"mixedprec: this model was converted to {name}, and these fp32 params were added or replaced after that: "
-                       f"{', '.join(new[:5])}{' ...' if len(new) > 5 else ''}. Change the model before `amp.initialize`, or with fastai call "
+            e.add_note(f"mixedprec: this model was converted to {name}, and these fp32 params were added or replaced "
+                       "after that: "
+                       f"{', '.join(new[:5])}{' ...' if len(new) > 5 else ''}. Change the model before "
+                       "`amp.initialize`, or with fastai call "
                        f"`learn.to_{name}()` again after the change, so they are converted and get masters.")
             return
-        if self.model is not None and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) and not _running(self.model):
-            e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was called by itself with float32 "
-                       f"inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs of the model it converted only. "
-                       f"Call it through that model, or cast its inputs (`x.to({self.dtype})`); `convert_model(..., entries=)` names the "
-                       f"submodules called by themselves, whose inputs are cast too (fastai's GANLearner's generator and critic are).")
+        if self.model is not None and any(isinstance(a,
+                                                     torch.Tensor) and a.dtype == torch.float32
+                                                         for a in args) and not _running(self.model):
+            e.add_note(f"mixedprec: this {type(module).__name__} is part of a model converted to {name}, and it was "
+                       "called by itself with float32 "
+                       "inputs (as fastai's GANLoss calls the critic and the generator): mixedprec casts the inputs "
+                       "of the model it converted only. "
+                       f"Call it through that model, or cast its inputs (`x.to({self.dtype})`); `convert_model(..., "
+                       "entries=)` names the "
+                       "submodules called by themselves, whose inputs are cast too (fastai's GANLearner's generator "
+                       "and critic are).")
             return
         inner = _innermost_module(e.__traceback__) or module
         root = self.model if self.model is not None else module
-        where = next((f"`{n}` ({type(inner).__name__})" for n, m in root.named_modules() if m is inner and n), type(inner).__name__)
-        e.add_note(f"mixedprec: the model runs in {name} (its inputs are cast on the way in), so this usually means a float32 tensor made inside "
-                   f"the `forward` of {where} (noise, a positional encoding, `torch.zeros(n)`, `torch.randn(h.shape)`) met a {name} one. "
-                   f"Make it in the activations' dtype (`torch.randn(h.shape, dtype=h.dtype, device=h.device)`, or `t.to(h)`), or keep "
+        where = next((f"`{n}` ({type(inner).__name__})" for n, m in root.named_modules() if m is inner and n),
+                     type(inner).__name__)
+        e.add_note(f"mixedprec: the model runs in {name} (its inputs are cast on the way in), so this usually means "
+                   "a float32 tensor made inside "
+                   f"the `forward` of {where} (noise, a positional encoding, `torch.zeros(n)`, "
+                   f"`torch.randn(h.shape)`) met a {name} one. "
+                   "Make it in the activations' dtype (`torch.randn(h.shape, dtype=h.dtype, device=h.device)`, or "
+                   "`t.to(h)`), or keep "
                    f"{type(inner).__name__} in fp32 (`keep_fp32={type(inner).__name__}`).")
 
 def masters_for(params) -> dict:
     "fp32 masters for the half params among `params` (for models that were made half before we saw them)"
-    return {p: nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) for p in params if p.dtype in HALF_DTYPES}
+    return {p: nn.Parameter(p.detach().float().clone(),
+                            requires_grad=p.requires_grad) for p in params if p.dtype in HALF_DTYPES}
 
 
 class TakeMasterEdits:
-    "Forward pre-hook on a converted model: a master changed in place since mixedprec last wrote its param (a write into the values of `model.state_dict()`, as timm's EMA and weight-averaging code do) is rounded into its param first"
+    ("Forward pre-hook on a converted model: a master changed in place since mixedprec last wrote its param (a write "
+     "into the values of `model.state_dict()`, as timm's EMA and weight-averaging code do) is rounded into its param "
+     "first")
     def __init__(self, conversion): self.conversion = conversion
     def __call__(self, module, args):
-        if torch.compiler.is_compiling(): return     # traced code does not read version counters: a compiled model takes such edits at its next step
+        if torch.compiler.is_compiling():
+            return     # traced code does not read version counters: a compiled model takes such edits at its next step
         take_master_edits(self.conversion.masters.items())
 
 def state_dict_hooks(model:nn.Module) -> tuple:
-    "`model`'s `register_state_dict_post_hook` and `register_load_state_dict_pre_hook` (torch before 2.5: the same hooks, private)"
+    ("`model`'s `register_state_dict_post_hook` and `register_load_state_dict_pre_hook` (torch before 2.5: the same "
+     "hooks, private)")
     save = getattr(model, 'register_state_dict_post_hook', None) or model._register_state_dict_hook
     load = getattr(model, 'register_load_state_dict_pre_hook', None)
     return save, load or (lambda hook: model._register_load_state_dict_pre_hook(hook, with_module=True))
 
+# %% ../nbs/12_convert.ipynb #8f5fc87e
 class SaveMasters:
     "`state_dict` hook: the fp32 master of each half param in place of its rounded value"
     def __init__(self, conversion): self.conversion = conversion
@@ -267,41 +333,57 @@ class SaveMasters:
         masters = self.conversion.masters
         take_model_edits(masters.items())            # a model edited in place since the last step saves the edit
         for name, p in module.named_parameters(remove_duplicate=False):
-            if p in masters and prefix + name in state_dict: state_dict[prefix + name] = master_value(masters[p]).reshape(p.shape)
+            if p in masters and prefix + name in state_dict:
+                state_dict[prefix + name] = master_value(masters[p]).reshape(p.shape)
 
 class LoadMasters:
-    "`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into their fp32 masters"
+    ("`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into "
+     "their fp32 masters")
     def __init__(self, conversion): self.conversion = conversion
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        if local_metadata.get('assign_to_params_buffers', False):       # (the root's hook runs before any param is loaded)
-            raise RuntimeError("load_state_dict(..., assign=True) would put the checkpoint's tensors in place of the model's half params: the "
-                               "optimizer would not hold them, and mixedprec would not cast them. Load without assign=True, which copies the "
+        # (the root's hook runs before any param is loaded)
+        if local_metadata.get('assign_to_params_buffers', False):
+            raise RuntimeError("load_state_dict(..., assign=True) would put the checkpoint's tensors in place of the "
+                               "model's half params: the "
+                               "optimizer would not hold them, and mixedprec would not cast them. Load without "
+                               "assign=True, which copies the "
                                "values into the half params and their fp32 masters. Nothing was loaded")
         for m, v, key in self.check(module, state_dict, prefix, strict):
             set_master_(m, v)
-            if (bm := bf16_master(m)) is not None: state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
+            if (bm := bf16_master(m)) is not None:
+                state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
 
     def check(self, module, state_dict, prefix:str='', strict:bool=True) -> list:
-        "Raise, before anything is copied, when `state_dict` does not fit `module`: keys (with `strict`), shapes, the masters' values (floating, finite) and the fp32 params' (finite: they are their own masters); else the (master, value, key)s to load"
+        ("Raise, before anything is copied, when `state_dict` does not fit `module`: keys (with `strict`), shapes, "
+         "the masters' values (floating, finite) and the fp32 params' (finite: they are their own masters); else the "
+         "(master, value, key)s to load")
         masters, todo = self.conversion.masters, []
         params = {id(p) for p in module.parameters()}
-        if strict: check_state_keys(module, state_dict, prefix)    # torch checks the keys after it has copied: the masters would be written first
-        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if strict:
+            # torch checks the keys after it has copied: the masters would be written first
+            check_state_keys(module, state_dict, prefix)
+        for name, t in [*module.named_parameters(remove_duplicate=False),
+                        *module.named_buffers(remove_duplicate=False)]:
             v = state_dict.get(prefix + name)
             if not isinstance(v, torch.Tensor) or t is None: continue
-            if v.shape != t.shape:                  # torch would copy every tensor that fits before it raises: nothing is loaded instead
-                raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the checkpoint holds {tuple(v.shape)}, "
+            # torch would copy every tensor that fits before it raises: nothing is loaded instead
+            if v.shape != t.shape:
+                raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the "
+                                   f"checkpoint holds {tuple(v.shape)}, "
                                    f"the model {tuple(t.shape)}. It comes from another model; nothing was loaded")
-            if t in masters or (id(t) in params and t.is_floating_point()): check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
+            if t in masters or (id(t) in params and t.is_floating_point()):
+                check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
             if t in masters: todo.append((masters[t], v, prefix + name))
         return todo
 
     def loaded(self, module, incompatible_keys):
-        "`load_state_dict` post-hook: torch has copied the rounded values into the half params, whose masters hold the exact ones: not an edit to take"
+        ("`load_state_dict` post-hook: torch has copied the rounded values into the half params, whose masters hold "
+         "the exact ones: not an edit to take")
         for p, m in self.conversion.masters.items(): mark_written(p, m)
 
 def _state_keys(module, prefix:str='') -> set:
-    "The keys `module.state_dict()` would hold, under `prefix`, without making it (persistent buffers, extra state; shared modules under each name)"
+    ("The keys `module.state_dict()` would hold, under `prefix`, without making it (persistent buffers, extra state; "
+     "shared modules under each name)")
     keys = set()
     for name, m in module.named_modules(prefix=prefix.rstrip('.'), remove_duplicate=False):
         pre = name + '.' if name else ''
@@ -311,14 +393,18 @@ def _state_keys(module, prefix:str='') -> set:
     return keys
 
 def check_state_keys(module, state_dict, prefix:str=''):
-    "Raise, as torch's strict `load_state_dict` does but before anything is copied, when `state_dict` lacks keys of `module` or holds keys it has not"
+    ("Raise, as torch's strict `load_state_dict` does but before anything is copied, when `state_dict` lacks keys of "
+     "`module` or holds keys it has not")
     expected, given = _state_keys(module, prefix), {k for k in state_dict if k.startswith(prefix)}
-    missing = sorted(k for k in expected - given if not k.endswith('num_batches_tracked'))   # batchnorm fills that one in for older dicts, as torch lets it
+    # batchnorm fills that one in for older dicts, as torch lets it
+    missing = sorted(k for k in expected - given if not k.endswith('num_batches_tracked'))
     unexpected = sorted(given - expected)
     if missing or unexpected:
-        parts = ([f"Missing key(s): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"] if missing else []) + \
+        parts = (
+            [f"Missing key(s): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"] if missing else []) + \
                 ([f"Unexpected key(s): {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}"] if unexpected else [])
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: {'; '.join(parts)}. It comes from another model "
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: {'; '.join(parts)}. It "
+                           "comes from another model "
                            f"(or pass strict=False); nothing was loaded")
 
 def _kept_modules(model, keep):
@@ -328,25 +414,38 @@ def _kept_modules(model, keep):
         if keep and isinstance(m, keep): kept.update(id(s) for s in m.modules())
     return kept
 
+# %% ../nbs/12_convert.ipynb #9d3c98d2
 def _check_range(t, dtype, what):
-    "Warn once when `t` holds values that fp16 cannot represent: a sizable share below 6e-8 (they become 0), or any above 65504 (inf)"
+    ("Warn once when `t` holds values that fp16 cannot represent: a sizable share below 6e-8 (they become 0), or any "
+     "above 65504 (inf)")
     if dtype != torch.float16 or not t.is_floating_point() or t.numel() == 0: return
     a = t.detach().abs()
     huge = int((a > 65504).sum())
-    if huge: warn_once(f"{huge} {what} exceed fp16's range (65504) and become inf in the half model: keep that module type in fp32 (`keep_fp32=`) or use bf16", ('huge', what))
+    if huge:
+        warn_once(f"{huge} {what} exceed fp16's range (65504) and become inf in the half model: keep that module "
+                  "type in fp32 (`keep_fp32=`) or use bf16", ('huge', what))
     tiny = int(((a < 2.**-24) & (a > 0)).sum())
-    if tiny > 0.01 * t.numel(): warn_once(f"{tiny / t.numel():.1%} of the {what} are below fp16's smallest value (6e-8) and become 0 in the half model; "
+    if tiny > 0.01 * t.numel():
+        warn_once(f"{tiny / t.numel():.1%} of the {what} are below fp16's smallest value (6e-8) and become 0 in the "
+                  "half model; "
                                           "the fp32 masters keep them, but the forward pass sees zeros. Consider bf16", ('tiny', what))
 
-def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchNorm,), cast_io:bool=False, masters:bool=True,
+def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchNorm,), cast_io:bool=False,
+                  masters:bool=True,
                   entries:tuple=()) -> ModelConversion:
-    "Cast `model` in place to `dtype`, except modules of a `keep_fp32` type; return the fp32 masters (none with `masters=False`) and what to undo. `entries`: submodules that code calls by themselves too (a GAN's generator and critic), whose inputs and outputs are cast like the model's"
+    ("Cast `model` in place to `dtype`, except modules of a `keep_fp32` type; return the fp32 masters (none with "
+     "`masters=False`) and what to undo. `entries`: submodules that code calls by themselves too (a GAN's generator "
+     "and critic), whose inputs and outputs are cast like the model's")
     dtype = check_half_dtype(dtype)
-    if not isinstance(model, nn.Module): raise TypeError(f"convert_model takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_model takes an nn.Module, got {type(model).__name__}")
     if getattr(model, '_mixedprec_conversion', None) is not None:
-        raise ValueError("this model is already converted to half precision by mixedprec: converting it again would build masters from its "
-                         "rounded half weights. Undo the first conversion (`learn.to_fp32()`, or `.undo()` on what `convert_model` returned), "
-                         "or pass a fresh model (amp.initialize takes each model once); for a copy of a converted model, pass "
+        raise ValueError("this model is already converted to half precision by mixedprec: converting it again would "
+                         "build masters from its "
+                         "rounded half weights. Undo the first conversion (`learn.to_fp32()`, or `.undo()` on what "
+                         "`convert_model` returned), "
+                         "or pass a fresh model (amp.initialize takes each model once); for a copy of a converted "
+                         "model, pass "
                          "`fp32_copy(model)` (mixedprec.convert), an fp32 copy with its masters' values")
     keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
     res, kept, seen = ModelConversion(model, dtype, keep), _kept_modules(model, keep), set()
@@ -354,7 +453,8 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
         for m in model.modules():
             if id(m) in kept:
                 if isinstance(m, keep) and not isinstance(m, _NATIVE_MIXED):
-                    res.hooks += CastIO(torch.float32, dtype, in_only=HALF_DTYPES, out_only=(torch.float32,)).register(m)
+                    res.hooks += CastIO(torch.float32, dtype, in_only=HALF_DTYPES,
+                                        out_only=(torch.float32,)).register(m)
                 continue
             for p in m.parameters(recurse=False):
                 if p in seen or p.dtype not in (torch.float32, *HALF_DTYPES): continue
@@ -371,23 +471,30 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
         load = LoadMasters(res)
         save_hook, load_hook = state_dict_hooks(model)
         res.hooks += [save_hook(SaveMasters(res)), load_hook(load),
-                      model.register_load_state_dict_post_hook(load.loaded), model.register_forward_pre_hook(TakeMasterEdits(res))]
+                      model.register_load_state_dict_post_hook(load.loaded),
+                          model.register_forward_pre_hook(TakeMasterEdits(res))]
         for p, m in res.masters.items(): mark_written(p, m)
     if cast_io:
         for entry in (model, *entries): res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(entry)
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))
-        res.hooks += [child.register_forward_hook(DtypeHint(dtype, model), always_call=True) for child in model.children()]
+        res.hooks += [child.register_forward_hook(DtypeHint(dtype, model),
+                                                  always_call=True) for child in model.children()]
     for name in (*_CASTS, 'to', 'type'): model.__dict__[name] = KeepDtype(model, name)
     model._mixedprec_conversion = res
     return res
 
 def fp32_copy(model:nn.Module) -> nn.Module:
-    "A copy of converted `model` in fp32: its weights the fp32 masters' values, its buffers fp32, without mixedprec's hooks (for an fp32 EMA, an export, inference where half is slow); `model` is left as it is"
+    ("A copy of converted `model` in fp32: its weights the fp32 masters' values, its buffers fp32, without "
+     "mixedprec's hooks (for an fp32 EMA, an export, inference where half is slow); `model` is left as it is")
     conversion = getattr(model, '_mixedprec_conversion', None)
-    if conversion is None: raise ValueError(f"fp32_copy takes a model mixedprec converted, and this {type(model).__name__} is not one: `copy.deepcopy(model)` copies it")
+    if conversion is None:
+        raise ValueError(f"fp32_copy takes a model mixedprec converted, and this {type(model).__name__} is not one: "
+                         "`copy.deepcopy(model)` copies it")
     if any(remote_master(m) is not None for m in conversion.masters.values()):
-        raise ValueError("this rank holds only its shard of the fp32 masters (they are sharded across ranks), so a copy made here would have "
-                         "other ranks' weights rounded: make it inside a block where they are gathered, on every rank, for example "
+        raise ValueError("this rank holds only its shard of the fp32 masters (they are sharded across ranks), so a "
+                         "copy made here would have "
+                         "other ranks' weights rounded: make it inside a block where they are gathered, on every "
+                         "rank, for example "
                          "`with learn.mixed_precision.consolidated(): ema = fp32_copy(learn.model)`")
     res = copy.deepcopy(model)
     return res._mixedprec_conversion.undo()
@@ -395,7 +502,8 @@ def fp32_copy(model:nn.Module) -> nn.Module:
 # %% ../nbs/12_convert.ipynb #cv0watch2
 @dataclasses.dataclass
 class Overflow:
-    "The first op in a forward pass whose result held inf or NaN while its floating inputs were finite, and the module that ran it"
+    ("The first op in a forward pass whose result held inf or NaN while its floating inputs were finite, and the "
+     "module that ran it")
     op:str; module:str; kind:str; dtype:torch.dtype; input_absmax:float; result:str
     def __str__(self):
         where = f"`{self.module}` ({self.kind})" if self.module else f"the model ({self.kind})"
@@ -403,24 +511,34 @@ class Overflow:
                 f"(largest magnitude {self.input_absmax:.4g})")
     def advice(self) -> str:
         "What to do about it"
-        return (f"Compute that op in fp32 (`.float()` before it), take constants from the tensor's dtype (`torch.finfo(x.dtype).min`), "
+        return ("Compute that op in fp32 (`.float()` before it), take constants from the tensor's dtype "
+                "(`torch.finfo(x.dtype).min`), "
                 f"keep {self.kind} in fp32 (`keep_fp32={self.kind}`), or train in bf16")
 
-def _float_tensors(tree) -> list: return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-def _asks_for_inf(tree) -> bool: return any(isinstance(a, float) and (a != a or abs(a) == float('inf')) for a in tree_flatten(tree)[0])   # `masked_fill(mask, -inf)`: meant
+def _float_tensors(tree) -> list:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+def _asks_for_inf(tree) -> bool:
+    # `masked_fill(mask, -inf)`: meant
+    return any(isinstance(a, float) and (a != a or abs(a) == float('inf')) for a in tree_flatten(tree)[0])
 
 class _OverflowWatch(TorchDispatchMode):
-    "Check every op's floating results, while a module of the watched model runs its forward, until one is not finite from finite inputs"
+    ("Check every op's floating results, while a module of the watched model runs its forward, until one is not "
+     "finite from finite inputs")
     def __init__(self, running:list, raise_at_first:bool):
         super().__init__(); self.running, self.raise_at_first, self.first = running, raise_at_first, None
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         watching = (self.first is None and bool(self.running) and not _asks_for_inf((args, kwargs))
-                    and 'empty' not in func.overloadpacket.__name__)       # `empty_like` & co. hold whatever was in memory
+                    # `empty_like` & co. hold whatever was in memory
+                    and 'empty' not in func.overloadpacket.__name__)
         inputs = _float_tensors((args, kwargs)) if watching else []
         absmax = lambda: max((float(t.detach().abs().max()) for t in inputs), default=0.)
-        before = (all(bool(torch.isfinite(t).all()) for t in inputs), absmax()) if watching and func._schema.is_mutable else None   # an in-place op overwrites its input
+        # an in-place op overwrites its input
+        before = (all(bool(torch.isfinite(t).all()) for t in inputs),
+                  absmax()) if watching and func._schema.is_mutable else None
         out = func(*args, **(kwargs or {}))
-        if not watching: return out                                         # (torch runs this with the mode off: these checks are not watched)
+        if not watching:
+            # (torch runs this with the mode off: these checks are not watched)
+            return out
         bad = [t for t in _float_tensors(out) if not bool(torch.isfinite(t).all())]
         if not bad: return out
         finite, largest = before if before is not None else (all(bool(torch.isfinite(t).all()) for t in inputs), None)
@@ -433,7 +551,9 @@ class _OverflowWatch(TorchDispatchMode):
 
 @contextlib.contextmanager
 def watch_overflow(model:nn.Module, raise_at_first:bool=False):
-    "A block in which `model`'s forward is watched op by op: `.first` is the first op whose result held inf or NaN from finite inputs (an `Overflow`), or None; `raise_at_first` raises there, inside `forward`. A debugging tool: each op's result is read on the host"
+    ("A block in which `model`'s forward is watched op by op: `.first` is the first op whose result held inf or NaN "
+     "from finite inputs (an `Overflow`), or None; `raise_at_first` raises there, inside `forward`. A debugging "
+     "tool: each op's result is read on the host")
     running, hooks = [], []
     for name, m in model.named_modules():
         def enter(mod, args, name=name): running.append((name, mod))
@@ -453,15 +573,20 @@ def speed_note(dtype, device, convs:bool=True) -> str:
     if device.type == 'cuda':
         major, minor = torch.cuda.get_device_capability(device)
         need = (8, 0) if dtype == torch.bfloat16 else (7, 0)
-        if (major, minor) < need: return f"this GPU (compute capability {major}.{minor}) has no {name} tensor cores: expect no speed-up over fp32"
+        if (major, minor) < need:
+            return (f"this GPU (compute capability {major}.{minor}) has no {name} tensor cores: expect no speed-up "
+                    "over fp32")
         return None
     if device.type != 'cpu': return None
     flags = cpu_flags()
     if dtype == torch.bfloat16 and not flags & {'avx512_bf16', 'amx_bf16'}:
         return "this CPU has no bf16 units (AVX-512-BF16 or AMX-BF16): bf16 will compute no faster than fp32"
     if dtype == torch.float16 and not flags & {'avx512_fp16', 'amx_fp16'}:
-        return "this CPU has no fp16 units (AVX-512-FP16 or AMX-FP16): fp16 will compute slower than fp32; bf16 may be faster"
+        return ("this CPU has no fp16 units (AVX-512-FP16 or AMX-FP16): fp16 will compute slower than fp32; bf16 may "
+                "be faster")
     if dtype == torch.float16 and 'amx_fp16' not in flags:
-        if convs: return "this CPU has no AMX-FP16: fp16 matmuls run at about fp32 speed and fp16 convolutions train far slower; prefer bf16 on this CPU"
+        if convs:
+            return ("this CPU has no AMX-FP16: fp16 matmuls run at about fp32 speed and fp16 convolutions train far "
+                    "slower; prefer bf16 on this CPU")
         return "this CPU has no AMX-FP16: fp16 matmuls run at about fp32 speed; prefer bf16 on this CPU"
     return None

@@ -37,7 +37,8 @@ def digits_dls(bs:int=64, seed:int=0, valid_pct:float=0.2):
 def digits_model(kind:str='mlp') -> nn.Module:
     "An MLP or a small CNN, both with batchnorm, for 64-pixel digits"
     if kind == 'mlp':
-        return nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
+        return nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 128),
+                             nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
     if kind == 'cnn':
         return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
                              nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
@@ -56,7 +57,8 @@ class TableLogger:
 
 def train(precision:str='fp16', epochs:int=8, model:str='mlp', lr:float=1e-2, seed:int=0, show:bool=True) -> Learner:
     "Train `model` on digits in `precision` ('fp16', 'bf16' or 'fp32') with `fit_one_cycle`; returns the Learner"
-    if precision not in ('fp16', 'bf16', 'fp32'): raise ValueError(f"precision must be 'fp16', 'bf16' or 'fp32', got {precision!r}")
+    if precision not in ('fp16', 'bf16', 'fp32'):
+        raise ValueError(f"precision must be 'fp16', 'bf16' or 'fp32', got {precision!r}")
     set_seed(seed, reproducible=True)
     learn = Learner(digits_dls(seed=seed), digits_model(model), loss_func=nn.CrossEntropyLoss(), metrics=accuracy)
     if precision == 'fp16': learn.to_fp16()
@@ -73,14 +75,17 @@ def summary(learn:Learner) -> str:
     "What ran: param dtypes by module type, master dtypes, the loss scale, skipped steps, implementation"
     lines, dtypes = [], {}
     for m in learn.model.modules():
-        for p in m.parameters(recurse=False): dtypes.setdefault(type(m).__name__, set()).add(str(p.dtype).replace('torch.', ''))
+        for p in m.parameters(recurse=False):
+            dtypes.setdefault(type(m).__name__, set()).add(str(p.dtype).replace('torch.', ''))
     lines.append('model params:  ' + ', '.join(f"{k} {'/'.join(sorted(v))}" for k, v in dtypes.items()))
     mp = getattr(learn, 'mixed_precision', None)
     if mp is None or not hasattr(mp, 'scaler'):
         lines.append('precision:     fp32 (no mixed precision)')
     else:
         sc, hist = mp.scaler, list(mp.history)
-        lines.append('masters:       ' + ', '.join(sorted({str(m.dtype).replace('torch.', '') for m in mp.masters.master_params})))
+        lines.append(
+            'masters:       ' + ', '.join(
+                sorted({str(m.dtype).replace('torch.', '') for m in mp.masters.master_params})))
         lines.append(f"loss scale:    final {sc.scale:g}, min {min((r.scale for r in hist), default=sc.scale):g}")
         lines.append(f"skipped steps: {sc.n_skipped} of {sc.n_steps}")
         lines.append(f"implementation: {ops.backend(next(learn.model.parameters()))}")
@@ -90,11 +95,15 @@ def summary(learn:Learner) -> str:
 
 # %% ../nbs/19_demo.ipynb #12f20f83
 def choose_precision() -> tuple:
-    "The half precision that pays on this machine, and why: fp16 on a GPU, bf16 on a CPU (faster than fp32 only where it has bf16 units)"
-    if torch.cuda.is_available(): return 'fp16', f"a GPU ({torch.cuda.get_device_name()}): fp16 on its tensor cores, with the loss scaled"
+    ("The half precision that pays on this machine, and why: fp16 on a GPU, bf16 on a CPU (faster than fp32 only "
+     "where it has bf16 units)")
+    if torch.cuda.is_available():
+        return 'fp16', f"a GPU ({torch.cuda.get_device_name()}): fp16 on its tensor cores, with the loss scaled"
     if speed_note(torch.bfloat16, 'cpu') is None:
-        return 'bf16', "this CPU has bf16 units: bf16 trains faster than fp32 here, and has fp32's range (no loss scale needed)"
-    return 'bf16', ("this CPU has no half-precision units, so half precision is emulated and slower than fp32 here: the demo shows bf16 "
+        return 'bf16', ("this CPU has bf16 units: bf16 trains faster than fp32 here, and has fp32's range (no loss "
+                        "scale needed)")
+    return 'bf16', ("this CPU has no half-precision units, so half precision is emulated and slower than fp32 here: "
+                    "the demo shows bf16 "
                     "training to fp32's accuracy; for speed on this machine, train in fp32")
 
 @call_parse
@@ -108,12 +117,15 @@ def main(precision:str='auto',  # auto (what pays on this machine), fp16, bf16 o
         precision, why = choose_precision()
         print(f"precision:     {precision}, because {why}")
     if model == 'cnn' and precision == 'fp16' and not torch.cuda.is_available():
-        print("note: fp16 convolutions train very slowly on most CPUs (oneDNN has no fast fp16 weight-gradient); try --precision bf16")
+        print("note: fp16 convolutions train very slowly on most CPUs (oneDNN has no fast fp16 weight-gradient); try "
+              "--precision bf16")
     start = time.perf_counter()
-    impl = ops.backend(torch.zeros(1))                 # the kernels: compiled on the first run on a machine, then loaded from the cache
+    # the kernels: compiled on the first run on a machine, then loaded from the cache
+    impl = ops.backend(torch.zeros(1))
     built = time.perf_counter() - start
     with warnings.catch_warnings():                    # the speed note: said above, with what to do
         warnings.filterwarnings('ignore', message='mixedprec: this CPU has no')
         learn = train(precision, epochs, model, lr, seed)
     print(summary(learn))
-    print(f"time:          training {time.perf_counter() - start - built:.1f}s; kernels ({impl}) {'compiled' if ops.compiled_here() else 'loaded'} in {built:.1f}s")
+    print(f"time:          training {time.perf_counter() - start - built:.1f}s; kernels ({impl}) "
+          f"{'compiled' if ops.compiled_here() else 'loaded'} in {built:.1f}s")

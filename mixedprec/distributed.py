@@ -15,7 +15,8 @@ import torch.distributed as dist
 _GROUP, ENABLED, TIMEOUT = None, True, 300.
 
 def set_process_group(group=None, enabled:bool=True, timeout:float=300.):
-    "Make the overflow agreement use `group` (None: the default group) and wait at most `timeout` seconds on the CPU (gloo); `enabled=False` turns it off (for benchmarks only)"
+    ("Make the overflow agreement use `group` (None: the default group) and wait at most `timeout` seconds on the "
+     "CPU (gloo); `enabled=False` turns it off (for benchmarks only)")
     global _GROUP, ENABLED, TIMEOUT
     _GROUP, ENABLED, TIMEOUT = group, enabled, timeout
 
@@ -25,11 +26,13 @@ def world_size() -> int:
     return dist.get_world_size(_GROUP)
 
 def _wait(work, what:str, bounded:bool=True):
-    "Wait for an async collective's `work`, at most `TIMEOUT` seconds when `bounded` (gloo, on the CPU), naming this rank and `what` when the others do not join"
+    ("Wait for an async collective's `work`, at most `TIMEOUT` seconds when `bounded` (gloo, on the CPU), naming "
+     "this rank and `what` when the others do not join")
     if not bounded or TIMEOUT is None: work.wait(); return
     try: work.wait(timeout=datetime.timedelta(seconds=TIMEOUT))
     except RuntimeError as e:
-        raise RuntimeError(f"mixedprec: rank {dist.get_rank()} of {world_size()} waited {TIMEOUT:g} s in {what} and the "
+        raise RuntimeError(f"mixedprec: rank {dist.get_rank()} of {world_size()} waited {TIMEOUT:g} s in {what} and "
+                           "the "
                            f"other ranks did not join: a rank has stalled or died (see its log). The limit is "
                            f"`mixedprec.distributed.set_process_group(timeout=...)`. ({e})") from e
 
@@ -46,18 +49,24 @@ def agree(flags:torch.Tensor) -> torch.Tensor:
     return flags
 
 def rank0s(value:int) -> int:
-    "Rank 0's `value` (an int in [0, 2**63)) on every rank, by one all-reduce (every rank must call it); `value` itself on a single process"
+    ("Rank 0's `value` (an int in [0, 2**63)) on every rank, by one all-reduce (every rank must call it); `value` "
+     "itself on a single process")
     if not ENABLED or world_size() == 1: return value
     t = torch.tensor([value if dist.get_rank(_GROUP) == 0 else 0], dtype=torch.int64)
     return int(_all_reduce(t, dist.ReduceOp.SUM, "the agreement on the stochastic-rounding seed").item())
 
 # %% ../nbs/18_distributed.ipynb #a2121506
-FSDP2_ADVICE = ("mixedprec does not drive FSDP2 yet. For weights sharded across ranks, use FSDP2's own mixed precision: "
-                "`fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))` (bf16 needs no loss scale; fp16 with torch's "
-                "`ShardedGradScaler`). To shard only the fp32 masters and optimizer state across DDP ranks (ZeRO stage 1), use mixedprec's `shard=True`")
+FSDP2_ADVICE = ("mixedprec does not drive FSDP2 yet. For weights sharded across ranks, use FSDP2's own mixed "
+                "precision: "
+                "`fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))` (bf16 needs no "
+                "loss scale; fp16 with torch's "
+                "`ShardedGradScaler`). To shard only the fp32 masters and optimizer state across DDP ranks (ZeRO "
+                "stage 1), use mixedprec's `shard=True`")
 
 def fsdp2_sharded(params) -> bool:
-    "True when a module (or any of its submodules) was wrapped by FSDP2's `fully_shard`, or any of `params` is a DTensor it holds (between a forward and its backward, the root's params are plain tensors: the module's class tells)"
+    ("True when a module (or any of its submodules) was wrapped by FSDP2's `fully_shard`, or any of `params` is a "
+     "DTensor it holds (between a forward and its backward, the root's params are plain tensors: the module's class "
+     "tells)")
     if not dist.is_available(): return False
     try: from torch.distributed.tensor import DTensor
     except ImportError: from torch.distributed._tensor import DTensor                 # torch before 2.5
@@ -71,12 +80,14 @@ def fsdp2_sharded(params) -> bool:
 def refuse_fsdp2(params, where:str):
     "Raise `TypeError`, saying what to use instead, when `params` (a module, or a list of params) is sharded by FSDP2"
     if fsdp2_sharded(params):
-        raise TypeError(f"{where}: the model is sharded by torch's FSDP2 (`fully_shard`), whose params are DTensors that FSDP2 re-creates and "
+        raise TypeError(f"{where}: the model is sharded by torch's FSDP2 (`fully_shard`), whose params are DTensors "
+                        "that FSDP2 re-creates and "
                         f"gathers, so mixedprec's fp32 masters would not be the weights that train. {FSDP2_ADVICE}")
 
 # %% ../nbs/18_distributed.ipynb #shard0002
 def balance(numels:list, world:int) -> list:
-    "The owner rank of each of `numels` (elements per param): largest first, each to the least loaded rank (ties: the lowest rank)"
+    ("The owner rank of each of `numels` (elements per param): largest first, each to the least loaded rank (ties: "
+     "the lowest rank)")
     load, owner = [0] * world, [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         r = min(range(world), key=lambda r: (load[r], r))
@@ -91,12 +102,17 @@ class Shards:
         self.params = list(params)
         self.owner = dict(zip(map(id, self.params), balance([p.numel() for p in self.params], self.world)))
 
-    def __repr__(self): return f"Shards(rank {self.rank} of {self.world}, {sum(self.mine(p) for p in self.params)} of {len(self.params)} params)"
+    def __repr__(self):
+        return (f"Shards(rank {self.rank} of {self.world}, {sum(self.mine(p) for p in self.params)} of "
+                f"{len(self.params)} params)")
     def mine(self, p) -> bool: "True when this rank owns `p`"; return self.owner.get(id(p), self.rank) == self.rank
-    def owned_numel(self) -> int: "Elements of the params this rank owns"; return sum(p.numel() for p in self.params if self.mine(p))
+    def owned_numel(self) -> int:
+        "Elements of the params this rank owns"
+        return sum(p.numel() for p in self.params if self.mine(p))
 
     def gather_params_(self):
-        "Give every rank the owners' values of the params: one all-gather per dtype of the owned params packed flat (padded to the largest shard)"
+        ("Give every rank the owners' values of the params: one all-gather per dtype of the owned params packed flat "
+         "(padded to the largest shard)")
         if self.world == 1: return
         by_dtype = {}
         for p in self.params: by_dtype.setdefault(p.dtype, []).append(p)
@@ -106,7 +122,9 @@ class Shards:
                 size = max(sum(p.numel() for p in part) for part in parts)
                 if size == 0: continue
                 mine = torch.zeros(size, dtype=dtype, device=ps[0].device)
-                if parts[self.rank]: torch.cat([p.detach().reshape(-1) for p in parts[self.rank]], out=mine[:sum(p.numel() for p in parts[self.rank])])
+                if parts[self.rank]:
+                    torch.cat([p.detach().reshape(-1) for p in parts[self.rank]],
+                              out=mine[:sum(p.numel() for p in parts[self.rank])])
                 bufs = [torch.empty_like(mine) for _ in range(self.world)]
                 work = dist.all_gather(bufs, mine, group=_GROUP, async_op=True)
                 _wait(work, "the all-gather of the sharded params", bounded=mine.device.type == 'cpu')
@@ -116,7 +134,8 @@ class Shards:
                     for p in part: p.copy_(bufs[r][off:off + p.numel()].view(p.shape)); off += p.numel()
 
     def gather_objects(self, obj) -> list:
-        "Each rank's `obj` (picklable), on every rank: for checkpoints, never in a step (every rank checks in first, within the bounded wait)"
+        ("Each rank's `obj` (picklable), on every rank: for checkpoints, never in a step (every rank checks in "
+         "first, within the bounded wait)")
         if self.world == 1: return [obj]
         barrier("the gather of the sharded state for a checkpoint")
         res = [None] * self.world
@@ -124,16 +143,21 @@ class Shards:
         return res
 
 def rank() -> int:
-    "This process's rank in the default group (0 when torch.distributed is not initialised): rank 0 writes the checkpoints"
+    ("This process's rank in the default group (0 when torch.distributed is not initialised): rank 0 writes the "
+     "checkpoints")
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 def barrier(what:str):
-    "Wait until every rank of the group is here, at most `TIMEOUT` seconds on gloo, naming `what` when one does not come"
+    ("Wait until every rank of the group is here, at most `TIMEOUT` seconds on gloo, naming `what` when one does not "
+     "come")
     if world_size() == 1: return
     if dist.get_backend(_GROUP) != 'gloo' or TIMEOUT is None: dist.barrier(group=_GROUP); return
-    try: dist.monitored_barrier(group=_GROUP, timeout=datetime.timedelta(seconds=TIMEOUT), wait_all_ranks=True)   # names the ranks that did not come
+    try:
+        # names the ranks that did not come
+        dist.monitored_barrier(group=_GROUP, timeout=datetime.timedelta(seconds=TIMEOUT), wait_all_ranks=True)
     except RuntimeError as e:
-        raise RuntimeError(f"mixedprec: rank {dist.get_rank()} of {world_size()} waited {TIMEOUT:g} s in {what} and the "
+        raise RuntimeError(f"mixedprec: rank {dist.get_rank()} of {world_size()} waited {TIMEOUT:g} s in {what} and "
+                           "the "
                            f"other ranks did not all join: a rank has stalled or died (see its log). The limit is "
                            f"`mixedprec.distributed.set_process_group(timeout=...)`. ({str(e).strip().splitlines()[0]})") from e
 

@@ -9,35 +9,46 @@ __all__ = ['FP16_Optimizer']
 import torch
 from .scaler import LossScaler, ScalingError
 from .convert import masters_for
-from .engine import StepEngine
+from .engine import StepEngine, Stage
 from .ops import require_impl
 from .master import check_store
 from .distributed import refuse_fsdp2, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
-_APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
-_SCALER_ARGS = ('loss_scale', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size', 'skip_window', 'max_skip_share')
+_APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor',
+               'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
+_SCALER_ARGS = ('loss_scale', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss',
+                'history_size', 'skip_window', 'max_skip_share')
 
 def _dynamic_scaler(args:dict) -> LossScaler:
     "A dynamic `LossScaler` from apex-style `dynamic_loss_args`"
     args = {_APEX_NAMES.get(k, k): v for k, v in (args or {}).items()}
     bad = [k for k in args if k not in _SCALER_ARGS]
-    if bad: raise TypeError(f"unknown dynamic_loss_args {bad}; accepted: {list(_SCALER_ARGS)} (and apex's {list(_APEX_NAMES)})")
+    if bad:
+        raise TypeError(f"unknown dynamic_loss_args {bad}; accepted: {list(_SCALER_ARGS)} (and apex's "
+                        f"{list(_APEX_NAMES)})")
     return LossScaler(dynamic=True, **args)
 
+# %% ../nbs/16_fp16_optimizer.ipynb #74791148
 class FP16_Optimizer:
-    "Wrap a torch optimizer over fp16/bf16 (and fp32) params with fp32 master weights and static or dynamic loss scaling"
+    ("Wrap a torch optimizer over fp16/bf16 (and fp32) params with fp32 master weights and static or dynamic loss "
+     "scaling")
     def __init__(self,
         init_optimizer:torch.optim.Optimizer, # an optimizer built on the model's (half) params
         static_loss_scale:float=1.0,          # the scale when not dynamic
         dynamic_loss_scale:bool=False,        # adapt the scale to overflows (overrides `static_loss_scale`)
         dynamic_loss_args:dict=None,          # `LossScaler` keyword args for the dynamic scale
         verbose:bool=True,                    # print the ingested param groups, and each change of scale
-        decide:str=None,                      # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
+        # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
+        decide:str=None,
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
-        masters:str='fp32',                   # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
-        shard:bool=False,                     # under torch.distributed: each rank keeps the fp32 masters and optimizer state of its shard only (ZeRO stage 1)
-        state:str='fp32',                     # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for SGD, Adam, AdamW
+        # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
+        masters:str='fp32',
+        # under torch.distributed: each rank keeps the fp32 masters and optimizer state of its shard only (ZeRO stage 1)
+        shard:bool=False,
+        # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for
+        # SGD, Adam, AdamW
+        state:str='fp32',
     ):
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
@@ -46,28 +57,40 @@ class FP16_Optimizer:
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
-        self.scaler = _dynamic_scaler(dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale, dynamic=False)
+        self.scaler = _dynamic_scaler(
+            dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale, dynamic=False)
         self.scaler.verbose = verbose
-        self.scaler.advice = "With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow kept in fp32."
+        self.scaler.advice = ("With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow "
+                              "kept in fp32.")
         halves = {p.dtype for p in params if p.dtype != torch.float32}
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
         self.masters_of = masters_for(params)
-        self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl, store=masters, shard=shard, state=state,
+        self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl,
+                                        store=masters, shard=shard, state=state,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
 
     masters = property(lambda self: self.engine.masters, doc="The `MasterParams` layout")
-    param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's param groups (holding the masters)")
+    param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's param groups "
+                                                                          "(holding the masters)")
     state = property(lambda self: self.optimizer.state, doc="The wrapped optimizer's state (keyed by the masters)")
-    skipped = property(lambda self: self.engine.last_skipped(), doc="True if the last step was skipped (a host read when decided on the device)")
+    skipped = property(lambda self: self.engine.last_skipped(), doc="True if the last step was skipped (a host read "
+                                                                    "when decided on the device)")
     @property
-    def loss_scale(self) -> float: "The current loss scale (the scaler's books catch up first)"; self.scaler.drain(); return self.scaler.scale
+    def loss_scale(self) -> float:
+        "The current loss scale (the scaler's books catch up first)"
+        self.scaler.drain()
+        return self.scaler.scale
     @property
-    def history(self): "A `StepRecord` per step (the books catch up first)"; self.scaler.drain(); return self.scaler.history
+    def history(self):
+        "A `StepRecord` per step (the books catch up first)"
+        self.scaler.drain()
+        return self.scaler.history
     @property
     def overflow(self) -> bool:
-        "True if the grads overflowed: the pending step will be skipped (after `step()`: it was). A host read when decided on the device"
+        ("True if the grads overflowed: the pending step will be skipped (after `step()`: it was). A host read when "
+         "decided on the device")
         e = self.engine
         return e.must_skip() if e.found is not None else e.last_skipped()
 
@@ -75,7 +98,8 @@ class FP16_Optimizer:
 
     def _describe(self) -> str:
         "The ingested groups: how many half and fp32 params each holds"
-        lines = [f"FP16_Optimizer wrapping {type(self.optimizer).__name__}, loss scale {self.scaler.scale:g} ({'dynamic' if self.scaler.dynamic else 'static'}):"]
+        lines = [f"FP16_Optimizer wrapping {type(self.optimizer).__name__}, loss scale {self.scaler.scale:g} "
+                 f"({'dynamic' if self.scaler.dynamic else 'static'}):"]
         for i, g in enumerate(self.masters.model_groups):
             half = sum(p in self.masters_of for p in g)
             lines.append(f"  group {i}: {half} half params with fp32 masters, {len(g) - half} fp32 params")
@@ -83,18 +107,23 @@ class FP16_Optimizer:
 
     def backward(self, loss:torch.Tensor, update_master_grads:bool=True, retain_graph:bool=False):
         "`(loss.float()*loss_scale).backward()`, then (by default) unscale the grads into the fp32 masters"
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1: raise ValueError("backward takes the scalar loss tensor")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward takes the scalar loss tensor")
         self.engine.scale(loss).backward(retain_graph=retain_graph)
         if not any(p.grad is not None for g in self.engine.masters.model_groups for p in g):
-            raise RuntimeError("FP16_Optimizer.backward: the loss reached none of the params this optimizer holds, so this step would train "
-                               "nothing. Either every param it holds is frozen, or the model's params were replaced after the optimizer was "
-                               f"built (a re-created module, `load_state_dict(..., assign=True)`, FSDP2's `fully_shard`): build the optimizer on the "
+            raise RuntimeError("FP16_Optimizer.backward: the loss reached none of the params this optimizer holds, "
+                               "so this step would train "
+                               "nothing. Either every param it holds is frozen, or the model's params were replaced "
+                               "after the optimizer was "
+                               "built (a re-created module, `load_state_dict(..., assign=True)`, FSDP2's "
+                               "`fully_shard`): build the optimizer on the "
                                f"params that train, then FP16_Optimizer. With FSDP2: {FSDP2_ADVICE}")
         if update_master_grads: self.update_master_grads()
 
     def update_master_grads(self):
-        "Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale (once per backward: a second call changes nothing, as in apex)"
-        if self.engine.stage == 'unscaled': return
+        ("Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale (once per "
+         "backward: a second call changes nothing, as in apex)")
+        if self.engine.stage == Stage.UNSCALED: return
         self.engine.unscale()
 
     def step(self, closure=None):
@@ -107,7 +136,8 @@ class FP16_Optimizer:
                 if not self.engine.must_skip(): return loss
                 self.engine.discard()
                 loss = closure()
-            raise ScalingError(f"the closure still overflowed after {max_retries} retries at loss scale {self.loss_scale:g}")
+            raise ScalingError(f"the closure still overflowed after {max_retries} retries at loss scale "
+                               f"{self.loss_scale:g}")
         return self.engine.step(closure=wrapped)
 
     def zero_grad(self, set_grads_to_None:bool=True):
@@ -115,28 +145,34 @@ class FP16_Optimizer:
         self.engine.zero_grad(set_grads_to_None)
 
     def clip_master_grads(self, max_norm:float, norm_type:float=2) -> float:
-        "Clip the fp32 master grads by their global norm; returns the norm, or -1 when the grads overflowed (a non-finite norm skips the step)"
+        ("Clip the fp32 master grads by their global norm; returns the norm, or -1 when the grads overflowed (a "
+         "non-finite norm skips the step)")
         if self.overflow: return -1
         norm = self.engine.clip_now(max_norm, norm_type)
         return -1 if self.engine.must_skip() else norm
 
     def state_dict(self) -> dict:
-        "The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters (sharded: of every rank, gathered)"
-        with self.engine.consolidated():              # sharded masters: gathered from every rank (each rank must call this), the same on all
+        ("The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters (sharded: of every "
+         "rank, gathered)")
+        # sharded masters: gathered from every rank (each rank must call this), the same on all
+        with self.engine.consolidated():
             return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
                     'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
 
     def load_state_dict(self, sd:dict):
-        "Restore the scaler, the wrapped optimizer and the fp32 masters (and the half params from them); everything is checked before anything changes"
+        ("Restore the scaler, the wrapped optimizer and the fp32 masters (and the half params from them); everything "
+         "is checked before anything changes")
         missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
         if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
         self.engine.check_masters(sd['fp32_from_fp16'])
         self.engine.check_optimizer_state(sd['optimizer_state_dict'])
         self.scaler.check_state(sd['loss_scaler'])
         self.scaler.load_state_dict(sd['loss_scaler'])
-        self.engine.load_optimizer_state(sd['optimizer_state_dict'])   # sharded masters: every rank loads all, then keeps its shard
+        # sharded masters: every rank loads all, then keeps its shard
+        self.engine.load_optimizer_state(sd['optimizer_state_dict'])
         with self.engine.consolidated(gather=False): self.engine.load_masters(sd['fp32_from_fp16'])
-        # 'overflow' is kept for apex's readers only: it tells of a step taken (or skipped) before the save, and the grads it was about are not in the checkpoint
+        # 'overflow' is kept for apex's readers only: it tells of a step taken (or skipped) before the save, and the
+        # grads it was about are not in the checkpoint
 
     def add_param_group(self, param_group:dict):
         "Add a param group (half params get fp32 masters), keeping the state of the existing ones"

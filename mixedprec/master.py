@@ -33,35 +33,48 @@ def _like(p, v):
     return res
 
 def clip_grads_(grads:list, max_norm:float, impl:str=None, norm:torch.Tensor=None) -> torch.Tensor:
-    "Clip `grads` in place by their global L2 norm (or `norm`, computed elsewhere), as `torch.nn.utils.clip_grad_norm_` does; returns the norm (nothing is read on the host)"
+    ("Clip `grads` in place by their global L2 norm (or `norm`, computed elsewhere), as "
+     "`torch.nn.utils.clip_grad_norm_` does; returns the norm (nothing is read on the host)")
     if norm is None: norm = l2norm(grads, impl=impl)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)        # the kernel reads it on the device; a non-finite norm skips the step anyway
+    # the kernel reads it on the device; a non-finite norm skips the step anyway
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if grads: scale_check_(grads, grads, coef, impl=impl)
     return norm
 
-STORES = ('fp32', 'split', 'none')               # where a master lives: an fp32 tensor, bf16 weight + int16 low half, or the bf16 weight alone
+# where a master lives: an fp32 tensor, bf16 weight + int16 low half, or the bf16 weight alone
+STORES = ('fp32', 'split', 'none')
 
 def check_store(masters:str, dtype:torch.dtype, flat:bool=False) -> str:
-    "`masters` ('fp32', 'split' or 'none') checked against the half `dtype` and a flat layout, with what to do when it does not fit"
+    ("`masters` ('fp32', 'split' or 'none') checked against the half `dtype` and a flat layout, with what to do when "
+     "it does not fit")
     if masters not in STORES: raise ValueError(f"masters must be one of {STORES}, not {masters!r}")
     if masters == 'fp32': return masters
     if dtype != torch.bfloat16:
-        raise ValueError(f"masters={masters!r} keeps the master in a bf16 weight, and the model is trained in {dtype}: use it with bf16 "
-                         f"(`learn.to_bf16()`, `amp.initialize(..., half_dtype='bf16')`, a bf16 model under FP16_Optimizer); fp16 needs fp32 masters")
-    if flat: raise ValueError(f"flat masters are fp32 tensors: masters={masters!r} keeps one master per param, so pass flat_master=False")
+        raise ValueError(f"masters={masters!r} keeps the master in a bf16 weight, and the model is trained in "
+                         f"{dtype}: use it with bf16 "
+                         "(`learn.to_bf16()`, `amp.initialize(..., half_dtype='bf16')`, a bf16 model under "
+                         "FP16_Optimizer); fp16 needs fp32 masters")
+    if flat:
+        raise ValueError(f"flat masters are fp32 tensors: masters={masters!r} keeps one master per param, so pass "
+                         "flat_master=False")
     return masters
 
-STATE_STORES = ('fp32', 'bf16', '8bit')   # the optimizer's moments: fp32; bf16, or 8-bit codes with a scale per 256 elements, rounded stochastically at each step
+# the optimizer's moments: fp32; bf16, or 8-bit codes with a scale per 256 elements, rounded stochastically at each step
+STATE_STORES = ('fp32', 'bf16', '8bit')
 SCALES = '_scales'                         # 8-bit state under key `k` keeps its scales beside it, under `k + SCALES`
 
 def check_state_store(state:str, flat:bool=False) -> str:
-    "`state` ('fp32', 'bf16' or '8bit': how the fused steps keep the optimizer's moments) checked against a flat layout, with what to do when it does not fit"
+    ("`state` ('fp32', 'bf16' or '8bit': how the fused steps keep the optimizer's moments) checked against a flat "
+     "layout, with what to do when it does not fit")
     if state not in STATE_STORES: raise ValueError(f"state must be one of {STATE_STORES}, not {state!r}")
-    if state != 'fp32' and flat: raise ValueError(f"state={state!r} is kept by the fused steps, which step one master per param: pass flat_master=False")
+    if state != 'fp32' and flat:
+        raise ValueError(f"state={state!r} is kept by the fused steps, which step one master per param: pass "
+                         "flat_master=False")
     return state
 
 class Bf16Master:
-    "Where the master of a bf16 param lives without an fp32 copy: the param and its int16 low half ('split'), or the param alone ('none': steps round stochastically)"
+    ("Where the master of a bf16 param lives without an fp32 copy: the param and its int16 low half ('split'), or "
+     "the param alone ('none': steps round stochastically)")
     def __init__(self, param:torch.Tensor, low:torch.Tensor=None): self.param, self.low = param, low
     kind = property(lambda self: 'split' if self.low is not None else 'none')
     def __repr__(self): return f"Bf16Master({self.kind}, {tuple(self.param.shape)})"
@@ -72,7 +85,8 @@ class Bf16Master:
         return v if v.stride() == self.param.stride() else torch.empty_like(self.param, dtype=torch.float32).copy_(v)
 
     def set_(self, v:torch.Tensor):
-        "Make `v` the master: split exactly into the param and its low half, or (without one) rounded to nearest into the param"
+        ("Make `v` the master: split exactly into the param and its low half, or (without one) rounded to nearest "
+         "into the param")
         with torch.no_grad():
             v = v.detach().reshape(self.param.shape).to(self.param.device, torch.float32)
             if self.low is None: self.param.copy_(v); return
@@ -84,7 +98,8 @@ def bf16_master(m) -> Bf16Master:
     return getattr(m, 'bf16_master', None)
 
 class RemoteMaster:
-    "Where the master of a param lives when another rank owns it (sharded masters): on rank `owner`; here only its half param"
+    ("Where the master of a param lives when another rank owns it (sharded masters): on rank `owner`; here only its "
+     "half param")
     def __init__(self, param:torch.Tensor, owner:int): self.param, self.owner = param, owner
     def __repr__(self): return f"RemoteMaster(rank {self.owner}, {tuple(self.param.shape)})"
 
@@ -93,21 +108,26 @@ def remote_master(m) -> RemoteMaster:
     return getattr(m, 'remote_master', None)
 
 def master_value(m:torch.Tensor) -> torch.Tensor:
-    "The fp32 value of master `m` (detached; joined from its bf16 halves where it has no fp32 copy; the half param's value where another rank owns it)"
+    ("The fp32 value of master `m` (detached; joined from its bf16 halves where it has no fp32 copy; the half "
+     "param's value where another rank owns it)")
     s = bf16_master(m)
     if s is not None: return s.value()
     r = remote_master(m)
     return m.detach() if r is None else r.param.detach().float()
 
+# %% ../nbs/13_master.ipynb #8eee747c
 def set_master_(m:torch.Tensor, v:torch.Tensor):
-    "Make `v` the value of master `m` (and, for a bf16 master, of its param); a master another rank owns is left to its owner, which loads the same checkpoint"
+    ("Make `v` the value of master `m` (and, for a bf16 master, of its param); a master another rank owns is left to "
+     "its owner, which loads the same checkpoint")
     s = bf16_master(m)
     if s is not None: return s.set_(v)
-    if remote_master(m) is not None: return      # a 4-byte stand-in here (apex's resume order: `model.load_state_dict` on every rank)
+    if remote_master(m) is not None:
+        return      # a 4-byte stand-in here (apex's resume order: `model.load_state_dict` on every rank)
     with torch.no_grad(): m.copy_(v.reshape(m.shape))
 
 def load_master_(p:torch.Tensor, m:torch.Tensor, v:torch.Tensor):
-    "Make `v` the master `m` of half param `p`, and `p` its rounding (a bf16 master without an fp32 copy is `p` already)"
+    ("Make `v` the master `m` of half param `p`, and `p` its rounding (a bf16 master without an fp32 copy is `p` "
+     "already)")
     set_master_(m, v)
     if bf16_master(m) is None:
         with torch.no_grad(): p.copy_(v.reshape(p.shape))
@@ -119,95 +139,133 @@ class CheckpointError(ValueError):
 def _refuse(what:str, why:str): raise CheckpointError(f"{what}: {why}; nothing was loaded")
 
 def check_master_value(v, p:torch.Tensor, name:str, what:str):
-    "Raise `CheckpointError`, saying what was expected and what was found, unless `v` can be the fp32 master of half param `p` (called `name`): a finite floating tensor of `p`'s shape"
+    ("Raise `CheckpointError`, saying what was expected and what was found, unless `v` can be the fp32 master of "
+     "half param `p` (called `name`): a finite floating tensor of `p`'s shape")
     if not isinstance(v, torch.Tensor): _refuse(what, f"the master of {name} is a {type(v).__name__}, not a tensor")
-    if not v.is_floating_point(): _refuse(what, f"the master of {name} is {v.dtype}, a master is floating point (float32): it does not come from a float model")
-    if v.shape != p.shape: _refuse(what, f"the master of {name} is {tuple(v.shape)}, this model's param is {tuple(p.shape)}: it comes from another model")
-    if not bool(torch.isfinite(v).all()): _refuse(what, f"the master of {name} holds inf or NaN: it was saved after training diverged, or the file is damaged")
+    if not v.is_floating_point():
+        _refuse(what, f"the master of {name} is {v.dtype}, a master is floating point (float32): it does not come "
+                      "from a float model")
+    if v.shape != p.shape:
+        _refuse(what, f"the master of {name} is {tuple(v.shape)}, this model's param is {tuple(p.shape)}: it comes "
+                      "from another model")
+    if not bool(torch.isfinite(v).all()):
+        _refuse(what, f"the master of {name} holds inf or NaN: it was saved after training diverged, or the file is "
+                      "damaged")
 
 def is_codes(st:dict, k:str) -> bool:
     "True when `st[k]` (one param's optimizer state) is 8-bit: int8 or uint8 codes, with their scales beside them"
     v = st.get(k)
-    return isinstance(v, torch.Tensor) and v.dtype in (torch.int8, torch.uint8) and isinstance(st.get(k + SCALES), torch.Tensor)
+    return isinstance(v, torch.Tensor) and v.dtype in (torch.int8,
+                                                       torch.uint8) and isinstance(st.get(k + SCALES), torch.Tensor)
 
 def is_scales(st:dict, k:str) -> bool:
     "True when `st[k]` (one param's optimizer state) holds the scales of 8-bit codes"
     return k.endswith(SCALES) and is_codes(st, k[:-len(SCALES)])
 
 def check_param_state(st:dict, p:torch.Tensor, name:str, what:str):
-    "Raise `CheckpointError` unless one param's optimizer state `st` fits param `p` (called `name`): each value as `check_state_value` says, 8-bit codes of `p`'s shape with their finite scales (one per 256 elements)"
+    ("Raise `CheckpointError` unless one param's optimizer state `st` fits param `p` (called `name`): each value as "
+     "`check_state_value` says, 8-bit codes of `p`'s shape with their finite scales (one per 256 elements)")
     for k, v in st.items():
         if is_scales(st, k): continue
         if not is_codes(st, k): check_state_value(v, p, k, name, what); continue
-        if v.shape != p.shape: _refuse(what, f"the 8-bit optimizer state {k!r} of {name} is {tuple(v.shape)}, the param is {tuple(p.shape)}: it comes from another model")
+        if v.shape != p.shape:
+            _refuse(what, f"the 8-bit optimizer state {k!r} of {name} is {tuple(v.shape)}, the param is "
+                          f"{tuple(p.shape)}: it comes from another model")
         sc, n = st[k + SCALES], -(-p.numel() // Q_BLOCK)
         if sc.dtype != torch.float32 or sc.shape != (n,):
-            _refuse(what, f"the scales of the 8-bit optimizer state {k!r} of {name} are {sc.dtype} {tuple(sc.shape)}, its {p.numel()} elements need "
+            _refuse(what, f"the scales of the 8-bit optimizer state {k!r} of {name} are {sc.dtype} "
+                          f"{tuple(sc.shape)}, its {p.numel()} elements need "
                           f"float32 ({n},), one per {Q_BLOCK}: the file is damaged")
-        if not bool(torch.isfinite(sc).all()): _refuse(what, f"the 8-bit optimizer state {k!r} of {name} holds inf or NaN: it was saved after training diverged, or the file is damaged")
+        if not bool(torch.isfinite(sc).all()):
+            _refuse(what, f"the 8-bit optimizer state {k!r} of {name} holds inf or NaN: it was saved after training "
+                          "diverged, or the file is damaged")
 
 def check_state_value(v, p:torch.Tensor, key:str, name:str, what:str):
-    "Raise `CheckpointError` unless optimizer state `v` (under `key`) fits param `p` (called `name`): a tensor per element has `p`'s shape, is floating point (it is cast to the master's dtype) and finite"
+    ("Raise `CheckpointError` unless optimizer state `v` (under `key`) fits param `p` (called `name`): a tensor per "
+     "element has `p`'s shape, is floating point (it is cast to the master's dtype) and finite")
     if not isinstance(v, torch.Tensor): return
     if v.dim() > 0 and v.shape != p.shape:
-        _refuse(what, f"the optimizer state {key!r} of {name} is {tuple(v.shape)}, the param is {tuple(p.shape)}: it comes from another model")
-    if v.dim() > 0 and not v.is_floating_point(): _refuse(what, f"the optimizer state {key!r} of {name} is {v.dtype}, per-element state is floating point")
+        _refuse(what, f"the optimizer state {key!r} of {name} is {tuple(v.shape)}, the param is {tuple(p.shape)}: it "
+                      "comes from another model")
+    if v.dim() > 0 and not v.is_floating_point():
+        _refuse(what, f"the optimizer state {key!r} of {name} is {v.dtype}, per-element state is floating point")
     if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-        _refuse(what, f"the optimizer state {key!r} of {name} holds inf or NaN: it was saved after training diverged, or the file is damaged")
+        _refuse(what, f"the optimizer state {key!r} of {name} holds inf or NaN: it was saved after training "
+                      "diverged, or the file is damaged")
 
-SHARDED_GRADS = ("with sharded masters, each rank holds the fp32 grads of its own shard only, so a clip or a norm over the model's params "
-                 "here would use this rank's part and the ranks would train apart: clip with `amp.clip_grad_norm_(optimizer, max_norm)` "
+SHARDED_GRADS = ("with sharded masters, each rank holds the fp32 grads of its own shard only, so a clip or a norm "
+                 "over the model's params "
+                 "here would use this rank's part and the ranks would train apart: clip with "
+                 "`amp.clip_grad_norm_(optimizer, max_norm)` "
                  "(FP16_Optimizer: `optimizer.clip_master_grads(max_norm)`), which uses the global norm")
-IN_BACKWARD = ("a backward reached half params whose grads were already unscaled into their fp32 masters and not yet stepped (their `.grad` "
-               "stands for the masters' grads until `step()`): step or `zero_grad()` first, or scale this backward with the optimizer "
+IN_BACKWARD = ("a backward reached half params whose grads were already unscaled into their fp32 masters and not yet "
+               "stepped (their `.grad` "
+               "stands for the masters' grads until `step()`): step or `zero_grad()` first, or scale this backward "
+               "with the optimizer "
                "that holds those params (amp: `amp.scale_loss(loss, [opt_a, opt_b])`)")
 
+# %% ../nbs/13_master.ipynb #f33a4ad4
 class MasterGrad(torch.Tensor):
-    "A half param's `.grad` from the unscale to the step: it stands for the master's unscaled fp32 grad, so what reads or changes it (`clip_grad_norm_(model.parameters())`, a grad-norm log) reads or changes the grad that is stepped"
+    ("A half param's `.grad` from the unscale to the step: it stands for the master's unscaled fp32 grad, so what "
+     "reads or changes it (`clip_grad_norm_(model.parameters())`, a grad-norm log) reads or changes the grad that is "
+     "stepped")
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, param:torch.Tensor, grad:torch.Tensor, refuse:str=None):
-        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, strides=grad.stride(), dtype=param.dtype, device=param.device)
+        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, strides=grad.stride(), dtype=param.dtype,
+                                                device=param.device)
         t.master_grad, t.refuse = grad, refuse
         return t
     def __init__(self, *args, **kwargs): pass
-    def __repr__(self): return f"MasterGrad({tuple(self.shape)}: stands for the fp32 master's unscaled grad, {self.master_grad.dtype})"
-    def __reduce_ex__(self, protocol): return (torch.Tensor.clone, (self.master_grad.to(self.dtype),))    # a pickle keeps its value, in the param's dtype
+    def __repr__(self):
+        return f"MasterGrad({tuple(self.shape)}: stands for the fp32 master's unscaled grad, {self.master_grad.dtype})"
+    def __reduce_ex__(self, protocol):
+        # a pickle keeps its value, in the param's dtype
+        return (torch.Tensor.clone, (self.master_grad.to(self.dtype),))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         lent = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, MasterGrad)]
-        if _graph_task_id() != -1: raise RuntimeError(IN_BACKWARD)    # autograd would add the next grads into the masters' unscaled ones
-        if func is torch.ops.aten.zero_.default and lent[0].refuse: return args[0]    # `model.zero_grad(set_to_none=False)`
+        if _graph_task_id() != -1:
+            raise RuntimeError(IN_BACKWARD)    # autograd would add the next grads into the masters' unscaled ones
+        if func is torch.ops.aten.zero_.default and lent[0].refuse:
+            return args[0]    # `model.zero_grad(set_to_none=False)`
         for g in lent:
             if g.refuse: raise RuntimeError(g.refuse)
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):   # `.detach()` and `.data`: the same stand-in
+        # `.detach()` and `.data`: the same stand-in
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return MasterGrad(args[0], args[0].master_grad)
         of = {id(g.master_grad): g for g in lent}
         out = func(*tree_map(_master_grad, args), **tree_map(_master_grad, kwargs))
-        return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)    # an in-place op returns the stand-in it changed
+        # an in-place op returns the stand-in it changed
+        return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
 
 def _master_grad(t): return t.master_grad if isinstance(t, MasterGrad) else t
-_graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)    # which backward is running (-1: none); private in torch, so kept optional
+# which backward is running (-1: none); private in torch, so kept optional
+_graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
 
 def mark_written(p:torch.Tensor, m:torch.Tensor=None):
-    "Note that mixedprec has just written half param `p`, from its master `m` when given (torch's version counters, and which tensor: a copy of `p` starts afresh)"
+    ("Note that mixedprec has just written half param `p`, from its master `m` when given (torch's version counters, "
+     "and which tensor: a copy of `p` starts afresh)")
     p._mixedprec_written = (id(p), p._version, None if m is None else m._version)
 
 def edited(p:torch.Tensor) -> bool:
-    "True when half param `p` was changed in place since mixedprec last wrote it: a clamp, a re-init, `load_state_dict` (an edit through `.data` bypasses torch's version counter and is not seen)"
+    ("True when half param `p` was changed in place since mixedprec last wrote it: a clamp, a re-init, "
+     "`load_state_dict` (an edit through `.data` bypasses torch's version counter and is not seen)")
     w = getattr(p, '_mixedprec_written', None)
     return w is not None and w[0] == id(p) and w[1] != p._version
 
 def take_edit(p:torch.Tensor, m:torch.Tensor):
-    "Make half param `p`'s value the value of its master `m` (another rank's master is left to its owner), and note `p` written"
+    ("Make half param `p`'s value the value of its master `m` (another rank's master is left to its owner), and note "
+     "`p` written")
     if remote_master(m) is None: set_master_(m, p.detach().float())
     mark_written(p, m)
 
 def take_model_edits(pairs) -> list:
-    "For each (half param, master) in `pairs` whose param was edited in place since mixedprec wrote it, make the edited value the master (the user's intent); returns those params"
+    ("For each (half param, master) in `pairs` whose param was edited in place since mixedprec wrote it, make the "
+     "edited value the master (the user's intent); returns those params")
     taken = []
     for p, m in pairs:
         if not edited(p): continue
@@ -216,13 +274,17 @@ def take_model_edits(pairs) -> list:
     return taken
 
 def master_edited(p:torch.Tensor, m:torch.Tensor) -> bool:
-    "True when the fp32 master `m` of half param `p` was changed in place since mixedprec last wrote `p` from it, and `p` was not: a write into the values of `model.state_dict()`, which are the masters (as EMA and weight-averaging code does)"
+    ("True when the fp32 master `m` of half param `p` was changed in place since mixedprec last wrote `p` from it, "
+     "and `p` was not: a write into the values of `model.state_dict()`, which are the masters (as EMA and "
+     "weight-averaging code does)")
     w = getattr(p, '_mixedprec_written', None)
     if w is None or w[2] is None or w[2] == m._version or w[0] != id(p) or w[1] != p._version: return False
-    return bf16_master(m) is None and remote_master(m) is None     # a bf16 master's value is made anew for each `state_dict`; another rank's is not here
+    # a bf16 master's value is made anew for each `state_dict`; another rank's is not here
+    return bf16_master(m) is None and remote_master(m) is None
 
 def take_master_edits(pairs) -> list:
-    "For each (half param, master) in `pairs` whose master was changed in place since mixedprec wrote the param, and the param was not, round the master into the param; returns those params"
+    ("For each (half param, master) in `pairs` whose master was changed in place since mixedprec wrote the param, "
+     "and the param was not, round the master into the param; returns those params")
     taken = []
     for p, m in pairs:
         if not master_edited(p, m): continue
@@ -235,8 +297,10 @@ def _stand_in(shape, device) -> torch.Tensor:
     "The data of a master without an fp32 copy: 4 bytes expanded to the param's shape (a write to it raises)"
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
 
+# %% ../nbs/13_master.ipynb #c300ef91
 def store_master_(p:torch.Tensor, m:torch.Tensor, store:str):
-    "Keep the master `m` of half param `p` as `store` says ('fp32', 'split', 'none'), converting it from where it lives now"
+    ("Keep the master `m` of half param `p` as `store` says ('fp32', 'split', 'none'), converting it from where it "
+     "lives now")
     have = bf16_master(m)
     if (have.kind if have is not None else 'fp32') == store: return
     value = master_value(m).clone()
@@ -261,28 +325,40 @@ def _state_stride(states, m, p):
     "The memory layout of a bf16 master's low half, or of its optimizer state (what must follow its param's)"
     bm = bf16_master(m)
     if bm.low is not None: return bm.low.stride()
-    return next((v.stride() for st in states for v in st.get(m, {}).values() if isinstance(v, torch.Tensor) and v.shape == p.shape), p.stride())
+    return next(
+        (v.stride() for st in states for v in st.get(m, {}).values() if isinstance(v, torch.Tensor) and v.shape == p.shape), p.stride())
 
 def split_flat_state(st:dict, views:dict, fm:torch.Tensor) -> dict:
-    "Flat master `fm`'s optimizer state `st` split into its params' states: param -> its state, each flat tensor's slice laid out as the param's view `views[param]`"
-    return {p: {k: (flat_slice(v, view, fm) if flat_like(v, fm) else v) for k, v in st.items()} for p, view in views.items()}
+    ("Flat master `fm`'s optimizer state `st` split into its params' states: param -> its state, each flat tensor's "
+     "slice laid out as the param's view `views[param]`")
+    return {p: {k: (flat_slice(v, view, fm) if flat_like(v, fm) else v) for k, v in st.items()} for p,
+            view in views.items()}
 
 def fp32_state(st:dict, keep_codes:bool=False, keep_bf16:bool=False) -> dict:
-    "A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on half params, as Adagrad's `sum`, or read from a file), and its 8-bit state decoded (with `keep_codes`, kept as codes and scales, and with `keep_bf16`, bf16 tensors kept: the fused steps that keep lean state take them as they are)"
+    ("A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on "
+     "half params, as Adagrad's `sum`, or read from a file), and its 8-bit state decoded (with `keep_codes`, kept as "
+     "codes and scales, and with `keep_bf16`, bf16 tensors kept: the fused steps that keep lean state take them as "
+     "they are)")
     res = {}
     for k, v in st.items():
         if is_scales(st, k):
             if keep_codes: res[k] = v
         elif is_codes(st, k): res[k] = v if keep_codes else dequantize8_ref(v, st[k + SCALES])
-        else: res[k] = v.float() if isinstance(v, torch.Tensor) and v.dtype in ((torch.float16,) if keep_bf16 else (torch.float16, torch.bfloat16)) else v
+        else:
+            res[k] = v.float() if isinstance(v, torch.Tensor) and v.dtype in ((torch.float16,) if keep_bf16 else (torch.float16, torch.bfloat16)) else v
     return res
 
 def keep_state_as(st:dict, k:str, like:torch.Tensor, state:str, signed:bool=True):
-    "Make one param's optimizer state `st[k]` kept as `state` ('fp32', 'bf16' or '8bit': `signed` codes, or unsigned for a second moment) says, laid out as `like`: zeros when there is none, else converted (state made elsewhere: a load, the optimizer's own step, another `state`)"
+    ("Make one param's optimizer state `st[k]` kept as `state` ('fp32', 'bf16' or '8bit': `signed` codes, or "
+     "unsigned for a second moment) says, laid out as `like`: zeros when there is none, else converted (state made "
+     "elsewhere: a load, the optimizer's own step, another `state`)")
     v, dtype = st.get(k), torch.bfloat16 if state == 'bf16' else torch.float32      # what 'fp32' and 'bf16' keep
     if v is None:
         if state != '8bit': st[k] = torch.zeros_like(like, dtype=dtype)
-        else: st[k], st[k + SCALES] = torch.zeros_like(like, dtype=torch.int8 if signed else torch.uint8), torch.zeros(-(-like.numel() // Q_BLOCK), device=like.device)
+        else:
+            st[k], st[k + SCALES] = torch.zeros_like(like,
+                                                     dtype=torch.int8 if signed else torch.uint8), torch.zeros(
+                                                         -(-like.numel() // Q_BLOCK), device=like.device)
         return
     if not isinstance(v, torch.Tensor): return
     if is_codes(st, k):
@@ -292,39 +368,47 @@ def keep_state_as(st:dict, k:str, like:torch.Tensor, state:str, signed:bool=True
     elif v.dtype != dtype: st[k] = _like(like, v.to(dtype))
 
 def flat_like(v, fm) -> bool:
-    "True when `v` is a tensor laid out as flat master `fm`: its grad, or optimizer state of it, which splits into the params' slices"
+    ("True when `v` is a tensor laid out as flat master `fm`: its grad, or optimizer state of it, which splits into "
+     "the params' slices")
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == fm.numel()
 
 def flat_slice(v:torch.Tensor, view:torch.Tensor, fm:torch.Tensor) -> torch.Tensor:
-    "A copy of the slice of `v` (laid out as flat master `fm`) that `view`, one param's master in `fm`, covers, laid out as that view (channels_last included)"
-    return v.as_strided(view.shape, view.stride(), v.storage_offset() + view.storage_offset() - fm.storage_offset()).clone()
+    ("A copy of the slice of `v` (laid out as flat master `fm`) that `view`, one param's master in `fm`, covers, "
+     "laid out as that view (channels_last included)")
+    return v.as_strided(view.shape, view.stride(),
+                        v.storage_offset() + view.storage_offset() - fm.storage_offset()).clone()
 
 def _concat_state(parts, params):
     "One state dict for a flat master from the state dicts of its params"
     res = {}
     for k, v in parts[0].items():
-        if isinstance(v, torch.Tensor) and all(isinstance(o.get(k), torch.Tensor) and o[k].shape == p.shape for o, p in zip(parts, params)):
+        if isinstance(v, torch.Tensor) and all(isinstance(o.get(k), torch.Tensor) and o[k].shape == p.shape for o,
+                                               p in zip(parts, params)):
             res[k] = torch.cat([o[k].reshape(-1).float() if o[k].is_floating_point() else o[k].reshape(-1) for o in parts])
         else: res[k] = v
     return res
 
 class GradLists:
-    "What one unscale moves, gathered from every bucket: grads into fresh buffers (`src` -> `dst`), grads added into held ones (`add_src` -> `add_dst`), and the params of other ranks whose grads are only checked (`remote`)"
+    ("What one unscale moves, gathered from every bucket: grads into fresh buffers (`src` -> `dst`), grads added "
+     "into held ones (`add_src` -> `add_dst`), and the params of other ranks whose grads are only checked (`remote`)")
     def __init__(self): self.src, self.dst, self.add_src, self.add_dst, self.remote = [], [], [], [], []
     def fresh(self, g, into): self.src.append(g); self.dst.append(into)
     def add(self, g, into): self.add_src.append(g); self.add_dst.append(into)
 
+# %% ../nbs/13_master.ipynb #20a0cad3
 def _no_grad_in(m, keep:bool):
     "A master whose param got no grad: a zero grad where the optimizer zeroes (it is still stepped), else none"
     if keep and m.grad is not None: m.grad.zero_()
     else: m.grad = None
 
 def _moves(p:torch.Tensor, stride:tuple) -> bool:
-    "True when half param `p`'s memory layout is not `stride` (its master's, or its state's) and can be followed: more than one element, dense"
+    ("True when half param `p`'s memory layout is not `stride` (its master's, or its state's) and can be followed: "
+     "more than one element, dense")
     return p.numel() > 1 and p.stride() != stride and _dense(p)
 
 def _relayout_state(states:list, m:torch.Tensor, p:torch.Tensor):
-    "Lay out master `m`'s per-element optimizer state in `states` as its half param `p` (8-bit state decoded: the next step encodes it in the new layout's blocks)"
+    ("Lay out master `m`'s per-element optimizer state in `states` as its half param `p` (8-bit state decoded: the "
+     "next step encodes it in the new layout's blocks)")
     for st in states:
         s = st.get(m, {})
         for k, v in list(s.items()):
@@ -333,9 +417,12 @@ def _relayout_state(states:list, m:torch.Tensor, p:torch.Tensor):
             elif isinstance(v, torch.Tensor) and v.shape == m.shape: s[k] = _like(p, v)
 
 class _PerParamState:
-    "Optimizer state of masters kept one per param: keyed by the master while the optimizer holds it, by the param outside"
+    ("Optimizer state of masters kept one per param: keyed by the master while the optimizer holds it, by the param "
+     "outside")
     def state_to_masters(self, state:dict, keep_bf16:bool=False):
-        "Re-key `state` from the half params to their masters, half tensors (state made on the half params, as Adagrad's `sum`) cast to fp32, but 8-bit codes (and with `keep_bf16`, bf16 moments) kept for the fused steps"
+        ("Re-key `state` from the half params to their masters, half tensors (state made on the half params, as "
+         "Adagrad's `sum`) cast to fp32, but 8-bit codes (and with `keep_bf16`, bf16 moments) kept for the fused "
+         "steps")
         for p, m, _ in self.pairs:
             if p in state: state[m] = fp32_state(state.pop(p), keep_codes=True, keep_bf16=keep_bf16)
     def state_to_model(self, state:dict):
@@ -347,13 +434,15 @@ class _PerParamState:
         return [(p, m.grad) for p, m, _ in self.pairs if m.grad is not None]
 
 def _lent(p:torch.Tensor, g:torch.Tensor, cache:dict) -> MasterGrad:
-    "The `MasterGrad` of half param `p` for grad `g`: kept between steps while `g` is the same tensor (the fp32 and flat masters' grad buffers are)"
+    ("The `MasterGrad` of half param `p` for grad `g`: kept between steps while `g` is the same tensor (the fp32 and "
+     "flat masters' grad buffers are)")
     hit = cache.get(id(p))
     if hit is None or hit.master_grad is not g: hit = cache[id(p)] = MasterGrad(p, g)
     return hit
 
 class Fp32Bucket(_PerParamState):
-    "Half params with an fp32 master each, and a grad buffer laid out as the master: grads come in through the buffer, weights go out by a copy"
+    ("Half params with an fp32 master each, and a grad buffer laid out as the master: grads come in through the "
+     "buffer, weights go out by a copy")
     kind = 'fp32'
     def __init__(self, pairs:list): self.pairs = pairs          # (half param, master, grad buffer)
     def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
@@ -366,7 +455,8 @@ class Fp32Bucket(_PerParamState):
             m.grad = gbuf
     def weights_out(self) -> tuple: return [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
     def follow_layout(self, states:list, masters_of:dict) -> dict:
-        "Lay out each master, its state and a new grad buffer as its param, where the param's layout changed (`to_channelslast()`); the new pairs by id of the param"
+        ("Lay out each master, its state and a new grad buffer as its param, where the param's layout changed "
+         "(`to_channelslast()`); the new pairs by id of the param")
         res = {}
         for p, m, _ in self.pairs:
             if not _moves(p, m.stride()): continue
@@ -376,10 +466,13 @@ class Fp32Bucket(_PerParamState):
             res[id(p)] = (p, m, torch.zeros_like(m))
         return res
 
+# %% ../nbs/13_master.ipynb #f5a4b43e
 class FlatBucket:
-    "Half params whose masters are views into flat fp32 masters (one per group and key): grads come in through views of one flat grad, weights go out by a copy from the views"
+    ("Half params whose masters are views into flat fp32 masters (one per group and key): grads come in through "
+     "views of one flat grad, weights go out by a copy from the views")
     kind = 'flat'
-    def __init__(self, flats:list, pairs:list): self.flats, self.pairs = flats, pairs   # (flat master, its params, its grad); (param, view, grad view)
+    def __init__(self, flats:list, pairs:list):
+        self.flats, self.pairs = flats, pairs   # (flat master, its params, its grad); (param, view, grad view)
     def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
         for fm, ps, gbuf in self.flats:                  # a flat master whose params got no grad gets none either
             if not any(p.grad is not None or (keep and p in graded) for p in ps): fm.grad = None; continue
@@ -397,7 +490,8 @@ class FlatBucket:
         graded = {id(p) for fm, ps, _ in self.flats if fm.grad is not None for p in ps}
         return [(p, gview) for p, _, gview in self.pairs if id(p) in graded]
     def state_to_masters(self, state:dict, keep_bf16:bool=False):
-        "Re-key `state` from the half params to their flat masters: per-param tensors concatenated (as fp32; lean state never has flat masters), the rest kept"
+        ("Re-key `state` from the half params to their flat masters: per-param tensors concatenated (as fp32; lean "
+         "state never has flat masters), the rest kept")
         for fm, ps, _ in self.flats:
             parts = [fp32_state(state.pop(p, {})) for p in ps]
             if all(parts): state[fm] = _concat_state(parts, ps)
@@ -409,7 +503,8 @@ class FlatBucket:
             st = state.pop(fm, None)
             if st is not None: state.update(split_flat_state(st, {p: views[p] for p in ps}, fm.data))
     def follow_layout(self, states:list, masters_of:dict) -> dict:
-        "Permute each moved param's slice of its flat master, flat grad and flat state into the param's layout, in place; the new views by id of the param"
+        ("Permute each moved param's slice of its flat master, flat grad and flat state into the param's layout, in "
+         "place; the new views by id of the param")
         res, flat_of = {}, {id(p): (fm, g) for fm, ps, g in self.flats for p in ps}
         for p, m, _ in self.pairs:
             if not _moves(p, m.stride()): continue
@@ -417,7 +512,8 @@ class FlatBucket:
             off = m.storage_offset() - fm.data.storage_offset()
             flat_state = [v for st in states for v in st.get(fm, {}).values() if flat_like(v, fm)]
             with torch.no_grad():
-                for t in [fm.data, g, *flat_state]:                # the slice's values, permuted into the param's layout
+                # the slice's values, permuted into the param's layout
+                for t in [fm.data, g, *flat_state]:
                     t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(flat_slice(t, m, fm.data))
             view = fm.data.as_strided(p.shape, p.stride(), fm.data.storage_offset() + off)
             res[id(p)] = (p, view, g.as_strided(p.shape, p.stride(), g.storage_offset() + off))
@@ -425,7 +521,8 @@ class FlatBucket:
         return res
 
 class Bf16Bucket(_PerParamState):
-    "bf16 params that are their own masters (`Bf16Master`): an fp32 grad exists from the unscale to the step; nothing goes out, the step writes the params"
+    ("bf16 params that are their own masters (`Bf16Master`): an fp32 grad exists from the unscale to the step; "
+     "nothing goes out, the step writes the params")
     kind = 'bf16'
     def __init__(self, pairs:list): self.pairs, self._live = pairs, []
     def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
@@ -439,7 +536,8 @@ class Bf16Bucket(_PerParamState):
                 lists.fresh(p.grad, m.grad)
     def weights_out(self) -> tuple: return [], []
     def follow_layout(self, states:list, masters_of:dict) -> dict:
-        "Lay out each low half and the optimizer state as its param (the param is the master's high half: it moved already)"
+        ("Lay out each low half and the optimizer state as its param (the param is the master's high half: it moved "
+         "already)")
         res = {}
         for p, m, _ in self.pairs:
             bm = bf16_master(m)
@@ -454,11 +552,13 @@ class Bf16Bucket(_PerParamState):
         self._live = [(bf16_master(m), m) for _, m, _ in self.pairs]
         for s, m in self._live: m.data = s.value()
     def store_materialized(self):
-        "Put the materialised masters' current values into the bf16 params (rounded to nearest), for a closure to evaluate"
+        ("Put the materialised masters' current values into the bf16 params (rounded to nearest), for a closure to "
+         "evaluate")
         with torch.no_grad():
             for s, m in self._live: s.param.copy_(m.data)
     def release(self, seeds_for):
-        "After a step over materialised masters: store each in its bf16 param (split exactly, or rounded stochastically with `seeds_for(masters)`), and make it a stand-in again"
+        ("After a step over materialised masters: store each in its bf16 param (split exactly, or rounded "
+         "stochastically with `seeds_for(masters)`), and make it a stand-in again")
         live, self._live = self._live, []
         seeds = iter(seeds_for([m for s, m in live if s.low is None]))
         for s, m in live:
@@ -467,8 +567,10 @@ class Bf16Bucket(_PerParamState):
                 with torch.no_grad(): s.param.copy_(round_stochastic_ref(m.data, next(seeds)))
             m.data = _stand_in(m.shape, m.device)
 
+# %% ../nbs/13_master.ipynb #0c1954c2
 class RemoteBucket(_PerParamState):
-    "Params whose masters another rank owns (sharded): a grad is checked for overflow, then dropped; the owner's gather brings the weights"
+    ("Params whose masters another rank owns (sharded): a grad is checked for overflow, then dropped; the owner's "
+     "gather brings the weights")
     kind = 'remote'
     def __init__(self, pairs:list): self.pairs = pairs
     def take_grads(self, lists:GradLists, accumulate:bool, keep:bool, graded:set=None):
@@ -476,9 +578,11 @@ class RemoteBucket(_PerParamState):
             if p.grad is not None: lists.remote.append(p)
             elif not accumulate: _no_grad_in(m, keep)
     def weights_out(self) -> tuple: return [], []
-    def grads_of(self) -> list: return []                                         # their grads were dropped (the owner holds the masters')
+    def grads_of(self) -> list:
+        return []                                         # their grads were dropped (the owner holds the masters')
     def follow_layout(self, states:list, masters_of:dict) -> dict: return {}     # stand-ins: nothing to lay out
 
+# %% ../nbs/13_master.ipynb #7a7d41a8
 class MasterParams:
     "fp32 masters for groups of model params: one per half param, or one flat tensor per group and key"
     def __init__(self,
@@ -487,19 +591,26 @@ class MasterParams:
         flat:bool=False,          # one flat fp32 master per group (and key)
         key=None,                 # `key(p)`: params with different keys never share a flat master
         names:dict=None,          # {param: name}, for messages
-        impl:str=None,            # the ops' implementation: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
-        store:str='fp32',         # bf16 params' masters: 'fp32' tensors, 'split' (bf16 weight + int16 low half) or 'none' (stochastic rounding)
-        shards:Shards=None,       # sharded masters: this rank keeps the masters (and optimizer state) of the params it owns only
+        # the ops' implementation: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
+        impl:str=None,
+        # bf16 params' masters: 'fp32' tensors, 'split' (bf16 weight + int16 low half) or 'none' (stochastic rounding)
+        store:str='fp32',
+        # sharded masters: this rank keeps the masters (and optimizer state) of the params it owns only
+        shards:Shards=None,
     ):
-        check_store(store, torch.bfloat16, flat)          # the name and the layout; each param's dtype is checked as its master is stored
+        # the name and the layout; each param's dtype is checked as its master is stored
+        check_store(store, torch.bfloat16, flat)
         if shards is not None and store != 'fp32':
-            raise ValueError(f"sharded masters are fp32 masters: pass masters='fp32' with shard=True (masters={store!r} keeps them in the bf16 weights, which every rank holds)")
+            raise ValueError("sharded masters are fp32 masters: pass masters='fp32' with shard=True "
+                             f"(masters={store!r} keeps them in the bf16 weights, which every rank holds)")
         self.shards, self.remote_own, self._remote_grads = shards, set(), []
         self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
         self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
-        self.keep_zero_grads, self._graded = False, set()  # clearing zeroes (fastai) or drops grads; params with a grad since the last drop
+        # clearing zeroes (fastai) or drops grads; params with a grad since the last drop
+        self.keep_zero_grads, self._graded = False, set()
         self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
-        self._flat_of, self._stash, self._gradless = {}, {}, set()    # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
+        # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
+        self._flat_of, self._stash, self._gradless = {}, {}, set()
         for group in groups:
             half, own, kept = [], [], []
             for p in group:
@@ -513,15 +624,21 @@ class MasterParams:
                     m = masters[p]
                     m.requires_grad_(p.requires_grad)
                     store_master_(p, m, store)
-                    self.pairs.append((p, m, torch.zeros_like(m) if store == 'fp32' else None))   # bf16 masters get grads when there are some
+                    # bf16 masters get grads when there are some
+                    self.pairs.append((p, m, torch.zeros_like(m) if store == 'fp32' else None))
                 self.groups.append([masters.get(p, p) for p in kept])
                 if shards is not None: self._shard(half, own, masters)
                 continue
-            subsets = {}                                # sharded: a flat master per owner too, a stand-in on the other ranks
-            for p in half: subsets.setdefault((p.requires_grad, key(p) if key else None, shards.owner[id(p)] if shards else None), []).append(p)
+            # sharded: a flat master per owner too, a stand-in on the other ranks
+            subsets = {}
+            for p in half:
+                subsets.setdefault((p.requires_grad, key(p) if key else None,
+                                    shards.owner[id(p)] if shards else None), []).append(p)
             mg = []
             for (rg, _, owner), ps in subsets.items():
-                if shards is not None and owner != shards.rank: mg.append(self._remote_flat(ps, rg, owner, masters)); continue
+                if shards is not None and owner != shards.rank:
+                    mg.append(self._remote_flat(ps, rg, owner, masters))
+                    continue
                 fm = nn.Parameter(torch.cat([masters[p].detach().reshape(-1) for p in ps]), requires_grad=rg)
                 fm.grad = torch.zeros_like(fm)
                 self.flats.append((fm, ps, fm.grad))
@@ -540,7 +657,8 @@ class MasterParams:
         self._rg_seen = self._requires_grads()          # as of the last sync
 
     def _remote_flat(self, ps:list, requires_grad:bool, owner:int, masters:dict) -> nn.Parameter:
-        "The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so freezing reaches it), and a stand-in per param"
+        ("The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so "
+         "freezing reaches it), and a stand-in per param")
         fm = nn.Parameter(_stand_in((sum(p.numel() for p in ps),), ps[0].device), requires_grad=requires_grad)
         fm.remote_master = RemoteMaster(fm, owner)
         for p in ps:
@@ -555,7 +673,8 @@ class MasterParams:
         ids = {id(p) for p in half}
         for i, (p, m, g) in enumerate(self.pairs):
             if id(p) in ids and not self.shards.mine(p):
-                m.data, m.grad, m.remote_master = _stand_in(p.shape, p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
+                m.data, m.grad, m.remote_master = _stand_in(p.shape,
+                                                            p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
                 self.pairs[i] = (p, m, None)
         self.remote_own |= {p for p in own if not self.shards.mine(p)}
 
@@ -563,27 +682,41 @@ class MasterParams:
         "Remove from each optimizer state dict in `states` the entries of params other ranks own"
         if self.shards is None: return
         for state in states:
-            for k in [t for p, m, _ in self.pairs if remote_master(m) is not None for t in (m, p)] + list(self.remote_own): state.pop(k, None)   # (flat: keyed by the param)
+            for k in [t for p, m,
+                      _ in self.pairs if remote_master(m) is not None for t in (m, p)] + list(self.remote_own):
+                state.pop(k, None)   # (flat: keyed by the param)
 
     def gather_shards(self):
-        "After a step of this rank's shard: every rank gets the owners' new half params (and fp32 params); a no-op unsharded"
+        ("After a step of this rank's shard: every rank gets the owners' new half params (and fp32 params); a no-op "
+         "unsharded")
         if self.shards is not None: self.shards.gather_params_()
 
     def unshard_(self, states:list, gather:bool=True) -> list:
-        "Give this rank every master and, in `states`, all the optimizer state, gathered from the owners (a collective: every rank calls it); with `gather=False` the masters take the half params' values, for a load to overwrite. Returns the (param, master) pairs that were remote"
+        ("Give this rank every master and, in `states`, all the optimizer state, gathered from the owners (a "
+         "collective: every rank calls it); with `gather=False` the masters take the half params' values, for a load "
+         "to overwrite. Returns the (param, master) pairs that were remote")
         sh = self.shards
         remote = [(i, p, m) for i, (p, m, _) in enumerate(self.pairs) if remote_master(m) is not None]
         own_at = {id(p): len(self.pairs) + j for j, p in enumerate(self.own)}
         if gather and sh is not None:
-            keys = [p if self.flat else m for p, m, _ in self.pairs] + self.own     # where each param's state is kept (flat: per param, while gathered)
+            # where each param's state is kept (flat: per param, while gathered)
+            keys = [p if self.flat else m for p, m, _ in self.pairs] + self.own
             per_param = [self._per_param_state(st) for st in states]
             mine = {i: (self.pairs[i][1].detach().cpu() if i < len(self.pairs) else None,
-                        [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n, v in st[k].items()} if k in st else None for st in per_param])
-                    for i, k in enumerate(keys) if (i >= len(self.pairs) or remote_master(self.pairs[i][1]) is None) and k not in self.remote_own}
+                        [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n,
+                          v in st[k].items()} if k in st else None for st in per_param])
+                    for i,
+                        k in enumerate(
+                            keys) if (
+                                i >= len(
+                                    self.pairs) or remote_master(
+                                        self.pairs[i][1]) is None) and k not in self.remote_own}
             got = {i: v for part in sh.gather_objects(mine) for i, v in part.items()}
             for k, i in [(keys[i], i) for i, p, m in remote] + [(p, own_at[id(p)]) for p in self.remote_own]:
                 for st, v in zip(states, got[i][1]):
-                    if v is not None: st[k] = {n: (t.to(k.device) if isinstance(t, torch.Tensor) and t.dim() > 0 else t) for n, t in v.items()}
+                    if v is not None:
+                        st[k] = {n: (t.to(k.device) if isinstance(t, torch.Tensor) and t.dim() > 0 else t) for n,
+                                 t in v.items()}
         for i, p, m in remote:
             del m.remote_master
             m.data = got[i][0].to(p.device) if gather and sh is not None else p.detach().float()
@@ -598,38 +731,52 @@ class MasterParams:
 
     @contextmanager
     def consolidated(self, states:list, gather:bool=True):
-        "A block in which this rank holds every master and all the optimizer state in `states` (`unshard_`); sharded again after"
+        ("A block in which this rank holds every master and all the optimizer state in `states` (`unshard_`); "
+         "sharded again after")
         if self.shards is None: yield; return
         remote = self.unshard_(states, gather)
         try: yield
         finally:
-            for p, m in remote: m.data, m.grad, m.remote_master = _stand_in(p.shape, p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
+            for p, m in remote:
+                m.data, m.grad, m.remote_master = _stand_in(p.shape,
+                                                            p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
             self.drop_remote_state(states)
 
     def _index(self):
-        "The buckets (one per kind of master: each knows how grads come in and weights go out), and the lists and maps every step reads, from `pairs`"
+        ("The buckets (one per kind of master: each knows how grads come in and weights go out), and the lists and "
+         "maps every step reads, from `pairs`")
         local, bf16, remote = [], [], []
-        for t in self.pairs: (remote if remote_master(t[1]) is not None else bf16 if bf16_master(t[1]) is not None else local).append(t)
-        self.buckets = [b for b in (FlatBucket(self.flats, local) if self.flat else Fp32Bucket(local), Bf16Bucket(bf16), RemoteBucket(remote)) if b.pairs]
+        for t in self.pairs:
+            (remote if remote_master(t[1]) is not None else bf16 if bf16_master(t[1]) is not None else local).append(t)
+        self.buckets = [b for b in (FlatBucket(self.flats, local) if self.flat else Fp32Bucket(local),
+                                    Bf16Bucket(bf16), RemoteBucket(remote)) if b.pairs]
         outs = [b.weights_out() for b in self.buckets]
-        self._copy_lists = [m for ms, _ in outs for m in ms], [p for _, ps in outs for p in ps]   # fp32 masters -> model, every step
-        self._half_of = {id(m): p for p, m, _ in self.pairs}                               # master -> half param, every fused step
+        # fp32 masters -> model, every step
+        self._copy_lists = [m for ms, _ in outs for m in ms], [p for _, ps in outs for p in ps]
+        # master -> half param, every fused step
+        self._half_of = {id(m): p for p, m, _ in self.pairs}
         self._bf16_of = {id(m): bf16_master(m) for _, m, _ in bf16}   # master -> where it lives, without an fp32 copy
-        self._index_of = {id(m): i for i, m in enumerate([m for _, m, _ in self.pairs] + self.own)}   # a rounding stream's index: masters, then fp32 params
-        self._pair_of = {id(p): (m, g) for p, m, g in self.pairs}                           # half param -> its master and grad buffer
-        held_by = {}                                                                        # what holds requires_grad for each half param: its master, or its flat master
+        # a rounding stream's index: masters, then fp32 params
+        self._index_of = {id(m): i for i, m in enumerate([m for _, m, _ in self.pairs] + self.own)}
+        # half param -> its master and grad buffer
+        self._pair_of = {id(p): (m, g) for p, m, g in self.pairs}
+        # what holds requires_grad for each half param: its master, or its flat master
+        held_by = {}
         for p, m, _ in self.pairs:
             held = self._flat_of[p] if self.flat else m
             held_by.setdefault(id(held), (held, []))[1].append(p)
         self._held_by = list(held_by.values())
 
     def norm_slots(self) -> list:
-        "The master grad (or None) of each model param, in the model's order: the same slots on every rank, sharded or not, flat or not, for the global norm"
+        ("The master grad (or None) of each model param, in the model's order: the same slots on every rank, sharded "
+         "or not, flat or not, for the global norm")
         res = []
         sh = self.shards
         for p in (p for g in self.model_groups for p in g):
-            if id(p) not in self._pair_of:                                     # an fp32 param, its own master: counted on the rank that steps it
-                counted = sh is None or sh.owner.get(id(p), 0) == sh.rank       # (one not sharded, whose grad every rank holds: on rank 0)
+            # an fp32 param, its own master: counted on the rank that steps it
+            if id(p) not in self._pair_of:
+                # (one not sharded, whose grad every rank holds: on rank 0)
+                counted = sh is None or sh.owner.get(id(p), 0) == sh.rank
                 res.append(p.grad if counted else None); continue
             m, g = self._pair_of[id(p)]
             res.append((g if g is not None and self._flat_of[p].grad is not None else None) if self.flat else m.grad)
@@ -642,14 +789,17 @@ class MasterParams:
 
     def __repr__(self):
         store = f", masters={self.store!r}" if self.store != 'fp32' else ''
-        return f"MasterParams({len(self.pairs)} half params, {len(self.own)} fp32 params, flat={self.flat}, {len(self.groups)} groups{store})"
+        return (f"MasterParams({len(self.pairs)} half params, {len(self.own)} fp32 params, flat={self.flat}, "
+                f"{len(self.groups)} groups{store})")
 
     def rounding_seeds(self, masters:list, state:dict) -> list:
-        "This step's stochastic-rounding seed of each of `masters`, counting its roundings in its optimizer `state` (so checkpoints carry the stream)"
+        ("This step's stochastic-rounding seed of each of `masters`, counting its roundings in its optimizer `state` "
+         "(so checkpoints carry the stream)")
         res = []
         for m in masters:
             st = state[m]
-            if 'rounding_seed' not in st: st['rounding_seed'], st['rounding_step'] = _mix(self.rounding_seed, self._index_of[id(m)]), 0
+            if 'rounding_seed' not in st:
+                st['rounding_seed'], st['rounding_step'] = _mix(self.rounding_seed, self._index_of[id(m)]), 0
             res.append(_mix(st['rounding_seed'], st['rounding_step']))
             st['rounding_step'] += 1
         return res
@@ -657,32 +807,43 @@ class MasterParams:
     def _bf16_buckets(self) -> list: return [b for b in self.buckets if b.kind == 'bf16']
 
     def materialize(self):
-        "Give every master without an fp32 copy its fp32 value as data, for an optimizer's own step; `release` puts them back"
+        ("Give every master without an fp32 copy its fp32 value as data, for an optimizer's own step; `release` puts "
+         "them back")
         for b in self._bf16_buckets(): b.materialize()
 
     def store_materialized(self):
-        "During an optimizer's own step over materialised masters: put their current values into the bf16 params (rounded to nearest), for a closure to evaluate"
+        ("During an optimizer's own step over materialised masters: put their current values into the bf16 params "
+         "(rounded to nearest), for a closure to evaluate")
         for b in self._bf16_buckets(): b.store_materialized()
 
     def release(self, state:dict):
-        "After `materialize` and a step: store each master again in its bf16 param (split exactly, or rounded stochastically with this step's seeds, counted in `state`)"
+        ("After `materialize` and a step: store each master again in its bf16 param (split exactly, or rounded "
+         "stochastically with this step's seeds, counted in `state`)")
         for b in self._bf16_buckets(): b.release(partial(self.rounding_seeds, state=state))
 
     def grads_to_masters(self, inv_scale:float, accumulate:bool=False) -> torch.Tensor:
-        "Unscale model grads into the master grads (adding to them with `accumulate`); returns the overflow flag (0-dim bool tensor)"
+        ("Unscale model grads into the master grads (adding to them with `accumulate`); returns the overflow flag "
+         "(0-dim bool tensor)")
         lists = GradLists()
         if not accumulate: self._remote_grads = []
-        sparse = [self.names.get(p, tuple(p.shape)) for p in chain((p for p, _, _ in self.pairs), self.own) if p.grad is not None and p.grad.is_sparse]
-        if sparse: raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one (`nn.Embedding(sparse=True)`, "
-                                   f"`nn.EmbeddingBag(sparse=True)`): build that module with sparse=False. With fp32 masters the optimizer steps dense masters anyway")
-        keep = self.keep_zero_grads                      # the optimizer zeroes grads rather than dropping them: a param that had one keeps a zero grad
+        sparse = [self.names.get(p, tuple(p.shape)) for p in chain((p for p, _, _ in self.pairs),
+                                                                   self.own) if p.grad is not None and p.grad.is_sparse]
+        if sparse:
+            raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one "
+                            "(`nn.Embedding(sparse=True)`, "
+                                   "`nn.EmbeddingBag(sparse=True)`): build that module with sparse=False. With fp32 "
+                                   "masters the optimizer steps dense masters anyway")
+        # the optimizer zeroes grads rather than dropping them: a param that had one keeps a zero grad
+        keep = self.keep_zero_grads
         if keep: self._graded |= {p for p, _, _ in self.pairs if p.grad is not None}
-        if self.flat:                                   # params with no grad since the step, which `hold_gradless` keeps in place
+        # params with no grad since the step, which `hold_gradless` keeps in place
+        if self.flat:
             none = {p for p, _, _ in self.pairs if p.grad is None and not (keep and p in self._graded)}
             self._gradless = self._gradless & none if accumulate else none
         for bucket in self.buckets: bucket.take_grads(lists, accumulate, keep, self._graded)
         stash = self._stash
-        for p in self.own:                              # fp32 params are their own masters: unscaled in place, or added to the grad set aside
+        # fp32 params are their own masters: unscaled in place, or added to the grad set aside
+        for p in self.own:
             if p.grad is None: continue
             if p in self.remote_own: lists.remote.append(p); continue
             if accumulate and stash.get(p) is not None: lists.add(p.grad, stash[p])
@@ -690,10 +851,12 @@ class MasterParams:
         found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
         if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
         remote = lists.remote
-        if remote:                                      # the grads of params other ranks step: checked by their largest magnitude (one pass), then dropped
+        # the grads of params other ranks step: checked by their largest magnitude (one pass), then dropped
+        if remote:
             peaks = torch.stack([t.float() for t in torch._foreach_norm([p.grad for p in remote], ord=float('inf'))])
             found |= ~torch.isfinite(peaks).all()
-            self._remote_grads += [(p, peaks[i:i + 1]) for i, p in enumerate(remote)]    # one number each, for naming an overflow (inf or NaN kept)
+            # one number each, for naming an overflow (inf or NaN kept)
+            self._remote_grads += [(p, peaks[i:i + 1]) for i, p in enumerate(remote)]
             for p in remote: p.grad = None
         for p, g in stash.items():
             if g is not None: p.grad = g
@@ -711,15 +874,18 @@ class MasterParams:
         for m, p in zip(*self._copy_lists): mark_written(p, m)
 
     def mark_written(self):
-        "Note that every half param holds what mixedprec wrote (after a step, a load): an in-place change after this is the user's edit"
+        ("Note that every half param holds what mixedprec wrote (after a step, a load): an in-place change after "
+         "this is the user's edit")
         for p, m, _ in self.pairs: mark_written(p, m)
 
     def take_model_edits(self) -> list:
-        "Make the masters of half params edited in place since mixedprec wrote them (a clamp, a re-init, `load_state_dict` into the model) the edited values; returns those params"
+        ("Make the masters of half params edited in place since mixedprec wrote them (a clamp, a re-init, "
+         "`load_state_dict` into the model) the edited values; returns those params")
         return take_model_edits((p, m) for p, m, _ in self.pairs)
 
     def adopt_data_edits(self):
-        "Elements of half params that are not their fp32 master's rounding (edited through `.data`) become the masters' values, as the fused steps do"
+        ("Elements of half params that are not their fp32 master's rounding (edited through `.data`) become the "
+         "masters' values, as the fused steps do")
         for p, m, _ in self.pairs:
             if bf16_master(m) is None and remote_master(m) is None: adopt_edits_ref_(m.view(p.shape), p)
 
@@ -728,12 +894,14 @@ class MasterParams:
         return [m.grad for m in self.master_params if m.grad is not None]
 
     def clearing(self, set_to_none:bool):
-        "Note how the front end's optimizer clears grads: dropped (`set_to_none`), or zeroed in place (fastai), when the masters keep zero grads and are stepped"
+        ("Note how the front end's optimizer clears grads: dropped (`set_to_none`), or zeroed in place (fastai), "
+         "when the masters keep zero grads and are stepped")
         self.keep_zero_grads = not set_to_none
         if set_to_none: self._graded = set()
 
     def zero_grads(self, set_to_none:bool=None):
-        "Drop the model's grads and zero the master grads (with `set_to_none=False`, as an optimizer that zeroes in place: masters keep zero grads and are stepped; default: as the front end's optimizer last cleared them)"
+        ("Drop the model's grads and zero the master grads (with `set_to_none=False`, as an optimizer that zeroes in "
+         "place: masters keep zero grads and are stepped; default: as the front end's optimizer last cleared them)")
         if set_to_none is None: set_to_none = not self.keep_zero_grads
         self.zero_model_grads()
         self.clearing(set_to_none)
@@ -750,18 +918,21 @@ class MasterParams:
         for p, _, _ in self.pairs: p.grad = None
 
     def lend_grads(self):
-        "After the unscale, until the step: each half param's `.grad` is a `MasterGrad` of its master's unscaled fp32 grad (sharded: one that refuses, as no rank holds all of them)"
+        ("After the unscale, until the step: each half param's `.grad` is a `MasterGrad` of its master's unscaled "
+         "fp32 grad (sharded: one that refuses, as no rank holds all of them)")
         self._lent = True
         if self.shards is not None and self.shards.world > 1:
             for p, _, _ in self.pairs: p.grad = MasterGrad(p, p, refuse=SHARDED_GRADS)
             return
         cache = self.__dict__.setdefault('_lent_cache', {})
-        for b in self.buckets:                  # bf16 masters' fp32 grads live from the unscale to the step only: not kept in the cache
+        # bf16 masters' fp32 grads live from the unscale to the step only: not kept in the cache
+        for b in self.buckets:
             for p, g in b.grads_of(): p.grad = _lent(p, g, cache) if b.kind != 'bf16' else MasterGrad(p, g)
 
     def drop_lent_grads(self):
         "Drop the `MasterGrad`s that `lend_grads` gave the half params (a grad the backward left in them stays)"
-        if not self.__dict__.pop('_lent', False): return        # nothing lent since the last drop: no loop (it runs three times a step)
+        if not self.__dict__.pop('_lent', False):
+            return        # nothing lent since the last drop: no loop (it runs three times a step)
         for p, _, _ in self.pairs:
             if type(p.grad) is MasterGrad: p.grad = None
 
@@ -770,28 +941,39 @@ class MasterParams:
         return [p for p, _, _ in self.pairs if p.grad is not None and type(p.grad) is not MasterGrad]
 
     def sync_requires_grad(self) -> bool:
-        "Agree on `requires_grad` between each half param and its master: whichever changed since the last sync wins, the model first (`requires_grad_`), then the optimizer (fastai's `freeze` sets its params'); False when a flat master's params no longer agree (the layout must be rebuilt)"
-        if self._requires_grads() == self._rg_seen: return True      # nothing changed since the last sync: every step but a few
+        ("Agree on `requires_grad` between each half param and its master: whichever changed since the last sync "
+         "wins, the model first (`requires_grad_`), then the optimizer (fastai's `freeze` sets its params'); False "
+         "when a flat master's params no longer agree (the layout must be rebuilt)")
+        if self._requires_grads() == self._rg_seen:
+            return True      # nothing changed since the last sync: every step but a few
         last, ok = {id(p): rg for (p, _, _), rg in zip(self.pairs, self._rg_seen[0])}, True
         for held, ps in self._held_by:
             if any(p.requires_grad != last[id(p)] for p in ps):                          # the model changed
-                if len({p.requires_grad for p in ps}) > 1: ok = False; continue            # within one flat master: a new layout
+                if len({p.requires_grad for p in ps}) > 1:
+                    ok = False
+                    continue            # within one flat master: a new layout
                 held.requires_grad_(ps[0].requires_grad)
-            elif any(p.requires_grad != held.requires_grad for p in ps):                    # the optimizer changed (freeze)
+            # the optimizer changed (freeze)
+            elif any(p.requires_grad != held.requires_grad for p in ps):
                 for p in ps: p.requires_grad_(held.requires_grad)
-        if ok: self._rg_seen = self._requires_grads()   # (not ok: the model's change stays unseen, and is reported again)
+        if ok:
+            self._rg_seen = self._requires_grads()   # (not ok: the model's change stays unseen, and is reported again)
         return ok
 
     def _requires_grads(self) -> tuple:
-        "The `requires_grad` of each half param (in `pairs`' order) and of what holds each one's master (in `_held_by`'s order)"
+        ("The `requires_grad` of each half param (in `pairs`' order) and of what holds each one's master (in "
+         "`_held_by`'s order)")
         return [p.requires_grad for p, _, _ in self.pairs], [h.requires_grad for h, _ in self._held_by]
 
     def clip_(self, max_norm:float) -> torch.Tensor:
-        "Clip the master grads by their global L2 norm, as `torch.nn.utils.clip_grad_norm_` does; returns the norm (nothing is read on the host)"
+        ("Clip the master grads by their global L2 norm, as `torch.nn.utils.clip_grad_norm_` does; returns the norm "
+         "(nothing is read on the host)")
         return clip_grads_(self.master_grads(), max_norm, self.impl)
 
     def move_state_to_masters(self, state:dict, keep_bf16:bool=False):
-        "Re-key optimizer `state` from the model params to their masters (each bucket as its kind keeps it), its half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32, but bf16 moments kept with `keep_bf16` (`state='bf16'`)"
+        ("Re-key optimizer `state` from the model params to their masters (each bucket as its kind keeps it), its "
+         "half tensors (state an optimizer made on the half params, as Adagrad's `sum`) cast to fp32, but bf16 "
+         "moments kept with `keep_bf16` (`state='bf16'`)")
         for b in self.buckets: b.state_to_masters(state, keep_bf16)
 
     def move_state_to_model(self, state:dict):
@@ -799,7 +981,8 @@ class MasterParams:
         for b in self.buckets: b.state_to_model(state)
 
     def follow_layouts(self, states:list=()) -> bool:
-        "Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, when the model's changed (`to_channelslast()`); True if any moved"
+        ("Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, "
+         "when the model's changed (`to_channelslast()`); True if any moved")
         moved = {}
         for b in self.buckets: moved.update(b.follow_layout(states, self._masters_of))
         if not moved: return False
@@ -808,8 +991,10 @@ class MasterParams:
         return True
 
     def unscaled_grads(self) -> list:
-        "(model param, its unscaled grad) for each param with a grad, after `grads_to_masters`: the master grad of a half param, the own grad of an fp32 one (the scaled grad of a param another rank owns)"
-        return ([(p, g if g is not None else m.grad) for p, m, g in self.pairs if p.grad is not None] + [(p, p.grad) for p in self.own if p.grad is not None]
+        ("(model param, its unscaled grad) for each param with a grad, after `grads_to_masters`: the master grad of "
+         "a half param, the own grad of an fp32 one (the scaled grad of a param another rank owns)")
+        return ([(p, g if g is not None else m.grad) for p, m,
+                 g in self.pairs if p.grad is not None] + [(p, p.grad) for p in self.own if p.grad is not None]
                 + self._remote_grads)
 
     def nonfinite_grads(self, limit:int=10, grads:list=None, peaks:list=None) -> list:
@@ -833,7 +1018,8 @@ class MasterParams:
         return p.device if p is not None else torch.device('cpu')
 
     def hold_gradless(self, state:dict):
-        "Set aside the flat-master slices (values and `state` tensors) of params that got no grad; returns the function that puts them back after a step"
+        ("Set aside the flat-master slices (values and `state` tensors) of params that got no grad; returns the "
+         "function that puts them back after a step")
         held = []
         for fm, ps, _ in self.flats:
             if fm.grad is None or not any(p in self._gradless for p in ps): continue

@@ -25,15 +25,26 @@ def _check_lists(*lists):
     for l in lists[1:]:
         if len(l) != n: raise ValueError(f"tensor lists must have the same length, got {[len(o) for o in lists]}")
     for ts in zip(*lists):
-        if any(t.numel() != ts[0].numel() for t in ts): raise ValueError(f"paired tensors must have the same number of elements, got {[tuple(t.shape) for t in ts]}")
-        if any(t.stride() != ts[0].stride() for t in ts if t.dim() == ts[0].dim() and t.numel() > 1) and not all(t.is_contiguous() for t in ts):
-            raise ValueError(f"paired tensors must have the same memory layout (strides {[t.stride() for t in ts]}); call .contiguous() on them")
+        if any(t.numel() != ts[0].numel() for t in ts):
+            raise ValueError(
+                f"paired tensors must have the same number of elements, got {[tuple(t.shape) for t in ts]}")
+        if any(
+            t.stride(
+                ) != ts[
+                    0].stride(
+                        ) for t in ts if t.dim(
+                            ) == ts[0].dim() and t.numel() > 1) and not all(t.is_contiguous() for t in ts):
+            raise ValueError(f"paired tensors must have the same memory layout (strides {[t.stride() for t in ts]}); "
+                             "call .contiguous() on them")
 
 def _scale_ref(src, dst, scale, add):
     "`dst[i] = src[i].float()*scale` (or `+=` with `add`) in `dst[i]`'s dtype; flag if any `src` element is inf or nan"
     _check_lists(src, dst)
-    if isinstance(scale, torch.Tensor) and (scale.dtype != torch.float32 or scale.numel() != 1 or (src and scale.device != src[0].device)):
-        raise ValueError(f"a tensor scale must be a 1-element fp32 tensor on the tensors' device, got {scale.dtype} of shape {tuple(scale.shape)} on {scale.device}")
+    if isinstance(scale,
+                  torch.Tensor) and (
+                      scale.dtype != torch.float32 or scale.numel() != 1 or (src and scale.device != src[0].device)):
+        raise ValueError(f"a tensor scale must be a 1-element fp32 tensor on the tensors' device, got {scale.dtype} "
+                         f"of shape {tuple(scale.shape)} on {scale.device}")
     one = not isinstance(scale, torch.Tensor) and scale == 1.
     if not src: return torch.zeros((), dtype=torch.bool)
     found = torch.zeros((), dtype=torch.bool, device=src[0].device)
@@ -46,31 +57,37 @@ def _scale_ref(src, dst, scale, add):
     return found
 
 def scale_check_ref_(src:list, dst:list, scale) -> torch.Tensor:
-    "Reference: `dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number or a 1-element fp32 tensor); flag if any `src` element is inf or nan"
+    ("Reference: `dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number or a 1-element fp32 tensor); "
+     "flag if any `src` element is inf or nan")
     return _scale_ref(src, dst, scale, add=False)
 
 # %% ../nbs/10_ops.ipynb #4fdec047
 IMPLS = ('auto', 'fused', 'ref')
 DEFAULT_IMPL = 'auto'                                  # the process-wide default
-IMPL_HERE = contextvars.ContextVar('mixedprec_impl', default=None)   # a `settings()` block's, in its own thread or task only
+# a `settings()` block's, in its own thread or task only
+IMPL_HERE = contextvars.ContextVar('mixedprec_impl', default=None)
 
 def set_impl(impl:str):
-    "Set the process-wide implementation the ops use when they are not given one: 'auto', 'fused' or 'ref' (a `settings()` block overrides it in its own thread)"
+    ("Set the process-wide implementation the ops use when they are not given one: 'auto', 'fused' or 'ref' (a "
+     "`settings()` block overrides it in its own thread)")
     global DEFAULT_IMPL
     DEFAULT_IMPL = _check_impl(impl)
 
 def current_impl() -> str:
-    "The implementation the ops use here when not given one: the enclosing `settings()` block's in this thread or task, else the process-wide default"
+    ("The implementation the ops use here when not given one: the enclosing `settings()` block's in this thread or "
+     "task, else the process-wide default")
     return IMPL_HERE.get() or DEFAULT_IMPL
 
 _TRUE, _FALSE = ('1', 'true', 'yes', 'on'), ('0', 'false', 'no', 'off', '')
 
 def env_flag(name:str) -> bool:
-    "The `MIXEDPREC_*` switch `name` from the environment: the usual spellings of true and false (any case), unset is false; anything else raises"
+    ("The `MIXEDPREC_*` switch `name` from the environment: the usual spellings of true and false (any case), unset "
+     "is false; anything else raises")
     v = os.environ.get(name)
     if v is None or v.strip().lower() in _FALSE: return False
     if v.strip().lower() in _TRUE: return True
-    raise ValueError(f"{name}={v!r} is not a switch: set it to one of {', '.join(_TRUE)} (on) or {', '.join(v for v in _FALSE if v)} (off), or unset it")
+    raise ValueError(f"{name}={v!r} is not a switch: set it to one of {', '.join(_TRUE)} (on) or "
+                     f"{', '.join(v for v in _FALSE if v)} (off), or unset it")
 
 def _check_impl(impl):
     if impl not in IMPLS: raise ValueError(f"impl must be 'auto', 'fused' or 'ref', not {impl!r}")
@@ -78,12 +95,16 @@ def _check_impl(impl):
 
 def find_cuda_home():
     "The CUDA toolkit folder (the one holding include/cuda_runtime.h and lib64/libcudart.so), or None"
-    for c in [os.environ.get('CUDA_HOME'), os.environ.get('CUDA_PATH'), '/usr/local/cuda', *sorted(glob.glob('/usr/local/cuda-*'), reverse=True)]:
-        if c and os.path.isfile(os.path.join(c, 'include', 'cuda_runtime.h')) and glob.glob(os.path.join(c, 'lib*', 'libcudart.so*')): return c
+    for c in [os.environ.get('CUDA_HOME'), os.environ.get('CUDA_PATH'), '/usr/local/cuda',
+              *sorted(glob.glob('/usr/local/cuda-*'), reverse=True)]:
+        if c and os.path.isfile(
+            os.path.join(c, 'include', 'cuda_runtime.h')) and glob.glob(os.path.join(c, 'lib*', 'libcudart.so*')):
+            return c
     return None
 
 def _cpp_extension():
-    "`torch.utils.cpp_extension`, imported without its 'No CUDA runtime is found' warning on a machine without a GPU (the build is CPU-only there)"
+    ("`torch.utils.cpp_extension`, imported without its 'No CUDA runtime is found' warning on a machine without a "
+     "GPU (the build is CPU-only there)")
     import logging
     log = logging.getLogger('torch.utils.cpp_extension')
     old = log.level
@@ -100,7 +121,9 @@ def _progress(what:str):
     import threading, time
     done, t0 = threading.Event(), time.monotonic()
     def tick():
-        while not done.wait(PROGRESS_EVERY_S): print(f"mixedprec: {what}: {time.monotonic() - t0:.0f} s so far (once per machine)", file=sys.stderr, flush=True)
+        while not done.wait(PROGRESS_EVERY_S):
+            print(f"mixedprec: {what}: {time.monotonic() - t0:.0f} s so far (once per machine)", file=sys.stderr,
+                  flush=True)
     th = threading.Thread(target=tick, daemon=True)
     th.start()
     try: yield
@@ -113,7 +136,8 @@ def _build_env(cuda_home):
     old_path, old_home = os.environ.get('PATH', ''), cpp.CUDA_HOME
     bindir = os.path.dirname(sys.executable)
     try:
-        if os.path.exists(os.path.join(bindir, 'ninja')) and bindir not in old_path.split(os.pathsep): os.environ['PATH'] = bindir + os.pathsep + old_path
+        if os.path.exists(os.path.join(bindir, 'ninja')) and bindir not in old_path.split(os.pathsep):
+            os.environ['PATH'] = bindir + os.pathsep + old_path
         if cuda_home: cpp.CUDA_HOME = cuda_home
         yield
     finally:
@@ -131,16 +155,20 @@ def cpu_flags() -> frozenset:
 
 _ISAS = [  # the widest first: (name, the CPU flags it needs, the compiler flags for ATen's vectors of that width)
     ('avx512', {'avx512f', 'avx512bw', 'avx512vl', 'avx512dq', 'fma', 'f16c'},
-     ['-mavx512f', '-mavx512bw', '-mavx512vl', '-mavx512dq', '-mfma', '-mf16c', '-DCPU_CAPABILITY=AVX512', '-DCPU_CAPABILITY_AVX512']),
+     ['-mavx512f', '-mavx512bw', '-mavx512vl', '-mavx512dq', '-mfma', '-mf16c', '-DCPU_CAPABILITY=AVX512',
+      '-DCPU_CAPABILITY_AVX512']),
     ('avx2', {'avx2', 'fma', 'f16c'}, ['-mavx2', '-mfma', '-mf16c', '-DCPU_CAPABILITY=AVX2', '-DCPU_CAPABILITY_AVX2'])]
 
+# %% ../nbs/10_ops.ipynb #8945add4
 def cpu_isa(flags=None) -> tuple:
-    "The widest vector ISA this CPU has that the kernels are built for: (name, compiler flags); ('', []) for portable code"
+    ("The widest vector ISA this CPU has that the kernels are built for: (name, compiler flags); ('', []) for "
+     "portable code")
     flags = cpu_flags() if flags is None else flags
     forced = os.environ.get('MIXEDPREC_ISA')
     if forced is not None and forced.strip():
         names = [n for n, _, _ in _ISAS] + ['portable']
-        if forced.strip().lower() not in names: raise ValueError(f"MIXEDPREC_ISA={forced!r} is not one of {', '.join(names)}")
+        if forced.strip().lower() not in names:
+            raise ValueError(f"MIXEDPREC_ISA={forced!r} is not one of {', '.join(names)}")
         if forced.strip().lower() == 'portable': return ('', [])
         n, need, f = next(i for i in _ISAS if i[0] == forced.strip().lower())
         if not need <= flags:                          # code this CPU cannot run would kill the process with SIGILL
@@ -161,16 +189,19 @@ def last_level_cache_bytes() -> int:
         try:
             kind, level, size = (Path(d, f).read_text().strip() for f in ('type', 'level', 'size'))
             if kind == 'Instruction' or not size: continue
-            found = max(found, (int(level), int(size.rstrip('KMG')) * {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}.get(size[-1], 1)))
+            found = max(found, (int(level),
+                                int(size.rstrip('KMG')) * {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}.get(size[-1], 1)))
         except (OSError, ValueError): continue
     return found[1] or 32 << 20
 
 def stream_min_bytes() -> int:
-    "The size of a call's outputs from which the CPU kernels write them with streaming stores, past the caches: twice the last-level cache"
+    ("The size of a call's outputs from which the CPU kernels write them with streaming stores, past the caches: "
+     "twice the last-level cache")
     return 2 * last_level_cache_bytes()
 
 def _openmp_flags() -> list:
-    "`-fopenmp` when torch's parallel backend is OpenMP: ATen's `parallel_for` is inline, so without it the kernels run on one thread"
+    ("`-fopenmp` when torch's parallel backend is OpenMP: ATen's `parallel_for` is inline, so without it the kernels "
+     "run on one thread")
     return ['-fopenmp'] if 'OpenMP' in torch.__config__.parallel_info() else []
 
 def default_cache() -> str:
@@ -178,7 +209,8 @@ def default_cache() -> str:
     return os.path.join(os.path.expanduser('~'), '.cache', 'mixedprec')
 
 def unsafe(path) -> str:
-    "Why code in `path` (a folder or a library) could have been written by someone else: not the user's own, or writable by group or others; None when it is safe"
+    ("Why code in `path` (a folder or a library) could have been written by someone else: not the user's own, or "
+     "writable by group or others; None when it is safe")
     uid = os.getuid()
     for st in (os.lstat(path), os.stat(path)):                  # a symlink and what it points to
         if st.st_uid != uid: return f"{path} is owned by uid {st.st_uid}, not by you (uid {uid})"
@@ -189,7 +221,8 @@ def unsafe(path) -> str:
     return None
 
 def _private_folders(*paths) -> str:
-    "Create each of `paths` that is missing (mode 0700) and check each: None if all are the user's own and writable by nobody else, else why not"
+    ("Create each of `paths` that is missing (mode 0700) and check each: None if all are the user's own and writable "
+     "by nobody else, else why not")
     for p in paths:
         try: os.makedirs(p, mode=0o700, exist_ok=True)
         except OSError as e: return f"{p} cannot be created ({e.strerror})"
@@ -207,32 +240,42 @@ def _sha256(fd:int) -> str:
     return h.hexdigest()
 
 def _damaged(folder, so, fd:int) -> str:
-    "Why the library `so` in `folder`, read through its open descriptor `fd` (the bytes that will be loaded), is not the complete build its manifest records, or None"
+    ("Why the library `so` in `folder`, read through its open descriptor `fd` (the bytes that will be loaded), is "
+     "not the complete build its manifest records, or None")
     try:
         with open(os.path.join(folder, _MANIFEST)) as f: m = json.load(f)
     except (OSError, ValueError): return f"{so} has no record of a complete build"
     size, digest = os.fstat(fd).st_size, _sha256(fd)
-    if size != m.get('size') or digest != m.get('sha256'): return f"{so} is damaged ({size} bytes; {m.get('size')} when it was built)"
+    if size != m.get('size') or digest != m.get('sha256'):
+        return f"{so} is damaged ({size} bytes; {m.get('size')} when it was built)"
     return None
 
+# %% ../nbs/10_ops.ipynb #538400aa
 def unsafe_above(root) -> str:
-    "Why a folder above the cache `root` (up to `/`) lets someone else replace what is inside it, or None: each must be the user's or root's and writable by nobody else, unless root's and sticky (`/tmp`), as ssh's StrictModes asks"
+    ("Why a folder above the cache `root` (up to `/`) lets someone else replace what is inside it, or None: each "
+     "must be the user's or root's and writable by nobody else, unless root's and sticky (`/tmp`), as ssh's "
+     "StrictModes asks")
     uid, d = os.getuid(), os.path.dirname(os.path.realpath(root))
     while True:
         st = os.stat(d)
-        if st.st_uid not in (uid, 0): return f"{d}, a folder above the kernel cache, is owned by uid {st.st_uid}, not by you or root"
+        if st.st_uid not in (uid, 0):
+            return f"{d}, a folder above the kernel cache, is owned by uid {st.st_uid}, not by you or root"
         if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and st.st_uid == 0):
-            return f"{d}, a folder above the kernel cache, is writable by others ({stat.filemode(st.st_mode)}): they could swap the cache"
+            return (f"{d}, a folder above the kernel cache, is writable by others ({stat.filemode(st.st_mode)}): "
+                    "they could swap the cache")
         if d == os.path.dirname(d): return None
         d = os.path.dirname(d)
 
 def _open_checked(so):
-    "Open library `so` once (not through a symlink) and check the open file: the user's own and writable by nobody else. (descriptor, None), or (None, why not)"
+    ("Open library `so` once (not through a symlink) and check the open file: the user's own and writable by nobody "
+     "else. (descriptor, None), or (None, why not)")
     try: fd = os.open(so, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, 'O_CLOEXEC', 0))
     except OSError as e: return None, f"{so} cannot be opened without following a link ({e.strerror})"
     st, uid = os.fstat(fd), os.getuid()
     why = (f"{so} is owned by uid {st.st_uid}, not by you (uid {uid})" if st.st_uid != uid else
-           f"{so} is writable by {' and '.join(w for w, bit in (('its group', 0o020), ('others', 0o002)) if st.st_mode & bit)} ({stat.filemode(st.st_mode)})"
+           f"{so} is writable by "
+           f"{' and '.join(w for w, bit in (('its group', 0o020), ('others', 0o002)) if st.st_mode & bit)} "
+           f"({stat.filemode(st.st_mode)})"
            if st.st_mode & 0o022 else None)
     if why is not None: os.close(fd); return None, why
     return fd, None
@@ -240,7 +283,8 @@ def _open_checked(so):
 _LOADED_FDS = []                                       # the descriptors the loaded libraries came through
 
 def _load_built(name, so, fd:int=None):
-    "Import the extension module `name` from the checked library `so`; through its open descriptor `fd` when given, so the bytes checked are the bytes loaded (nothing is written)"
+    ("Import the extension module `name` from the checked library `so`; through its open descriptor `fd` when given, "
+     "so the bytes checked are the bytes loaded (nothing is written)")
     import importlib.machinery
     path = f"/proc/self/fd/{fd}" if fd is not None and os.path.exists(f"/proc/self/fd/{fd}") else so
     loader = importlib.machinery.ExtensionFileLoader(name, path)
@@ -256,10 +300,12 @@ def compiled_here() -> bool:
     "True when this process compiled the fused kernels (rather than loading a cached build)"
     return bool(_said_compiling)
 
-STALE_BUILD_S = 3600                                   # a `.building-*` folder this old is left from a killed build (builds take minutes)
+# a `.building-*` folder this old is left from a killed build (builds take minutes)
+STALE_BUILD_S = 3600
 
 def _remove_stale_builds(parent):
-    "Remove the user's own `.building-*` folders in `parent` older than `STALE_BUILD_S`: what builds killed halfway (SIGTERM, SIGKILL) left behind"
+    ("Remove the user's own `.building-*` folders in `parent` older than `STALE_BUILD_S`: what builds killed halfway "
+     "(SIGTERM, SIGKILL) left behind")
     import time
     try: names = os.listdir(parent)
     except OSError: return
@@ -267,23 +313,29 @@ def _remove_stale_builds(parent):
         p = os.path.join(parent, n)
         try: st = os.lstat(p)
         except OSError: continue
-        if n.startswith('.building-') and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and time.time() - st.st_mtime > STALE_BUILD_S:
+        if n.startswith(
+            '.building-') and stat.S_ISDIR(
+                st.st_mode) and st.st_uid == os.getuid() and time.time() - st.st_mtime > STALE_BUILD_S:
             shutil.rmtree(p, ignore_errors=True)
 
 def _build_in(parent, final, name, verbose, **load_kw):
-    "Compile into a new private folder in `parent`, record the library's size and checksum, and move the folder to `final` in one rename"
+    ("Compile into a new private folder in `parent`, record the library's size and checksum, and move the folder to "
+     "`final` in one rename")
     cpp = _cpp_extension()
     _remove_stale_builds(parent)
     tmp = tempfile.mkdtemp(prefix='.building-', dir=parent)
     try:
         if parent not in _said_compiling:
             _said_compiling.add(parent)
-            print(f"mixedprec: compiling the fused kernels for this machine into {parent} (once per machine: from about 10 seconds "
+            print(f"mixedprec: compiling the fused kernels for this machine into {parent} (once per machine: from "
+                  "about 10 seconds "
                   f"to a few minutes, by the CPU)", file=sys.stderr, flush=True)
         with _build_env(load_kw.pop('cuda_home')):
-            with _progress("compiling the fused kernels"): ext = cpp.load(name, build_directory=tmp, verbose=verbose, **load_kw)
+            with _progress("compiling the fused kernels"):
+                ext = cpp.load(name, build_directory=tmp, verbose=verbose, **load_kw)
         so = os.path.join(tmp, f'{name}.so')
-        with open(so, 'rb') as lib: record = {'library': f'{name}.so', 'size': os.fstat(lib.fileno()).st_size, 'sha256': _sha256(lib.fileno())}
+        with open(so, 'rb') as lib:
+            record = {'library': f'{name}.so', 'size': os.fstat(lib.fileno()).st_size, 'sha256': _sha256(lib.fileno())}
         with open(os.path.join(tmp, _MANIFEST), 'w') as f: json.dump(record, f)
         try: os.rename(tmp, final)                                # a build appears complete, or not at all
         except OSError:
@@ -294,16 +346,24 @@ def _build_in(parent, final, name, verbose, **load_kw):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-_CUDA_FLAGS = ['-O3', '--fmad=false', '-DWITH_CUDA']   # nvcc's flags for every arch: no fused multiply-add, so the kernels round as the references do
+# nvcc's flags for every arch: no fused multiply-add, so the kernels round as the references do
+_CUDA_FLAGS = ['-O3', '--fmad=false', '-DWITH_CUDA']
 
+# %% ../nbs/10_ops.ipynb #86f1a14e
 def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cache:str=None):
-    "The fused kernels (`Kernels`), loaded from the cache or compiled into it: CPU only, or CPU and CUDA for `cuda_arch` (like '9.0'; default: this GPU's)"
-    src = Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'   # real files: the compiler needs paths
+    ("The fused kernels (`Kernels`), loaded from the cache or compiled into it: CPU only, or CPU and CUDA for "
+     "`cuda_arch` (like '9.0'; default: this GPU's)")
+    # real files: the compiler needs paths
+    src = Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'
     sources = [str(src / 'mixedprec.cpp'), str(src / 'cpu_kernels.cpp')]
-    cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [], _openmp_flags(), None
+    cflags, cuda_flags, ldflags, cuda_home = ['-O3',
+                                              '-ffp-contract=off'] + _simd_flags(
+                                                  ) + _openmp_flags(), [], _openmp_flags(), None
     if cuda:
         cuda_home = find_cuda_home()
-        if cuda_home is None: raise RuntimeError("no CUDA toolkit found (a folder with include/cuda_runtime.h and lib64/libcudart.so): set CUDA_HOME")
+        if cuda_home is None:
+            raise RuntimeError("no CUDA toolkit found (a folder with include/cuda_runtime.h and lib64/libcudart.so): "
+                               "set CUDA_HOME")
         if cuda_arch is None:
             major, minor = torch.cuda.get_device_capability()
             cuda_arch = f"{major}.{minor}"
@@ -317,7 +377,8 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
     h = hashlib.sha256(repr((cflags, cuda_flags, ldflags, torch.__version__, sys.version_info[:2])).encode())
     for f in sorted(src.iterdir()): h.update(f.name.encode() + f.read_bytes())
     key = h.hexdigest()[:16]                                       # a new folder for every change of sources or flags
-    load_kw = dict(sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=ldflags, with_cuda=cuda, cuda_home=cuda_home)
+    load_kw = dict(sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=ldflags,
+                   with_cuda=cuda, cuda_home=cuda_home)
     roots = [cache or os.environ.get('MIXEDPREC_CACHE') or default_cache()]
     if default_cache() not in roots: roots.append(default_cache())
     passed = []                                                    # (folder, why it was not used)
@@ -326,14 +387,17 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
         final = os.path.join(parent, key)
         so = os.path.join(final, f'{name}.so')
         if os.path.exists(so):
-            why = next(filter(None, (unsafe(p) for p in (root, os.path.dirname(parent), parent, final))), None) or unsafe_above(root)
+            why = next(filter(None, (unsafe(p) for p in (root, os.path.dirname(parent), parent, final))),
+                       None) or unsafe_above(root)
             if why is None: fd, why = _open_checked(so)             # checked, hashed and loaded through one descriptor
             if why is None:
                 damage = _damaged(final, so, fd)
                 if damage is None:
                     try: mod = _load_built(name, so, fd)
                     except BaseException: os.close(fd); raise
-                    _LOADED_FDS.append(fd)                     # kept open: glibc knows a loaded library by its path, so /proc/self/fd/N must not name another one later
+                    # kept open: glibc knows a loaded library by its path, so /proc/self/fd/N must not name another one
+                    # later
+                    _LOADED_FDS.append(fd)
                     _say_passed(passed, root)
                     return Kernels(mod)
                 os.close(fd)
@@ -347,9 +411,11 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
         except OSError as e: passed.append((root, f"the build could not be written there ({e})")); continue
         _say_passed(passed, root)
         return Kernels(ext)
-    tmp = tempfile.mkdtemp(prefix='mixedprec-')                    # no cache folder can be used: one of this process's own
+    # no cache folder can be used: one of this process's own
+    tmp = tempfile.mkdtemp(prefix='mixedprec-')
     import atexit
-    atexit.register(shutil.rmtree, tmp, True)                      # removed at exit (the loaded library stays mapped until then)
+    # removed at exit (the loaded library stays mapped until then)
+    atexit.register(shutil.rmtree, tmp, True)
     ext = _build_in(tmp, os.path.join(tmp, key), name, verbose, **load_kw)
     _say_passed(passed, tmp)
     return Kernels(ext)
@@ -357,7 +423,8 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
 def _say_passed(passed, used):
     "Say once which cache folders were not used, why, and how to fix it"
     for root, why in passed:
-        warn_once(f"the kernel cache {root} was not used: {why}. The kernels come from {used} instead. To use {root}: make it yours "
+        warn_once(f"the kernel cache {root} was not used: {why}. The kernels come from {used} instead. To use "
+                  f"{root}: make it yours "
                   f"and private (`chmod 700 {root}`), or point MIXEDPREC_CACHE at a folder of yours", ('cache', root))
 
 _OPS = ('scale_check_', 'scale_add_check_', 'l2norm', 'sgd_step_', 'adam_step_')
@@ -370,11 +437,16 @@ def _register_fakes(ns:str):
     flag = lambda src, dst, scale, scale_tensor=None: src[0].new_empty((), dtype=torch.bool)
     torch.library.register_fake(f"{ns}::scale_check_")(flag)
     torch.library.register_fake(f"{ns}::scale_add_check_")(flag)
-    torch.library.register_fake(f"{ns}::l2norm")(lambda tensors: (tensors[0].new_empty((), dtype=torch.float32), tensors[0].new_empty((len(tensors),), dtype=torch.float32)))
+    torch.library.register_fake(f"{ns}::l2norm")(lambda tensors: (tensors[0].new_empty((), dtype=torch.float32),
+                                                                  tensors[
+                                                                      0].new_empty(
+                                                                          (len(tensors),), dtype=torch.float32)))
     for name in ('sgd_step_', 'adam_step_'): torch.library.register_fake(f"{ns}::{name}")(lambda *args, **kwargs: None)
 
+# %% ../nbs/10_ops.ipynb #5eafa6e0
 class Kernels:
-    "One build's fused ops: torch custom ops (`torch.ops.<namespace>`, one schema each, a kernel per dispatch key, a fake kernel), called by name"
+    ("One build's fused ops: torch custom ops (`torch.ops.<namespace>`, one schema each, a kernel per dispatch key, "
+     "a fake kernel), called by name")
     def __init__(self, module):
         self.module, self.namespace = module, module.namespace()
         module.stream_min_bytes(stream_min_bytes())
@@ -385,8 +457,10 @@ class Kernels:
     __file__ = property(lambda self: self.module.__file__)
     def __repr__(self): return f"Kernels({self.namespace}: {', '.join(_OPS)})"
     def has_cuda(self) -> bool: return self.module.has_cuda()
-    def scale_check(self, src, dst, scale, scale_tensor=None): return self.ops['scale_check_'](src, dst, scale, scale_tensor)
-    def scale_add_check(self, src, dst, scale, scale_tensor=None): return self.ops['scale_add_check_'](src, dst, scale, scale_tensor)
+    def scale_check(self, src, dst, scale, scale_tensor=None):
+        return self.ops['scale_check_'](src, dst, scale, scale_tensor)
+    def scale_add_check(self, src, dst, scale, scale_tensor=None):
+        return self.ops['scale_add_check_'](src, dst, scale, scale_tensor)
     def l2norm(self, tensors): return self.ops['l2norm'](tensors)
     def sgd_step(self, *args): return self.ops['sgd_step_'](*args)
     def adam_step(self, *args): return self.ops['adam_step_'](*args)
@@ -397,8 +471,10 @@ FIX = ("To use the fused kernels: install a C++ compiler (g++) and ninja, or poi
 @functools.cache
 def _fused():
     "The compiled extension and None, or None and why it is unavailable (built once per process)"
-    if env_flag('MIXEDPREC_DISABLE_FUSED'): return None, f"disabled by MIXEDPREC_DISABLE_FUSED={os.environ['MIXEDPREC_DISABLE_FUSED']}"
-    cpu_isa()                                          # a bad MIXEDPREC_ISA is a setting to fix (raised), not a reason to fall back quietly
+    if env_flag('MIXEDPREC_DISABLE_FUSED'):
+        return None, f"disabled by MIXEDPREC_DISABLE_FUSED={os.environ['MIXEDPREC_DISABLE_FUSED']}"
+    # a bad MIXEDPREC_ISA is a setting to fix (raised), not a reason to fall back quietly
+    cpu_isa()
     cuda = torch.cuda.is_available() and find_cuda_home() is not None
     try: return build_extension(cuda=cuda), None
     except Exception as e: return None, f"{type(e).__name__}: {str(e).strip()[-2000:]}. {FIX}"
@@ -406,27 +482,34 @@ def _fused():
 _warned = set()
 
 def _library_dirs() -> tuple:
-    "The folders of mixedprec and of the libraries that call it (fastai, fastcore, torch): frames in them are not the user's"
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules.get(n) for n in ('mixedprec', 'fastai', 'fastcore', 'torch'))
+    ("The folders of mixedprec and of the libraries that call it (fastai, fastcore, torch): frames in them are not "
+     "the user's")
+    return tuple(
+        os.path.dirname(
+            m.__file__) + os.sep for m in (sys.modules.get(n) for n in ('mixedprec', 'fastai', 'fastcore', 'torch'))
                  if m is not None and getattr(m, '__file__', None))
 
 def warn_once(msg:str, key=None):
-    "Warn with `msg` the first time `key` (default: `msg`) is seen in this process, pointing at the user's line (the first frame outside mixedprec, fastai and torch)"
+    ("Warn with `msg` the first time `key` (default: `msg`) is seen in this process, pointing at the user's line "
+     "(the first frame outside mixedprec, fastai and torch)")
     key = msg if key is None else key
     if key in _warned: return
     _warned.add(key)
     dirs, f, level = _library_dirs(), sys._getframe(0), 1
     while f is not None and f.f_code.co_filename.startswith(dirs): f, level = f.f_back, level + 1
-    if f is None or f.f_code.co_filename.startswith('<frozen'): level -= 1     # run as `python -m`: the last library line, not runpy's
+    if f is None or f.f_code.co_filename.startswith('<frozen'):
+        level -= 1     # run as `python -m`: the last library line, not runpy's
     warnings.warn(f"mixedprec: {msg}", stacklevel=level)
 
 _chosen = {}                                           # (impl, device type) -> what `_ext_for` chose, for traced code
 
 def _ext_for(t:torch.Tensor, impl:str=None, warn:bool=True):
-    "The extension to run an op on tensors like `t` with, or None for the reference (saying why once, unless `warn=False`)"
+    ("The extension to run an op on tensors like `t` with, or None for the reference (saying why once, unless "
+     "`warn=False`)")
     impl = _check_impl(impl or current_impl())
     if impl == 'ref': return None
-    if torch.compiler.is_compiling(): return _chosen.get((impl, t.device.type))   # under torch.compile: what the eager steps chose
+    if torch.compiler.is_compiling():
+        return _chosen.get((impl, t.device.type))   # under torch.compile: what the eager steps chose
     ext = _choose(t, impl, warn)
     _chosen[(impl, t.device.type)] = ext
     return ext
@@ -434,8 +517,10 @@ def _ext_for(t:torch.Tensor, impl:str=None, warn:bool=True):
 def _choose(t, impl, warn):
     "The extension for `t`'s device, or None (or an error, for `impl='fused'`) when it cannot be used"
     ext, why = _fused()
-    if ext is not None and t.device.type == 'cuda' and not ext.has_cuda(): why, ext = "the extension was built without CUDA (no CUDA toolkit found)", None
-    if ext is not None and t.device.type not in ('cpu', 'cuda'): why, ext = f"there are no fused kernels for {t.device.type} tensors", None
+    if ext is not None and t.device.type == 'cuda' and not ext.has_cuda():
+        why, ext = "the extension was built without CUDA (no CUDA toolkit found)", None
+    if ext is not None and t.device.type not in ('cpu', 'cuda'):
+        why, ext = f"there are no fused kernels for {t.device.type} tensors", None
     if ext is not None: return ext
     if impl == 'fused' or env_flag('MIXEDPREC_REQUIRE_FUSED'):
         raise RuntimeError(f"impl='fused' (or MIXEDPREC_REQUIRE_FUSED=1) but the fused kernels cannot be used: {why}")
@@ -445,11 +530,13 @@ def _choose(t, impl, warn):
 def backend(t:torch.Tensor, impl:str=None) -> str:
     "Which implementation runs for tensor `t`: 'cpp' (C++ CPU kernels), 'cuda' (CUDA kernels) or 'ref' (pure PyTorch)"
     if not isinstance(t, torch.Tensor): raise TypeError(f"backend() takes a tensor, got {type(t).__name__}")
-    ext = _ext_for(t, impl, warn=False)        # asking is not running: the fallback's warning is left for the first op that runs
+    # asking is not running: the fallback's warning is left for the first op that runs
+    ext = _ext_for(t, impl, warn=False)
     return 'ref' if ext is None else 'cuda' if t.device.type == 'cuda' else 'cpp'
 
 def require_impl(impl:str=None, device='cpu'):
-    "Raise now when `impl` ('fused', or any with MIXEDPREC_REQUIRE_FUSED on) asks for fused kernels that cannot run on `device`: front ends call it before they change anything"
+    ("Raise now when `impl` ('fused', or any with MIXEDPREC_REQUIRE_FUSED on) asks for fused kernels that cannot run "
+     "on `device`: front ends call it before they change anything")
     impl = _check_impl(impl or current_impl())
     if impl == 'ref' or not (impl == 'fused' or env_flag('MIXEDPREC_REQUIRE_FUSED')): return
     _choose(torch.empty(0, device=device), impl, warn=False)
@@ -464,14 +551,16 @@ def _groups(*lists):
     return res.values()
 
 def _same_length(*lists):
-    if any(len(l) != len(lists[0]) for l in lists): raise ValueError(f"tensor lists must have the same length, got {[len(o) for o in lists]}")
+    if any(len(l) != len(lists[0]) for l in lists):
+        raise ValueError(f"tensor lists must have the same length, got {[len(o) for o in lists]}")
 
 def _pick(l, idx):
     "The tensors of `l` at `idx` (`l` itself when `idx` covers it)"
     return l if len(idx) == len(l) else [l[i] for i in idx]
 
 def _scale_op(kernel:str, ref, src, dst, scale, impl):
-    "Run the fused `kernel` (one launch per dtype pair; it checks the tensors and a tensor scale) or the reference `ref`; returns the combined flag"
+    ("Run the fused `kernel` (one launch per dtype pair; it checks the tensors and a tensor scale) or the reference "
+     "`ref`; returns the combined flag")
     src, dst = list(src), list(dst)
     _same_length(src, dst)
     on_device = isinstance(scale, torch.Tensor)             # a scale the device computed: the kernels read it there
@@ -482,7 +571,8 @@ def _scale_op(kernel:str, ref, src, dst, scale, impl):
     return flags[0] if len(flags) == 1 else torch.stack([f.to(src[0].device) for f in flags]).any()
 
 def scale_check_(src:list, dst:list, scale, impl:str=None) -> torch.Tensor:
-    "`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number, or a 1-element fp32 tensor on the tensors' device); returns a 0-dim bool tensor, True if any `src` element is inf or nan"
+    ("`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number, or a 1-element fp32 tensor on the "
+     "tensors' device); returns a 0-dim bool tensor, True if any `src` element is inf or nan")
     return _scale_op('scale_check', scale_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/10_ops.ipynb #a9896ed1
@@ -491,7 +581,8 @@ def scale_add_check_ref_(src:list, dst:list, scale) -> torch.Tensor:
     return _scale_ref(src, dst, scale, add=True)
 
 def scale_add_check_(src:list, dst:list, scale, impl:str=None) -> torch.Tensor:
-    "`dst[i] += src[i].float()*scale` (fp32 math; `scale` as for `scale_check_`); returns a 0-dim bool tensor, True if any `src` element is inf or nan"
+    ("`dst[i] += src[i].float()*scale` (fp32 math; `scale` as for `scale_check_`); returns a 0-dim bool tensor, True "
+     "if any `src` element is inf or nan")
     return _scale_op('scale_add_check', scale_add_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/10_ops.ipynb #93b06a87
@@ -526,7 +617,8 @@ def _float(u:torch.Tensor) -> torch.Tensor:
     return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
 
 def split_bf16_ref(x:torch.Tensor) -> tuple:
-    "fp32 `x` as its nearest bf16 (ties away from zero) and the int16 remainder that makes it exact: `join_bf16_ref(*split_bf16_ref(x))` is `x`"
+    ("fp32 `x` as its nearest bf16 (ties away from zero) and the int16 remainder that makes it exact: "
+     "`join_bf16_ref(*split_bf16_ref(x))` is `x`")
     u = _bits(x.float())
     hi = ((u + 0x8000) >> 16) & 0xFFFF
     lo = ((u - (hi << 16) + 0x8000) & _U32) - 0x8000             # in [-0x8000, 0x7fff]
@@ -539,7 +631,8 @@ def join_bf16_ref(hi:torch.Tensor, lo:torch.Tensor) -> torch.Tensor:
     return _float(u).reshape(hi.shape)
 
 def rounding_bits_ref(seed:int, n:int, device=None) -> torch.Tensor:
-    "The 16 random bits (as int64) that stochastic rounding adds to elements 0..n-1 of a tensor with rounding seed `seed`"
+    ("The 16 random bits (as int64) that stochastic rounding adds to elements 0..n-1 of a tensor with rounding seed "
+     "`seed`")
     seed = int(seed) & (2**64 - 1)
     idx = torch.arange(n, dtype=torch.int64, device=device)
     x = ((((idx & _U32) ^ (seed & _U32)) * 0x9e3779b9) + ((seed >> 32) ^ (idx >> 32))) & _U32
@@ -547,7 +640,8 @@ def rounding_bits_ref(seed:int, n:int, device=None) -> torch.Tensor:
     return x >> 16
 
 def round_stochastic_ref(x:torch.Tensor, seed:int) -> torch.Tensor:
-    "fp32 `x` rounded to bf16 stochastically with the bits of `rounding_bits_ref(seed)`: unbiased, and the same for the same seed; inf and NaN kept"
+    ("fp32 `x` rounded to bf16 stochastically with the bits of `rounding_bits_ref(seed)`: unbiased, and the same for "
+     "the same seed; inf and NaN kept")
     u = _bits(x.float()).reshape(-1)
     r = rounding_bits_ref(seed, u.numel(), u.device)
     special = (u & 0x7F800000) == 0x7F800000
@@ -558,16 +652,20 @@ def round_stochastic_ref(x:torch.Tensor, seed:int) -> torch.Tensor:
 Q_BLOCK = 256          # elements per scale of 8-bit optimizer state
 
 def in_memory_order(t:torch.Tensor) -> torch.Tensor:
-    "A 1-d view of dense `t`'s elements in memory order, the order in which the kernels number them (channels-last included)"
+    ("A 1-d view of dense `t`'s elements in memory order, the order in which the kernels number them (channels-last "
+     "included)")
     if t.is_contiguous(): return t.view(-1)
     dense = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    if not dense.is_contiguous(): raise ValueError("8-bit state is quantised in memory order: the tensor must be dense (call .contiguous())")
+    if not dense.is_contiguous():
+        raise ValueError("8-bit state is quantised in memory order: the tensor must be dense (call .contiguous())")
     return dense.view(-1)
 
 def _q8_bias(signed:bool) -> int: return 15 if signed else 31
 
 def quantize8_ref(x:torch.Tensor, seed:int=None, signed:bool=True) -> tuple:
-    "fp32 `x` as 8-bit optimizer state: codes laid out as `x` (int8 `signed`, else uint8) and one fp32 scale per 256 elements in memory order (csrc/state8_bits.h); rounded stochastically with `seed`'s bits, or to nearest without one"
+    ("fp32 `x` as 8-bit optimizer state: codes laid out as `x` (int8 `signed`, else uint8) and one fp32 scale per "
+     "256 elements in memory order (csrc/state8_bits.h); rounded stochastically with `seed`'s bits, or to nearest "
+     "without one")
     u = _bits(in_memory_order(x.float()))
     n, nb = u.numel(), -(-u.numel() // Q_BLOCK)
     mag = u & 0x7FFFFFFF
@@ -580,13 +678,16 @@ def quantize8_ref(x:torch.Tensor, seed:int=None, signed:bool=True) -> tuple:
     c = (t + (r << 4)) >> 20
     block_ok = (se != 0) & (se != 255)
     if signed: code = torch.where(block_ok & (ex != 0), c | ((u >> 24) & 0x80), 0)
-    else: code = torch.where(block_ok & (mag != 0), torch.where((ex == 0) | (c == 0), 1, c), 0)   # a positive moment stays positive
+    else:
+        # a positive moment stays positive
+        code = torch.where(block_ok & (mag != 0), torch.where((ex == 0) | (c == 0), 1, c), 0)
     codes = torch.empty_like(x, dtype=torch.uint8)
     in_memory_order(codes).copy_(code)
     return codes.view(torch.int8) if signed else codes, _float(scale)
 
 def dequantize8_ref(codes:torch.Tensor, scales:torch.Tensor) -> torch.Tensor:
-    "The exact fp32 values of 8-bit optimizer state `codes` (int8: signed, uint8: unsigned) with their per-block `scales`, laid out as `codes`"
+    ("The exact fp32 values of 8-bit optimizer state `codes` (int8: signed, uint8: unsigned) with their per-block "
+     "`scales`, laid out as `codes`")
     signed = codes.dtype == torch.int8
     c = in_memory_order(codes.view(torch.uint8)).to(torch.int64)
     mag = c & 0x7F if signed else c
@@ -605,9 +706,12 @@ def adopt_edits_ref_(master:torch.Tensor, half:torch.Tensor):
         edited = half.float()
         master.copy_(torch.where(master.to(half.dtype).float() == edited, master, edited))
 
-def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0., dampening=0., weight_decay=0., nesterov=False, first_run=False,
+def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0., dampening=0., weight_decay=0.,
+                  nesterov=False, first_run=False,
                   decoupled=False):
-    "Reference: torch.optim.SGD's step (`decoupled`: weight decay as fastai's SGD) on fp32 `params` from `grads*inv_scale`; a momentum buffer in `bufs` when given; half copy into `out`, whose `.data` edits are taken first"
+    ("Reference: torch.optim.SGD's step (`decoupled`: weight decay as fastai's SGD) on fp32 `params` from "
+     "`grads*inv_scale`; a momentum buffer in `bufs` when given; half copy into `out`, whose `.data` edits are taken "
+     "first")
     if bool(found_inf): return
     with torch.no_grad():
         for i, (g, p) in enumerate(zip(grads, params)):
@@ -623,8 +727,10 @@ def sgd_step_ref_(grads, params, bufs, out, found_inf, inv_scale, lr, momentum=0
             p.sub_(gi.mul(lr))
             if out: out[i].copy_(p)
 
-def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0., decoupled=True):
-    "Reference: torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 `params`; `steps[i]`: param i's step count before this step (not advanced here)"
+def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1=0.9, beta2=0.999,
+                   eps=1e-8, weight_decay=0., decoupled=True):
+    ("Reference: torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 `params`; `steps[i]`: param i's step count "
+     "before this step (not advanced here)")
     if bool(found_inf): return
     with torch.no_grad():
         for i, (g, p, m, v) in enumerate(zip(grads, params, exp_avgs, exp_avg_sqs)):
@@ -636,8 +742,10 @@ def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, 
             elif weight_decay: gi = gi.add(p.mul(weight_decay))
             m.add_(gi.sub(m).mul(1 - beta1))
             v.mul_(beta2).add_(gi.mul(1 - beta2).mul(gi))
-            root = v.double().sqrt().float()        # correctly rounded (torch's vectorised fp32 sqrt on the CPU is not always)
-            # divide by a tensor on the device: torch's CUDA division by a Python scalar multiplies by its reciprocal instead
+            # correctly rounded (torch's vectorised fp32 sqrt on the CPU is not always)
+            root = v.double().sqrt().float()
+            # divide by a tensor on the device: torch's CUDA division by a Python scalar multiplies by its reciprocal
+            # instead
             p.sub_(m.div(root.div(torch.tensor(bc2_sqrt, device=root.device)).add(eps)).mul(step_size))
             if out: out[i].copy_(p)
 
@@ -650,47 +758,59 @@ def _step_lists(grads, params, states, out):
 def _check_ref_step(grads, params, states, out, lows=None, seeds=None, state_seeds=None, state_scales=None):
     "The checks the kernels make, for the reference steps"
     if lows is None and seeds is None:
-        if any(p.dtype != torch.float32 for p in params): raise ValueError("the fused optimizer steps update fp32 master params (bf16 params need `lows` or `seeds`)")
+        if any(p.dtype != torch.float32 for p in params):
+            raise ValueError("the fused optimizer steps update fp32 master params (bf16 params need `lows` or `seeds`)")
     else:
-        if any(p.dtype != torch.bfloat16 for p in params): raise ValueError("with `lows` or `seeds` the params are bf16")
+        if any(p.dtype != torch.bfloat16 for p in params):
+            raise ValueError("with `lows` or `seeds` the params are bf16")
         if out: raise ValueError("bf16 params are their own masters: pass no half copy `out` with `lows` or `seeds`")
         _same_length(params, lows if lows is not None else seeds)
         if lows is not None and any(l.dtype != torch.int16 or l.shape != p.shape for l, p in zip(lows, params)):
             raise ValueError("each low half must be an int16 tensor of its param's shape")
     kinds, codes = {s.dtype for st in states for s in st}, [torch.int8, torch.uint8]
-    if not kinds <= {torch.float32} and kinds != {torch.bfloat16} and any(s.dtype != codes[min(j, 1)] for j, st in enumerate(states) for s in st):
-        raise ValueError("optimizer state must be all fp32, all bf16 or all 8-bit codes (int8 first moments, uint8 second moments)")
+    if not kinds <= {
+        torch.float32} and kinds != {torch.bfloat16} and any(s.dtype != codes[min(j, 1)] for j,
+                                                             st in enumerate(states) for s in st):
+        raise ValueError("optimizer state must be all fp32, all bf16 or all 8-bit codes (int8 first moments, uint8 "
+                         "second moments)")
     lean, live = not kinds <= {torch.float32}, [st for st in states if st]
     if lean != (state_seeds is not None):
-        raise ValueError("lean (bf16 or 8-bit) optimizer state is rounded stochastically: pass `state_seeds`" if lean else
+        raise ValueError(
+            "lean (bf16 or 8-bit) optimizer state is rounded stochastically: pass `state_seeds`" if lean else
                          "`state_seeds` are for lean (bf16 or 8-bit) optimizer state, and this state is fp32")
     if state_seeds is not None and (len(state_seeds) != len(params) or any(len(s) != len(live) for s in state_seeds)):
         raise ValueError("`state_seeds` holds one seed per param and state list")
-    if (torch.int8 in kinds) != (state_scales is not None): raise ValueError("8-bit optimizer state comes with its `state_scales`, and only it")
+    if (torch.int8 in kinds) != (state_scales is not None):
+        raise ValueError("8-bit optimizer state comes with its `state_scales`, and only it")
     if state_scales is not None and (len(state_scales) != len(live) or any(
             len(sc) != len(params) or any(s.dtype != torch.float32 or s.dim() != 1 or s.numel() != -(-p.numel() // Q_BLOCK) for s, p in zip(sc, params))
             for sc in state_scales)):
-        raise ValueError("`state_scales` holds a 1-d fp32 tensor of one scale per 256 elements for each state list and param")
+        raise ValueError("`state_scales` holds a 1-d fp32 tensor of one scale per 256 elements for each state list "
+                         "and param")
     _check_lists(grads, params, *live, *([out] if out else []))
 
 def _on_masters_ref(params, lows, seeds, found_inf, run):
-    "Run a reference step `run(fp32 masters)` on `params`, or on the fp32 masters joined from bf16 `params` and `lows` (or converted, with `seeds`), then split or round them back"
+    ("Run a reference step `run(fp32 masters)` on `params`, or on the fp32 masters joined from bf16 `params` and "
+     "`lows` (or converted, with `seeds`), then split or round them back")
     if lows is None and seeds is None: return run(params)
     if bool(found_inf): return
     with torch.no_grad():
-        masters = [join_bf16_ref(p, l) for p, l in zip(params, lows)] if lows is not None else [p.float() for p in params]
+        masters = [join_bf16_ref(p, l) for p, l in zip(params,
+                                                       lows)] if lows is not None else [p.float() for p in params]
         run(masters)
         for i, (p, m) in enumerate(zip(params, masters)):
             if lows is not None: hi, lo = split_bf16_ref(m); p.copy_(hi); lows[i].copy_(lo)
             else: p.copy_(round_stochastic_ref(m, seeds[i]))
 
 def _on_state_ref(states, state_seeds, found_inf, run, state_scales=None):
-    "Run a reference step `run(fp32 states)` on the state lists `states`, or on fp32 copies of bf16 (or 8-bit: codes with `state_scales[j][i]`) ones, rounded back stochastically with `state_seeds[i][j]` (param i, list j)"
+    ("Run a reference step `run(fp32 states)` on the state lists `states`, or on fp32 copies of bf16 (or 8-bit: "
+     "codes with `state_scales[j][i]`) ones, rounded back stochastically with `state_seeds[i][j]` (param i, list j)")
     live = [st for st in states if st]
     if state_seeds is None: return run(states)
     if bool(found_inf): return
     with torch.no_grad():
-        copies = [[dequantize8_ref(s, state_scales[j][i]) if state_scales is not None else s.float() for i, s in enumerate(st)]
+        copies = [[dequantize8_ref(s, state_scales[j][i]) if state_scales is not None else s.float() for i,
+                   s in enumerate(st)]
                   for j, st in enumerate(live)]
         it = iter(copies)
         run([next(it) if st else st for st in states])
@@ -702,13 +822,16 @@ def _on_state_ref(states, state_seeds, found_inf, run, state_scales=None):
 
 def _bf16_lists(lows, seeds):
     "`lows` as a list (or None), refusing both bf16 master layouts at once"
-    if lows is not None and seeds is not None: raise ValueError("pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
+    if lows is not None and seeds is not None:
+        raise ValueError(
+            "pass either the low halves of split masters (`lows`) or stochastic-rounding `seeds`, not both")
     return list(lows) if lows is not None else None
 
 def _bf16_args(params, lows, seeds, g):
     "The `lows` and `seeds` arguments of one fused launch over the params at `g`"
     if seeds is None: return (_pick(lows, g) if lows is not None else []), None
-    return [], torch.tensor([int(seeds[i]) for i in g], dtype=torch.int64).to(params[0].device)     # int64 seeds: the kernels read their bits as uint64
+    # int64 seeds: the kernels read their bits as uint64
+    return [], torch.tensor([int(seeds[i]) for i in g], dtype=torch.int64).to(params[0].device)
 
 def _state_seeds_arg(state_seeds, g, device):
     "The `state_seeds` argument of one fused launch over the params at `g`: a params x lists int64 tensor, or None"
@@ -723,57 +846,84 @@ def _launches(grads, out):
     "Index groups of one fused launch each: one per (grad dtype, out dtype)"
     return _groups(grads, out) if out else _groups(grads)
 
-def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, momentum:float=0., dampening:float=0., weight_decay:float=0.,
-              nesterov:bool=False, first_run:bool=False, decoupled:bool=False, lows:list=None, seeds:list=None, state_seeds:list=None,
+# %% ../nbs/10_ops.ipynb #c04b4d2e
+def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, momentum:float=0., dampening:float=0.,
+              weight_decay:float=0.,
+              nesterov:bool=False, first_run:bool=False, decoupled:bool=False, lows:list=None, seeds:list=None,
+                  state_seeds:list=None,
               state_scales:list=None, impl:str=None):
-    "torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on fp32 masters from `grads*inv_scale`, taking the `.data` edits of the half copy `out` as masters, then writing it (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit `bufs` with `[buf scales]`); a no-op when `found_inf` is set"
+    ("torch.optim.SGD's step (`decoupled`: the param decays by `1 - lr*weight_decay` first, as in fastai's SGD) on "
+     "fp32 masters from `grads*inv_scale`, taking the `.data` edits of the half copy `out` as masters, then writing "
+     "it (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit `bufs` with `[buf scales]`); a no-op "
+     "when `found_inf` is set")
     grads, params, (bufs,), out = _step_lists(grads, params, [bufs], out)
     lows = _bf16_lists(lows, seeds)
     if not params: return
     ext = _ext_for(params[0], impl)
     if ext is None:
         _check_ref_step(grads, params, [bufs], out, lows, seeds, state_seeds, state_scales)
-        return _on_masters_ref(params, lows, seeds, found_inf, lambda ms: _on_state_ref([bufs], state_seeds, found_inf, lambda sts: sgd_step_ref_(
-            grads, ms, sts[0], out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled), state_scales))
+        return _on_masters_ref(params, lows, seeds, found_inf,
+                               lambda ms: _on_state_ref([bufs], state_seeds, found_inf, lambda sts: sgd_step_ref_(
+            grads, ms, sts[0], out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run,
+                decoupled), state_scales))
     for g in _launches(grads, out):
-        ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [], found_inf, float(inv_scale),
-                     float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(first_run), bool(decoupled),
-                     *_bf16_args(params, lows, seeds, g), _state_seeds_arg(state_seeds, g, params[0].device), _state_scales_arg(state_scales, g))
+        ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [],
+                     found_inf, float(inv_scale),
+                     float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+                         bool(first_run), bool(decoupled),
+                     *_bf16_args(params, lows, seeds, g), _state_seeds_arg(state_seeds, g, params[0].device),
+                         _state_scales_arg(state_scales, g))
 
 def _advance(step, steps, found_inf):
     "Add 1 to the step count(s) unless `found_inf` is set, on their device (no host read of a device flag)"
     flag = found_inf if isinstance(found_inf, torch.Tensor) else torch.tensor(bool(found_inf))
     inc = (~flag.to(steps[0].device, torch.bool)).float()
     if isinstance(step, torch.Tensor): step.add_(inc)                # one count shared by all params
-    else: torch._foreach_add_(steps, [inc] * len(steps))           # as a list: adding one 0-dim tensor to a list reads it on the host
+    else:
+        # as a list: adding one 0-dim tensor to a list reads it on the host
+        torch._foreach_add_(steps, [inc] * len(steps))
 
 def _check_steps(steps, params):
     "The checks the kernels make of the step counts, for the reference"
     for s, p in zip(steps, params):
-        if s.dtype != torch.float32 or s.numel() != 1: raise ValueError("step counts must be 1-element fp32 tensors, as torch's Adam keeps them")
-        if s.device != p.device: raise ValueError(f"a step count must be on its param's device ({p.device}), got {s.device}")
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise ValueError("step counts must be 1-element fp32 tensors, as torch's Adam keeps them")
+        if s.device != p.device:
+            raise ValueError(f"a step count must be on its param's device ({p.device}), got {s.device}")
 
-def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9, beta2:float=0.999,
-               eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None, state_seeds:list=None,
+def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9,
+               beta2:float=0.999,
+               eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None,
+                   state_seeds:list=None,
                state_scales:list=None, impl:str=None):
-    "torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, taking the `.data` edits of the half copy `out` as masters, then writing it (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit moments with `[exp_avg scales, exp_avg_sq scales]`); a no-op when `found_inf` is set"
+    ("torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, taking the `.data` edits of the half copy "
+     "`out` as masters, then writing it (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit moments "
+     "with `[exp_avg scales, exp_avg_sq scales]`); a no-op when `found_inf` is set")
     grads, params, (exp_avgs, exp_avg_sqs), out = _step_lists(grads, params, [exp_avgs, exp_avg_sqs], out)
     lows = _bf16_lists(lows, seeds)
     if not params: return
-    steps = [step] * len(params) if isinstance(step, torch.Tensor) else list(step)    # one count for all, or one per param
+    # one count for all, or one per param
+    steps = [step] * len(params) if isinstance(step, torch.Tensor) else list(step)
     _same_length(params, steps)
     if not isinstance(step, torch.Tensor) and len(set(map(id, steps))) != len(steps):
-        raise ValueError("a list of step counts holds one per param; for one count shared by all params pass that tensor itself")
+        raise ValueError("a list of step counts holds one per param; for one count shared by all params pass that "
+                         "tensor itself")
     ext = _ext_for(params[0], impl)
     if ext is None:
         _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out, lows, seeds, state_seeds, state_scales)
         _check_steps(steps, params)
-        _on_masters_ref(params, lows, seeds, found_inf, lambda ms: _on_state_ref([exp_avgs, exp_avg_sqs], state_seeds, found_inf, lambda sts: adam_step_ref_(
-            grads, ms, sts[0], sts[1], out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled), state_scales))
+        _on_masters_ref(
+            params, lows, seeds, found_inf, lambda ms: _on_state_ref([exp_avgs, exp_avg_sqs], state_seeds, found_inf,
+                                                                     lambda sts: adam_step_ref_(
+            grads, ms, sts[0], sts[1], out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay,
+                decoupled), state_scales))
     else:
         for g in _launches(grads, out):
-            ext.adam_step(_pick(grads, g), _pick(params, g), _pick(exp_avgs, g), _pick(exp_avg_sqs, g), _pick(out, g) if out else [], found_inf,
-                          _pick(steps, g), float(inv_scale), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+            ext.adam_step(_pick(grads, g), _pick(params, g), _pick(exp_avgs, g), _pick(exp_avg_sqs, g),
+                          _pick(out, g) if out else [], found_inf,
+                          _pick(steps, g), float(inv_scale), float(lr), float(beta1), float(beta2), float(eps),
+                              float(weight_decay), bool(decoupled),
                           *_bf16_args(params, lows, seeds, g), _state_seeds_arg(state_seeds, g, params[0].device),
                           _state_scales_arg(state_scales, g))
-    _advance(step, steps, found_inf)                        # after the update, which used count + 1: a refused call changes nothing
+    # after the update, which used count + 1: a refused call changes nothing
+    _advance(step, steps, found_inf)

@@ -16,7 +16,8 @@ class ScalingError(RuntimeError):
     pass
 
 StepRecord = namedtuple('StepRecord', 'step scale skipped reason grad_norm params', defaults=(None, None))
-StepRecord.__doc__ = "One optimizer step: the scale it used, whether it was skipped and why, the grad norm when clipping, and on overflow the params with inf/nan grads"
+StepRecord.__doc__ = ("One optimizer step: the scale it used, whether it was skipped and why, the grad norm when "
+                      "clipping, and on overflow the params with inf/nan grads")
 
 CODES = ('clean', 'overflow', 'nonfinite_loss', 'nonfinite_norm')         # a step's outcome as a tensor encodes it
 REASONS = ('overflow', 'nonfinite_loss', 'nonfinite_input', 'nonfinite_norm')
@@ -24,16 +25,19 @@ _CODE_OF = dict(overflow=1, nonfinite_loss=2, nonfinite_input=2, nonfinite_norm=
 _BOOKS = ('n_steps', 'n_skipped', 'skipped', 'history', 'overflows_at_min', 'bad_losses')
 
 class _ScaleTensors:
-    "The scale (fp64) and the clean-step count as tensors on one device, with the fp32 scale and inverse that a step reads"
+    ("The scale (fp64) and the clean-step count as tensors on one device, with the fp32 scale and inverse that a "
+     "step reads")
     def __init__(self, scale:float, noskip:int, device):
         self.scale64 = torch.tensor(scale, dtype=torch.float64, device=device)
         self.noskip = torch.tensor(noskip, dtype=torch.int64, device=device)
         self.refresh()
     def refresh(self): self.scale, self.inv = self.scale64.float(), self.scale64.reciprocal().float()
 
+# %% ../nbs/11_scaler.ipynb #dbd3a531
 class LossScaler:
     "Static or dynamic loss scale: grows after `max_noskip` clean steps, halves on overflow, never below `min_scale`"
-    judge_after = 32                  # steps (since the first clean one) before the share of skipped steps is judged: a short fit is judged too
+    # steps (since the first clean one) before the share of skipped steps is judged: a short fit is judged too
+    judge_after = 32
     def __init__(self,
         loss_scale:float=None,        # starting scale; 2**16 if dynamic else 512
         dynamic:bool=True,            # adapt the scale to overflows
@@ -45,22 +49,28 @@ class LossScaler:
         max_bad_loss:int=10,          # consecutive non-finite losses before `ScalingError`
         history_size:int=100_000,     # number of `StepRecord`s kept in `history`
         skip_window:int=200,          # the last steps over which the share of skipped steps is watched
-        max_skip_share:float=0.25,    # a larger share of steps skipped for overflow warns once; at `min_scale`, raises `ScalingError`
+        # a larger share of steps skipped for overflow warns once; at `min_scale`, raises `ScalingError`
+        max_skip_share:float=0.25,
         verbose:bool=False,           # print each change of scale (and skipped steps, at most once per scale)
         advice:str=None,              # what to do, in the words of the front end in use, when scaling cannot help
     ):
-        if loss_scale is None: loss_scale = min(2.**16, max_scale) if dynamic else 512.   # a cap below the default start is the start
+        if loss_scale is None:
+            loss_scale = min(2.**16, max_scale) if dynamic else 512.   # a cap below the default start is the start
         self.check_settings(loss_scale, dynamic, max_noskip, max_scale, min_scale, factor)
-        if not 0 < max_skip_share < 1: raise ValueError(f"max_skip_share must be between 0 and 1, got {max_skip_share!r}")
-        for name, v in dict(max_overflow_at_min=max_overflow_at_min, max_bad_loss=max_bad_loss, skip_window=skip_window).items():
+        if not 0 < max_skip_share < 1:
+            raise ValueError(f"max_skip_share must be between 0 and 1, got {max_skip_share!r}")
+        for name, v in dict(max_overflow_at_min=max_overflow_at_min, max_bad_loss=max_bad_loss,
+                            skip_window=skip_window).items():
             if not (isinstance(v, int) and v >= 1): raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        self.dynamic, self.max_noskip, self.max_scale, self.min_scale, self.factor = dynamic, max_noskip, float(max_scale), float(min_scale), float(factor)
+        self.dynamic, self.max_noskip, self.max_scale, self.min_scale, self.factor = dynamic, max_noskip, float(
+            max_scale), float(min_scale), float(factor)
         self.max_overflow_at_min, self.max_bad_loss, self.verbose, self.advice = max_overflow_at_min, max_bad_loss, verbose, advice
         self._tensors, self._pending, self.waits, self._said = None, deque(), 0, None
         self._scale, self._noskip = float(loss_scale), 0
         self.n_steps = self.n_skipped = self.overflows_at_min = self.bad_losses = 0
         self.skipped, self.history = False, deque(maxlen=history_size)
-        self.max_skip_share, self._recent, self._warned_share = float(max_skip_share), deque(maxlen=skip_window), False   # (skipped for overflow, at min_scale) per step
+        # (skipped for overflow, at min_scale) per step
+        self.max_skip_share, self._recent, self._warned_share = float(max_skip_share), deque(maxlen=skip_window), False
 
     def _set(name):
         def set_(self, v):
@@ -68,8 +78,11 @@ class LossScaler:
             setattr(self, name, type(getattr(self, name))(v))
             self._tensors = None                      # the tensors restart from the host's value
         return set_
-    scale = property(lambda self: self._scale, _set('_scale'), doc="The host's scale, as of the last `drain()` (the front ends' `loss_scale` drains first); setting it restarts the tensors")
-    noskip = property(lambda self: self._noskip, _set('_noskip'), doc="Clean steps since the last change of scale, as of the last `drain()`")
+    scale = property(lambda self: self._scale, _set('_scale'), doc="The host's scale, as of the last `drain()` (the "
+                                                                   "front ends' `loss_scale` drains first); setting "
+                                                                   "it restarts the tensors")
+    noskip = property(lambda self: self._noskip, _set('_noskip'), doc="Clean steps since the last change of scale, "
+                                                                      "as of the last `drain()`")
     del _set
 
     def __repr__(self):
@@ -85,23 +98,29 @@ class LossScaler:
             self._tensors = _ScaleTensors(self._scale, self._noskip, device)
         return self._tensors.scale, self._tensors.inv
 
-    def advance(self, code:torch.Tensor, grad_norm:torch.Tensor=None, name_params=None, input_finite=True, hopeless_raises:bool=True, diagnose=None) -> torch.Tensor:
-        "The rules, as tensor ops on `code`'s device, for one step whose outcome `code` indexes `CODES`; returns the skip flag. The host's books follow at `drain`, which raises `ScalingError` when scaling cannot help (unless `hopeless_raises=False`), naming the params (`name_params()`) and what `diagnose()` finds"
+    def advance(self, code:torch.Tensor, grad_norm:torch.Tensor=None, name_params=None, input_finite=True,
+                hopeless_raises:bool=True, diagnose=None) -> torch.Tensor:
+        ("The rules, as tensor ops on `code`'s device, for one step whose outcome `code` indexes `CODES`; returns "
+         "the skip flag. The host's books follow at `drain`, which raises `ScalingError` when scaling cannot help "
+         "(unless `hopeless_raises=False`), naming the params (`name_params()`) and what `diagnose()` finds")
         d = self._tensors
-        if d is None or d.scale64.device != code.device: raise RuntimeError("call tensors(device) first: advance needs the scale on the code's device")
+        if d is None or d.scale64.device != code.device:
+            raise RuntimeError("call tensors(device) first: advance needs the scale on the code's device")
         clean, grads_bad = code == 0, (code == 1) | (code == 3)
         before = d.scale64
         noskip = torch.where(clean, d.noskip + 1, torch.where(grads_bad, 0, d.noskip))
         if self.dynamic:
             grow = clean & (noskip >= self.max_noskip)
-            up, down = (d.scale64 * self.factor).clamp(max=self.max_scale), (d.scale64 / self.factor).clamp(min=self.min_scale)
+            up, down = (
+                d.scale64 * self.factor).clamp(max=self.max_scale), (d.scale64 / self.factor).clamp(min=self.min_scale)
             d.scale64 = torch.where(grow, up, torch.where(grads_bad, down, d.scale64))
             noskip = torch.where(grow, 0, noskip)
             d.refresh()
         d.noskip = noskip
         norm = grad_norm.double().reshape(()) if grad_norm is not None else torch.zeros_like(before)
         vals, event = torch.stack([code.double(), norm, before, d.scale64, noskip.double()]), None
-        if vals.is_cuda:                                    # to pinned host memory without waiting; `drain` waits only if it must
+        # to pinned host memory without waiting; `drain` waits only if it must
+        if vals.is_cuda:
             host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
             host.copy_(vals, non_blocking=True)
             event, vals = torch.cuda.Event(), host
@@ -116,20 +135,24 @@ class LossScaler:
             if hasattr(entry[3], 'freeze'): entry[3].freeze()
 
     def drain(self):
-        "Catch the host's books up with every step `advance` took, in order (waiting for a copy that has not landed): scale, counters, history, messages, `ScalingError`"
+        ("Catch the host's books up with every step `advance` took, in order (waiting for a copy that has not "
+         "landed): scale, counters, history, messages, `ScalingError`")
         while self._pending:
             vals, event, has_norm, name_params, input_finite, raises, diagnose = self._pending.popleft()
             if event is not None and not event.query(): self.waits += 1; event.synchronize()
             code, norm, before, after, noskip = vals.tolist()
             code = int(code)
             reason = CODES[code] if code else None
-            if code == 2 and not (input_finite() if callable(input_finite) else bool(input_finite)): reason = 'nonfinite_input'
+            if code == 2 and not (input_finite() if callable(input_finite) else bool(input_finite)):
+                reason = 'nonfinite_input'
             params = tuple(name_params() or ()) if code in (1, 3) and name_params is not None else ()
-            self._book(code, reason, before, after, int(noskip), norm if has_norm and code in (0, 3) else None, params or None)
+            self._book(code, reason, before, after, int(noskip), norm if has_norm and code in (0, 3) else None,
+                       params or None)
             msg = self.hopeless() if raises else None
             if not msg: continue
             msg += f" Params with non-finite grads: {', '.join(params)}." if params else ''
-            cause = diagnose().strip() if diagnose else ''          # e.g. weights already inf/NaN: then that is the news, not the data
+            # e.g. weights already inf/NaN: then that is the news, not the data
+            cause = diagnose().strip() if diagnose else ''
             raise ScalingError(f"{cause} What the loss scaler saw: {msg}" if cause else msg)
 
     def _book(self, code, reason, before, after, noskip, norm, params):
@@ -146,69 +169,92 @@ class LossScaler:
         self.history.append(rec)
         if self.verbose: self._say(rec)
         overflow = code in (1, 3)
-        if self.n_steps > self.n_skipped:            # the first search for a scale (2**16 halved until clean) is not judged
+        # the first search for a scale (2**16 halved until clean) is not judged
+        if self.n_steps > self.n_skipped:
             self._recent.append((overflow, overflow and self.dynamic and before <= self.min_scale))
         share, at_min = self._shares()
         if share > self.max_skip_share and not self._warned_share and not at_min > self.max_skip_share:
             self._warned_share = True
             where = f" The last overflow was in {', '.join(params[:3])}." if params else ''
-            warnings.warn(f"mixedprec: {share:.0%} of the last {len(self._recent)} optimizer steps were skipped because the grads overflowed "
-                          f"(loss scale now {after:g}), so the model trains on the rest only.{where} Overflows that keep coming at a steady scale mean "
-                          f"some grads are beyond half precision's range: train in bf16, or keep the modules that overflow in fp32." + self._advice(), stacklevel=2)
+            warnings.warn(f"mixedprec: {share:.0%} of the last {len(self._recent)} optimizer steps were skipped "
+                          "because the grads overflowed "
+                          f"(loss scale now {after:g}), so the model trains on the rest only.{where} Overflows that "
+                          "keep coming at a steady scale mean "
+                          "some grads are beyond half precision's range: train in bf16, or keep the modules that "
+                          "overflow in fp32." + self._advice(), stacklevel=2)
 
     def _shares(self) -> tuple:
-        "The shares of the last `skip_window` steps since the first clean one (once `judge_after` ran; 0 before) that were skipped for overflowing grads, and that overflowed at `min_scale`"
+        ("The shares of the last `skip_window` steps since the first clean one (once `judge_after` ran; 0 before) "
+         "that were skipped for overflowing grads, and that overflowed at `min_scale`")
         r = self._recent
         if len(r) < min(self.judge_after, r.maxlen): return 0., 0.
         return sum(o for o, _ in r) / len(r), sum(m for _, m in r) / len(r)
 
     def update(self, found_inf:bool, reason:str='overflow', grad_norm:float=None, params:tuple=None) -> bool:
-        "One step's outcome from the host, through the same rules (`advance`, on the scaler's device or the CPU), taken in at once; True if the step must be skipped (`hopeless()` says when scaling cannot help)"
+        ("One step's outcome from the host, through the same rules (`advance`, on the scaler's device or the CPU), "
+         "taken in at once; True if the step must be skipped (`hopeless()` says when scaling cannot help)")
         if reason not in REASONS: raise ValueError(f"unknown reason {reason!r}; one of {REASONS}")
         device = self._tensors.scale64.device if self._tensors is not None else torch.device('cpu')
         self.tensors(device)
         code = torch.tensor(_CODE_OF[reason] if found_inf else 0, device=device)
         norm = torch.tensor(float(grad_norm), device=device) if grad_norm is not None else None
-        self.advance(code, norm, (lambda: params) if params else None, reason != 'nonfinite_input', hopeless_raises=False)
+        self.advance(code, norm, (lambda: params) if params else None, reason != 'nonfinite_input',
+                     hopeless_raises=False)
         self.drain()
         return self.skipped
 
     def _say(self, rec:StepRecord):
         "Print a change of scale once, and a skip that keeps the scale once per scale"
         if rec.scale != self._scale:
-            why = f"{rec.reason.replace('_', ' ')}" + (f" in {', '.join(rec.params[:3])}" if rec.params else '') if rec.skipped else f"{self.max_noskip} clean steps"
+            why = f"{rec.reason.replace('_', ' ')}" + (
+                f" in {', '.join(rec.params[:3])}" if rec.params
+                    else '') if rec.skipped else f"{self.max_noskip} clean steps"
             print(f"mixedprec: step {rec.step}: loss scale {rec.scale:g} -> {self._scale:g} ({why})"); self._said = None
         elif rec.skipped and self._said != (self._scale, rec.reason):
-            print(f"mixedprec: step {rec.step}: skipped ({rec.reason.replace('_', ' ')}), loss scale stays {self._scale:g}; further such skips at this scale are not printed")
+            print(f"mixedprec: step {rec.step}: skipped ({rec.reason.replace('_', ' ')}), loss scale stays "
+                  f"{self._scale:g}; further such skips at this scale are not printed")
             self._said = (self._scale, rec.reason)
 
     def hopeless(self) -> str:
         "Why scaling cannot help any more (a message), or None"
         if self.bad_losses >= self.max_bad_loss:
             if self.history and self.history[-1].reason == 'nonfinite_input':
-                return (f"the input batch held inf or NaN for the last {self.bad_losses} consecutive bad steps (or, in fp16, magnitudes "
-                        f"above 65504, which become inf when the inputs are cast into the half model): the data is to blame, and no loss "
-                        f"scale can fix it. Clean the data (look for NaN in the inputs) or normalize it (fastai's `Normalize`), or "
+                return (f"the input batch held inf or NaN for the last {self.bad_losses} consecutive bad steps (or, "
+                        "in fp16, magnitudes "
+                        "above 65504, which become inf when the inputs are cast into the half model): the data is "
+                        "to blame, and no loss "
+                        "scale can fix it. Clean the data (look for NaN in the inputs) or normalize it (fastai's "
+                        "`Normalize`), or "
                         f"train in bf16, which has fp32's range.")
-            return (f"the loss was inf or NaN before backward for {self.bad_losses} consecutive steps. The forward pass or the data "
-                    f"produced it, so a smaller loss scale cannot fix it: check the inputs for NaN/inf, and look for activations "
-                    f"and constants beyond fp16's range (65504): an additive -1e9 mask is -inf in fp16, and a softmax over a fully "
-                    f"masked row NaN, so fill masks with `torch.finfo(x.dtype).min`. bf16 has fp32's range. One forward pass inside "
+            return (f"the loss was inf or NaN before backward for {self.bad_losses} consecutive steps. The forward "
+                    "pass or the data "
+                    "produced it, so a smaller loss scale cannot fix it: check the inputs for NaN/inf, and look for "
+                    "activations "
+                    "and constants beyond fp16's range (65504): an additive -1e9 mask is -inf in fp16, and a "
+                    "softmax over a fully "
+                    "masked row NaN, so fill masks with `torch.finfo(x.dtype).min`. bf16 has fp32's range. One "
+                    "forward pass inside "
                     f"`mixedprec.convert.watch_overflow(model)` finds the op that overflowed first." + self._advice())
         if self.overflows_at_min >= self.max_overflow_at_min:
-            return (f"gradients overflowed for {self.overflows_at_min} consecutive steps at the minimum loss scale {self.min_scale:g}. "
-                    f"Scaling cannot help: train in bf16, keep the offending modules in fp32, or lower the learning rate." + self._advice())
+            return (f"gradients overflowed for {self.overflows_at_min} consecutive steps at the minimum loss scale "
+                    f"{self.min_scale:g}. "
+                    "Scaling cannot help: train in bf16, keep the offending modules in fp32, or lower the learning "
+                    "rate." + self._advice())
         share = self._shares()[1]
         if share > self.max_skip_share:
-            return (f"gradients overflowed in {share:.0%} of the last {len(self._recent)} steps at the minimum loss scale {self.min_scale:g} "
-                    f"(on and off, not in a row), so only the rest trained. Scaling cannot help: train in bf16, keep the offending modules in fp32, "
-                    f"or lower the learning rate; a loss multiplied by a large constant needs a lower `min_scale` (or a smaller constant)." + self._advice())
+            return (f"gradients overflowed in {share:.0%} of the last {len(self._recent)} steps at the minimum loss "
+                    f"scale {self.min_scale:g} "
+                    "(on and off, not in a row), so only the rest trained. Scaling cannot help: train in bf16, keep "
+                    "the offending modules in fp32, "
+                    "or lower the learning rate; a loss multiplied by a large constant needs a lower `min_scale` "
+                    "(or a smaller constant)." + self._advice())
         return None
 
     def _advice(self) -> str: return f" {self.advice}" if getattr(self, 'advice', None) else ''
 
 
-    _STATE = ('scale', 'dynamic', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'noskip', 'n_steps', 'n_skipped', 'overflows_at_min', 'bad_losses')
+    _STATE = ('scale', 'dynamic', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'noskip', 'n_steps', 'n_skipped',
+              'overflows_at_min', 'bad_losses')
     def state_dict(self) -> dict:
         "The scaler's state as plain Python numbers (the books caught up first)"
         self.drain()
@@ -224,23 +270,33 @@ class LossScaler:
 
     @staticmethod
     def check_settings(loss_scale, dynamic:bool, max_noskip, max_scale, min_scale, factor):
-        "Raise `ValueError`, naming the setting and what to do, unless a scaler can run with these: the rules for a new scaler and for a loaded state alike"
+        ("Raise `ValueError`, naming the setting and what to do, unless a scaler can run with these: the rules for a "
+         "new scaler and for a loaded state alike")
         for name, v in dict(loss_scale=loss_scale, max_scale=max_scale, min_scale=min_scale).items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        if not (math.isfinite(factor) and factor > 1): raise ValueError(f"factor must be finite and > 1, got {factor!r}")
-        if not (isinstance(max_noskip, int) and max_noskip >= 1): raise ValueError(f"max_noskip must be an int >= 1, got {max_noskip!r}")
-        if min_scale > max_scale: raise ValueError(f"min_scale ({min_scale}) is above max_scale ({max_scale}); lower min_scale or raise max_scale")
+        if not (math.isfinite(factor) and factor > 1):
+            raise ValueError(f"factor must be finite and > 1, got {factor!r}")
+        if not (isinstance(max_noskip, int) and max_noskip >= 1):
+            raise ValueError(f"max_noskip must be an int >= 1, got {max_noskip!r}")
+        if min_scale > max_scale:
+            raise ValueError(f"min_scale ({min_scale}) is above max_scale ({max_scale}); lower min_scale or raise "
+                             "max_scale")
         if dynamic:
-            if max_scale < loss_scale: raise ValueError(f"max_scale ({max_scale}) is below the starting loss_scale ({loss_scale}); raise max_scale or lower loss_scale")
-            if min_scale > loss_scale: raise ValueError(f"min_scale ({min_scale}) is above the starting loss_scale ({loss_scale}); lower min_scale or raise loss_scale")
+            if max_scale < loss_scale:
+                raise ValueError(f"max_scale ({max_scale}) is below the starting loss_scale ({loss_scale}); raise "
+                                 "max_scale or lower loss_scale")
+            if min_scale > loss_scale:
+                raise ValueError(f"min_scale ({min_scale}) is above the starting loss_scale ({loss_scale}); lower "
+                                 "min_scale or raise loss_scale")
 
     def check_state(self, sd:dict) -> dict:
         "The values `load_state_dict(sd)` would set, or an error saying what is wrong (nothing changes here)"
         missing = [k for k in ('scale', 'noskip') if not isinstance(sd, dict) or k not in sd]
         if missing: raise KeyError(f"not a LossScaler state_dict: missing {missing}")
         try: values = {k: type(getattr(self, k))(sd[k]) for k in self._STATE if k in sd}
-        except (TypeError, ValueError, OverflowError) as e: raise ValueError(f"not a LossScaler state_dict: {e}") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"not a LossScaler state_dict: {e}") from None
         v = {k: values.get(k, getattr(self, k)) for k in self._STATE}      # the whole state the load would leave
         def bad(why): raise ValueError(f"the loss scaler's state is out of range: {why}; nothing was loaded")
         try: self.check_settings(v['scale'], v['dynamic'], v['max_noskip'], v['max_scale'], v['min_scale'], v['factor'])
@@ -257,9 +313,11 @@ class LossScaler:
 
     def __setstate__(self, state:dict):
         "Unpickle, also a scaler pickled by an earlier version (books behind underscores, a `_dev` copy)"
-        state = {(k[1:] if k[1:] in _BOOKS else '_' + k if k in ('scale', 'noskip') else k): v for k, v in state.items()}
+        state = {(k[1:] if k[1:] in _BOOKS else '_' + k if k in ('scale', 'noskip') else k): v for k,
+                 v in state.items()}
         for k in ('_dev', '_draining'): state.pop(k, None)
-        self.__dict__.update({'_pending': deque(), '_tensors': None, 'waits': 0, '_said': None, 'max_skip_share': 0.25, '_recent': deque(maxlen=200),
+        self.__dict__.update({'_pending': deque(), '_tensors': None, 'waits': 0, '_said': None,
+                              'max_skip_share': 0.25, '_recent': deque(maxlen=200),
                               '_warned_share': False, **state})
 
 # %% ../nbs/11_scaler.ipynb #d2d9dff6
@@ -272,7 +330,10 @@ def plot_history(history, ax=None, show_skipped:bool=True):
     if show_skipped:
         for reason in REASONS:
             pts = [r for r in history if r.skipped and r.reason == reason]
-            if pts: ax.scatter([r.step for r in pts], [r.scale for r in pts], marker='x', color='C3' if reason == 'overflow' else 'C1', label=f"skipped: {reason.replace('_', ' ')}", zorder=3)
+            if pts:
+                ax.scatter([r.step for r in pts], [r.scale for r in pts], marker='x',
+                           color='C3' if reason == 'overflow' else 'C1', label=f"skipped: {reason.replace('_', ' ')}",
+                               zorder=3)
     ax.set_yscale('log', base=2); ax.set_xlabel('step'); ax.set_ylabel('loss scale')
     if history: ax.legend(loc='best')
     return ax

@@ -16,7 +16,8 @@ def build_emulator():
     build.mkdir(parents=True, exist_ok=True)
     with ops._build_env(None):
         return cpp_extension.load('mixedprec_cuda_emulator', [str(ROOT / 'tests' / 'csrc' / 'cuda_emulator.cpp')],
-                                  extra_include_paths=[str(ROOT / 'mixedprec' / 'csrc')], extra_cflags=['-O2', '-ffp-contract=off'],
+                                  extra_include_paths=[str(ROOT / 'mixedprec' / 'csrc')],
+                                      extra_cflags=['-O2', '-ffp-contract=off'],
                                   build_directory=str(build))
 
 def build_cuda():
@@ -27,5 +28,7 @@ def build_cuda():
 if __name__ == '__main__':
     for build in (build_emulator, build_cuda):
         try: build(); print(f"{build.__name__}: done", flush=True)
-        except Exception as e: print(f"{build.__name__}: {type(e).__name__}: {e} (the test that needs it builds it again and reports)", flush=True)
+        except Exception as e:
+            print(f"{build.__name__}: {type(e).__name__}: {e} (the test that needs it builds it again and reports)",
+                  flush=True)
     sys.exit(0)

@@ -10,7 +10,8 @@ def pytest_configure(config):
 NEED_TEST_BUILDS = ('test_cuda_emulation.py::', 'test_fused.py::test_cuda_sources_compile_without_a_gpu')
 
 def pytest_collection_modifyitems(config, items):
-    # the tests that need the two test-only builds run last: `make test` compiles those in the background meanwhile (tests/builds.py)
+    # the tests that need the two test-only builds run last: `make test` compiles those in the background meanwhile
+    # (tests/builds.py)
     items.sort(key=lambda item: any(k in item.nodeid for k in NEED_TEST_BUILDS))
     if torch.cuda.is_available(): return
     skip = pytest.mark.skip(reason="no CUDA device")

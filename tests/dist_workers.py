@@ -36,8 +36,10 @@ def fp16_optimizer(rank, world, inject_rank=1, agree=True, decide='cuda'):
         opt.backward(loss, update_master_grads=False)
         if step == INJECT_AT and rank == inject_rank: model[0].weight.grad[0, 0] = float('inf')
         opt.update_master_grads(); opt.clip_master_grads(10.); opt.step()
-    return dict(params=[p.detach().clone() for p in model.parameters()], masters=[m.detach().clone() for _, m, _ in opt.masters.pairs],
-                scaler=opt.scaler.state_dict(), skipped=[r.skipped for r in opt.history], norms=[r.grad_norm for r in opt.history])
+    return dict(params=[p.detach().clone() for p in model.parameters()],
+                masters=[m.detach().clone() for _, m, _ in opt.masters.pairs],
+                scaler=opt.scaler.state_dict(), skipped=[r.skipped for r in opt.history],
+                    norms=[r.grad_norm for r in opt.history])
 
 def amp_no_sync(rank, world, decide='cuda'):
     "amp O2 with two micro-batches per step, the first under no_sync; an inf on rank 0 after the reduction"
@@ -51,14 +53,16 @@ def amp_no_sync(rank, world, decide='cuda'):
         xs, ys = shard(x, rank, world), shard(y, rank, world)
         for micro in range(2):
             half = slice(micro * len(xs) // 2, (micro + 1) * len(xs) // 2)
-            ctx = net.no_sync() if (world > 1 and micro == 0) else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            ctx = net.no_sync(
+                ) if (world > 1 and micro == 0) else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             with ctx:
                 loss = nn.functional.mse_loss(net(xs[half]), ys[half]) / 2
                 with amp.scale_loss(loss, opt, delay_unscale=micro == 0) as scaled:
                     scaled.backward()
                     if micro == 1 and step == INJECT_AT and rank == 0: model[2].weight.grad.view(-1)[0] = float('nan')
         opt.step(); opt.zero_grad()
-    return dict(params=[p.detach().clone() for p in model.parameters()], masters=[p.detach().clone() for p in amp.master_params(opt)],
+    return dict(params=[p.detach().clone() for p in model.parameters()],
+                masters=[p.detach().clone() for p in amp.master_params(opt)],
                 scaler=amp._state.scalers[0].state_dict(), skipped=[r.skipped for r in amp.history()])
 
 def fastai_callback(rank, world, outdir=None):
@@ -73,7 +77,8 @@ def fastai_callback(rank, world, outdir=None):
     from mixedprec.callback import MixedPrecision
     xs, ys = zip(*[data(s) for s in range(STEPS)])
     x, y = torch.cat([shard(t, rank, world) for t in xs]), torch.cat([shard(t, rank, world) for t in ys])
-    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=BS if world > 1 else 2 * BS), DataLoader(TensorDataset(x, y), bs=BS))
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=BS if world > 1 else 2 * BS),
+                      DataLoader(TensorDataset(x, y), bs=BS))
     class WrapDDP(Callback):
         order = MixedPrecision.order + 1
         def before_fit(self): self.learn.model = DDP(self.learn.model) if world > 1 else self.learn.model
@@ -89,8 +94,10 @@ def fastai_callback(rank, world, outdir=None):
     if rank == 0 and outdir: learn.save('ddp', with_opt=True)
     mp = learn.mixed_precision
     return dict(params=[p.detach().clone() for p in learn.model.parameters()],
-                masters=[mp.conversion.masters.get(p, p).detach().clone().reshape(-1) for p in learn.model.parameters()],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history])
+                masters=[mp.conversion.masters.get(p,
+                                                   p).detach().clone().reshape(-1) for p in learn.model.parameters()],
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history],
+                    norms=[r.grad_norm for r in mp.history])
 
 def timed_steps(rank, world, agree, n=200):
     "Seconds per FP16_Optimizer step over a DDP model, with or without the overflow agreement"
@@ -108,7 +115,8 @@ def timed_steps(rank, world, agree, n=200):
     return (time.perf_counter() - start) / n
 
 def stalled_peer(rank, world, outdir):
-    "Rank 1 stalls (never joins a step); rank 0's step gives up after the agreement's timeout with an error that names it"
+    ("Rank 1 stalls (never joins a step); rank 0's step gives up after the agreement's timeout with an error that "
+     "names it")
     import time
     from mixedprec import distributed
     from mixedprec.fp16_optimizer import FP16_Optimizer
@@ -130,12 +138,18 @@ def main(rank, world, port, scenario, outdir, *args):
     in CI as 'terminate called without an active exception'); faulthandler prints every thread's stack should a rank abort"""
     import faulthandler, gc, sys
     faulthandler.enable(all_threads=True)
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx', 'sharded_remote_grads', 'amp_clip') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
+        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded',
+                                                             'fastai_distrib_ctx', 'sharded_remote_grads',
+                                                                 'amp_clip') else fn(
+                                                                     rank, world, *args) if scenario not in (
+                                                                         'fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
-        del res; gc.collect()                        # the scenario's DDP wrappers and pending works go while the group lives
+        # the scenario's DDP wrappers and pending works go while the group lives
+        del res; gc.collect()
     finally: dist.destroy_process_group()
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
@@ -144,7 +158,8 @@ SHARD_STEPS, SHARD_INJECT = 12, {3: (-1, 'inf'), 7: (0, 'nan')}     # step: (ran
 
 def deep_mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 1))
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(),
+                         nn.Linear(16, 1))
 
 class Gain(nn.Module):
     "A learnt fp32 gain on the half output"
@@ -156,12 +171,17 @@ def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=
     after the reduction; with `ddp=False` every rank trains on the whole batch (identical grads at any world size)"""
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = nn.Sequential(*deep_mlp(), Gain()).half()
-    gain = model[-1].gain; gain.data = gain.data.float()                  # an fp32 param (its own master), inside DDP like the rest
+    # an fp32 param (its own master), inside DDP like the rest
+    gain = model[-1].gain; gain.data = gain.data.float()
     net = DDP(model) if (world > 1 and ddp) else model
     params = [{'params': list(model.parameters())[:4]}, {'params': list(model.parameters())[4:], 'lr': 5e-3}]
-    inner = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3) if opt_name == 'adam' else torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
-    if state != 'fp32': torch.manual_seed(1000 + rank)        # each rank its own torch seed: the stochastic rounding must not follow it
-    opt = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**10, scale_window=3), verbose=False, shard=shard,
+    inner = torch.optim.Adam(
+        params, lr=1e-2, weight_decay=1e-3) if opt_name == 'adam' else torch.optim.SGD(
+            params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    if state != 'fp32':
+        torch.manual_seed(1000 + rank)        # each rank its own torch seed: the stochastic rounding must not follow it
+    opt = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**10, scale_window=3),
+                         verbose=False, shard=shard,
                          state=state)
     start = 0
     if resume:
@@ -175,23 +195,33 @@ def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=
         loss = nn.functional.mse_loss(net(x.half()), y)
         opt.backward(loss, update_master_grads=False)
         who, what = SHARD_INJECT.get(step, (None, None))
-        if who is not None and rank == who % world: list(model.parameters())[-3 if what == 'nan' else 0].grad.view(-1)[0] = float(what)
+        if who is not None and rank == who % world:
+            list(model.parameters())[-3 if what == 'nan' else 0].grad.view(-1)[0] = float(what)
         opt.update_master_grads()
         clipped.append(opt.clip_master_grads(0.5))               # the global norm across the shards (-1: overflow)
         opt.step()
         if step == save_at:
             sd = opt.state_dict()                                           # every rank: the shards are gathered
-            if rank == 0: torch.save(dict(opt=sd, model=model.state_dict(), step=step), os.path.join(outdir, 'sharded.pt'))
+            if rank == 0:
+                torch.save(dict(opt=sd, model=model.state_dict(), step=step), os.path.join(outdir, 'sharded.pt'))
     sd = opt.state_dict()
-    state = [sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(sd['optimizer_state_dict']['state'].items())]
-    return dict(params=[p.detach().clone() for p in model.parameters()], masters=[m.clone() for m in sd['fp32_from_fp16']], state=state,
+    state = [sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _,
+             st in sorted(sd['optimizer_state_dict']['state'].items())]
+    return dict(params=[p.detach().clone() for p in model.parameters()],
+                masters=[m.clone() for m in sd['fp32_from_fp16']], state=state,
                 scaler=opt.scaler.state_dict(), skipped=[r.skipped for r in opt.history], norms=clipped,
                 nbytes=held_bytes(opt.param_groups, opt.state))
 
 def held_bytes(groups, state) -> int:
-    "Bytes of the fp32 masters (and fp32 params) and optimizer state a rank holds (a sharded master's stand-in: 4 bytes)"
+    ("Bytes of the fp32 masters (and fp32 params) and optimizer state a rank holds (a sharded master's stand-in: 4 "
+     "bytes)")
     ps = {id(p): p for g in groups for p in g['params']}.values()
-    return sum(p.untyped_storage().nbytes() for p in ps) + sum(v.untyped_storage().nbytes() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return sum(
+        p.untyped_storage(
+            ).nbytes(
+                ) for p in ps) + sum(
+                    v.untyped_storage(
+                        ).nbytes() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
 
 def shard_rows(t, rank, world):
     "Rank `rank`'s share of the global batch's rows at `world` ranks"
@@ -219,21 +249,26 @@ def _timed_failure(call, scenario, rank, outdir):
     os._exit(0)
 
 def sharded_peer_dies(rank, world, outdir):
-    "Sharded masters: rank 1 dies after the overflow agreement, before the step; rank 0's step gives up in the all-gather with an error naming it"
+    ("Sharded masters: rank 1 dies after the overflow agreement, before the step; rank 0's step gives up in the "
+     "all-gather with an error naming it")
     opt = _sharded_fp16_short_wait()
     if rank == 1: os._exit(0)
     _timed_failure(opt.step, 'sharded_peer_dies', rank, outdir)
 
 def sharded_stall_before_gather(rank, world, outdir):
-    "Sharded masters, outside a step: rank 1 stalls before the state_dict gather; rank 0 gives up within the bounded wait, naming the rank"
+    ("Sharded masters, outside a step: rank 1 stalls before the state_dict gather; rank 0 gives up within the "
+     "bounded wait, naming the rank")
     import time
     opt = _sharded_fp16_short_wait()
     opt.step()
-    if rank == 1: time.sleep(8); os._exit(0)                           # stalls (a slow disk, a debugger) and never gathers
+    if rank == 1:
+        time.sleep(8)
+        os._exit(0)                           # stalls (a slow disk, a debugger) and never gathers
     _timed_failure(opt.state_dict, 'sharded_stall_before_gather', rank, outdir)
 
 def sharded_remote_grads(rank, world, outdir):
-    "Sharded FP16_Optimizer under DDP: which half grads (of any rank's params) are still alive after step() and zero_grad()"
+    ("Sharded FP16_Optimizer under DDP: which half grads (of any rank's params) are still alive after step() and "
+     "zero_grad()")
     import gc, weakref
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = deep_mlp().half()
@@ -243,14 +278,16 @@ def sharded_remote_grads(rank, world, outdir):
     for step in range(3):
         x, y = data(step)
         opt.zero_grad()
-        opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).half()).float(), shard_rows(y, rank, world)), update_master_grads=False)
+        opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).half()).float(),
+                                            shard_rows(y, rank, world)), update_master_grads=False)
         refs = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
         opt.update_master_grads(); opt.step(); opt.zero_grad(); gc.collect()
         alive.append(sum(r() is not None for r in refs))
     return dict(alive=alive, n=len(list(model.parameters())))
 
 def amp_clip(rank, world, outdir, shard=True, recipe='amp'):
-    "amp O2 over DDP, sharded or not, clipped every step: by `amp.clip_grad_norm_` ('amp'), or by torch's over `amp.master_params` ('torch', the apex recipe)"
+    ("amp O2 over DDP, sharded or not, clipped every step: by `amp.clip_grad_norm_` ('amp'), or by torch's over "
+     "`amp.master_params` ('torch', the apex recipe)")
     from mixedprec import amp
     model = deep_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -262,12 +299,16 @@ def amp_clip(rank, world, outdir, shard=True, recipe='amp'):
         x, y = data(step)
         loss = nn.functional.mse_loss(net(shard_rows(x, rank, world)), shard_rows(y, rank, world))
         with amp.scale_loss(loss, opt) as scaled: scaled.backward()
-        if shard and step == 0:                  # torch's clip over the model's params: this rank holds its shard's grads only
+        # torch's clip over the model's params: this rank holds its shard's grads only
+        if shard and step == 0:
             try: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             except RuntimeError as e: model_refused = str(e)
-        norms.append(float(amp.clip_grad_norm_(opt, 0.5) if recipe == 'amp' else torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)))
+        norms.append(float(amp.clip_grad_norm_(opt,
+                                               0.5) if recipe == 'amp' else torch.nn.utils.clip_grad_norm_(
+                                                   amp.master_params(opt), 0.5)))
         opt.step(); opt.zero_grad()
-    with amp._engines_of(opt)[0].consolidated(): masters = [m.detach().clone() for m in amp.master_params(opt, local=True)]
+    with amp._engines_of(opt)[0].consolidated():
+        masters = [m.detach().clone() for m in amp.master_params(opt, local=True)]
     return dict(params=[p.detach().clone() for p in model.parameters()], masters=masters, norms=norms, refused=refused,
                 model_refused=model_refused if shard else None)
 
@@ -282,7 +323,8 @@ def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
     start = 0
     if resume:
         ck = torch.load(os.path.join(outdir, 'amp_sharded.pt'), weights_only=True)
-        model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt']); amp.load_state_dict(ck['amp']); start = ck['step'] + 1
+        model.load_state_dict(
+            ck['model']); opt.load_state_dict(ck['opt']); amp.load_state_dict(ck['amp']); start = ck['step'] + 1
     for step in range(start, STEPS):
         x, y = data(step)
         loss = nn.functional.mse_loss(net(shard_rows(x, rank, world)), shard_rows(y, rank, world))
@@ -291,12 +333,15 @@ def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
             if step == INJECT_AT and rank == 0: model[2].weight.grad.view(-1)[0] = float('inf')
         opt.step(); opt.zero_grad()
         if step == save_at:
-            ck = dict(model=model.state_dict(), opt=opt.state_dict(), amp=amp.state_dict(), step=step)     # every rank: gathered
+            # every rank: gathered
+            ck = dict(model=model.state_dict(), opt=opt.state_dict(), amp=amp.state_dict(), step=step)
             if rank == 0: torch.save(ck, os.path.join(outdir, 'amp_sharded.pt'))
             dist.barrier()
     osd, asd = opt.state_dict(), amp.state_dict()
-    return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0], scaler=asd['loss_scaler0'], norms=[],
-                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())],
+    return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0],
+                scaler=asd['loss_scaler0'], norms=[],
+                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _,
+                       st in sorted(osd['state'].items())],
                 skipped=[r.skipped for r in amp.history()])
 
 def fastai_opt(name):
@@ -309,16 +354,21 @@ def state_list(osd) -> list:
     return osd['state'] if isinstance(osd['state'], list) else [osd['state'][i] for i in sorted(osd['state'])]
 
 def fastai_results(learn, **extra) -> dict:
-    "What the fastai workers return: half params, whole masters and optimizer state (gathered), the scaler and the step history"
+    ("What the fastai workers return: half params, whole masters and optimizer state (gathered), the scaler and the "
+     "step history")
     mp = learn.mixed_precision
     with mp.consolidated():
         masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
-    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() if m is not None else None for m in masters],
-                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in state_list(opt_sd)],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], **extra)
+    return dict(params=[p.detach().clone() for p in learn.model.parameters()],
+                masters=[m.clone() if m is not None else None for m in masters],
+                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k,
+                              v in st.items()) for st in state_list(opt_sd)],
+                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history],
+                    norms=[r.grad_norm for r in mp.history], **extra)
 
 def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam', bn=False):
-    "The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank"
+    ("The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at "
+     "before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank")
     from fastai.learner import Learner
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
@@ -338,21 +388,29 @@ def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam', bn=F
             if self.train_iter == INJECT_AT and rank == 1: self.learn.model.module[0].bias.grad[0] = float('inf')
     opt_func = fastai_opt(opt)
     model = deep_mlp()
-    if bn: model = nn.Sequential(model[0], model[1], nn.BatchNorm1d(32), *model[2:])   # fp32 params (kept), not sharded under flat masters
+    if bn:
+        # fp32 params (kept), not sharded under flat masters
+        model = nn.Sequential(model[0], model[1], nn.BatchNorm1d(32), *model[2:])
     learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=outdir, wd=1e-2)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
     learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard, flat_master=flat)
     learn.fit(1, cbs=[WrapDDP(), Inject()])
     mp = learn.mixed_precision
     refused = None
-    try: learn.opt.state_dict()                                              # outside a gathering block: refused, not partial
+    try:
+        # outside a gathering block: refused, not partial
+        learn.opt.state_dict()
     except RuntimeError as e: refused = str(e)
     import fastai.learner
-    writes, real_save = [], fastai.learner.save_model                         # fastai's writer: with no RANK variable, every call writes
+    # fastai's writer: with no RANK variable, every call writes
+    writes, real_save = [], fastai.learner.save_model
     fastai.learner.save_model = lambda *a, **k: (writes.append(rank), real_save(*a, **k))
-    try: file = learn.save(f'sharded{shard}{flat}{opt}', with_opt=True)            # every rank: the shards are gathered, rank 0 writes
+    try:
+        # every rank: the shards are gathered, rank 0 writes
+        file = learn.save(f'sharded{shard}{flat}{opt}', with_opt=True)
     finally: fastai.learner.save_model = real_save
-    # sharded: every rank reads the whole file, the scaler included, as soon as save returns (unsharded, rank 0 may save alone: no wait)
+    # sharded: every rank reads the whole file, the scaler included, as soon as save returns (unsharded, rank 0 may save
+    # alone: no wait)
     whole = 'mixedprec' in torch.load(file, weights_only=False)['opt'] if shard else None
     held = sum(m.untyped_storage().nbytes() for m in mp.masters.master_params)
     return fastai_results(learn, nbytes=held, partial=refused, writes=len(writes), readable=whole)
@@ -368,36 +426,46 @@ def fastai_distrib_ctx(rank, world, outdir, shard=True):
     from fastai.data.load import DataLoader
     from fastai.optimizer import Adam
     import fastai.distributed
-    def cpu_broadcast(self, t, rank):                                  # fastai's own moves the indices to CUDA (for NCCL): gloo takes them on the CPU
+    # fastai's own moves the indices to CUDA (for NCCL): gloo takes them on the CPU
+    def cpu_broadcast(self, t, rank):
         t = torch.tensor(t, dtype=torch.long); dist.broadcast(t, rank); return t.tolist()
     fastai.distributed.DistributedDL._broadcast = cpu_broadcast
     from torch.utils.data import TensorDataset
     from mixedprec.callback import MixedPrecision
     xs, ys = zip(*[data(s) for s in range(STEPS)])
-    x, y = torch.cat(xs), torch.cat(ys)                               # the whole data on every rank: DistributedDL gives each rank its part
+    # the whole data on every rank: DistributedDL gives each rank its part
+    x, y = torch.cat(xs), torch.cat(ys)
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=BS), DataLoader(TensorDataset(x, y), bs=BS))
     class Inject(Callback):
         order = MixedPrecision.order - 1
         def before_step(self):
-            if self.epoch == 0 and self.iter == 1 and rank == 1: next(self.learn.model.parameters()).grad.view(-1)[0] = float('inf')
+            if self.epoch == 0 and self.iter == 1 and rank == 1:
+                next(self.learn.model.parameters()).grad.view(-1)[0] = float('inf')
     learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=outdir, wd=1e-2)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
     learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard)
     with learn.distrib_ctx(cpu=True, sync_bn=False):
         learn.fit(3, cbs=[Inject(), SaveModelCallback(fname=f'best{shard}', with_opt=True, every_epoch=False)])
-    return fastai_results(learn, sharded=learn.mixed_precision.masters.shards is not None, model_type=type(learn.model).__name__)
+    return fastai_results(learn, sharded=learn.mixed_precision.masters.shards is not None,
+                          model_type=type(learn.model).__name__)
 
 def rounding_ranks(rank, world, masters='none', state='fp32'):
-    "FP16_Optimizer over a bf16 MLP under DDP, each rank seeded apart before it is built: what stochastic rounding leaves on each rank"
+    ("FP16_Optimizer over a bf16 MLP under DDP, each rank seeded apart before it is built: what stochastic rounding "
+     "leaves on each rank")
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = deep_mlp().bfloat16()
     net = DDP(model)
-    torch.manual_seed(1000 + rank)                       # each rank its own torch seed, as launchers leave it when nobody seeds
+    # each rank its own torch seed, as launchers leave it when nobody seeds
+    torch.manual_seed(1000 + rank)
     opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), verbose=False, masters=masters, state=state)
     for step in range(6):
         x, y = data(step)
         opt.zero_grad()
-        opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).bfloat16()).float(), shard_rows(y, rank, world)))
+        opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).bfloat16()).float(),
+                                            shard_rows(y, rank, world)))
         opt.step()
     return dict(params=[p.detach().clone() for p in model.parameters()],
-                state=[v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
+                state=[
+                    v.clone(
+                        ) for s in opt.state.values(
+                            ) for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])

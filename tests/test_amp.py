@@ -23,13 +23,15 @@ def train(model, opt, data, inject_at=None, skip=()):
             if i == inject_at: model[0].weight.grad[0, 0] = float('nan')
         opt.step(); opt.zero_grad()
 
-@pytest.mark.parametrize("level,dtypes", [("O0", {torch.float32}), ("O1", {torch.float32}), ("O2", {torch.half, torch.float32}), ("O3", {torch.half})])
+@pytest.mark.parametrize("level,dtypes", [("O0", {torch.float32}), ("O1", {torch.float32}),
+                                          ("O2", {torch.half, torch.float32}), ("O3", {torch.half})])
 def test_opt_levels_cast_as_documented(level, dtypes):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
     assert {p.dtype for p in model.parameters()} == dtypes
-    assert {p.dtype for p in amp.master_params(opt)} == ({torch.float32} if level in ('O0', 'O1', 'O2') else {torch.half})
+    assert {
+        p.dtype for p in amp.master_params(opt)} == ({torch.float32} if level in ('O0', 'O1', 'O2') else {torch.half})
     train(model, opt, batches(3))
     assert model(torch.randn(4, 6)).dtype == torch.float32
 
@@ -38,45 +40,58 @@ def test_initialize_returns_the_shapes_it_was_given():
     o0, o1 = torch.optim.SGD(m0.parameters(), lr=.1), torch.optim.SGD(m1.parameters(), lr=.1)
     model, optim = amp.initialize(m0, o0, opt_level="O2", verbosity=0); assert model is m0 and optim.optimizer is o0
     m0, m1 = mlp(), mlp(1); o0, o1 = torch.optim.SGD(m0.parameters(), lr=.1), torch.optim.SGD(m1.parameters(), lr=.1)
-    model, [a, b] = amp.initialize(m0, [o0, o1], opt_level="O2", verbosity=0); assert (a.optimizer, b.optimizer) == (o0, o1)
+    model, [a, b] = amp.initialize(m0, [o0, o1], opt_level="O2",
+                                   verbosity=0); assert (a.optimizer, b.optimizer) == (o0, o1)
     m0, m1 = mlp(), mlp(1); o0 = torch.optim.SGD(list(m0.parameters()) + list(m1.parameters()), lr=.1)
-    [x, y], optim = amp.initialize([m0, m1], o0, opt_level="O2", verbosity=0); assert (x, y, optim.optimizer) == (m0, m1, o0)
+    [x, y], optim = amp.initialize([m0, m1], o0, opt_level="O2",
+                                   verbosity=0); assert (x, y, optim.optimizer) == (m0, m1, o0)
     m0 = mlp(); assert amp.initialize(m0, opt_level="O3", verbosity=0) is m0
 
 @pytest.mark.parametrize("kw,msg", [(dict(opt_level="O1", cast_model_type=torch.float16), "O1 keeps fp32"),
-    (dict(opt_level="O0", master_weights=True), "needs a half model"), (dict(opt_level="O1", keep_batchnorm_fp32=True), "keep_batchnorm_fp32"),
+    (dict(opt_level="O0", master_weights=True), "needs a half model"),
+        (dict(opt_level="O1", keep_batchnorm_fp32=True), "keep_batchnorm_fp32"),
     (dict(opt_level="O2", loss_scale=-1), "loss_scale"), (dict(opt_level="O5"), "opt_level must be"),
-    (dict(opt_level="O2", cast_model_type=torch.bfloat16, half_dtype='fp16'), "contradicts"), (dict(opt_level="O2", num_losses=0), "num_losses")])
+    (dict(opt_level="O2", cast_model_type=torch.bfloat16, half_dtype='fp16'), "contradicts"),
+        (dict(opt_level="O2", num_losses=0), "num_losses")])
 def test_contradicting_overrides_raise(kw, msg):
     model = mlp()
-    with pytest.raises(ValueError, match=msg): amp.initialize(model, torch.optim.SGD(model.parameters(), lr=.1), verbosity=0, **kw)
+    with pytest.raises(ValueError, match=msg):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=.1), verbosity=0, **kw)
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_the_returned_optimizer_wraps_the_one_passed_in_which_is_not_patched(level):
-    "amp returns an `AmpOptimizer` over the optimizer passed in: no method of that one is replaced, its groups, state and hooks are shared, "
-    "and stepping it behind amp's back (the handle from before `initialize`) is refused, since it would neither skip nor copy into the model"
+    ("amp returns an `AmpOptimizer` over the optimizer passed in: no method of that one is replaced, its groups, "
+     "state and hooks are shared, ")
+    ("and stepping it behind amp's back (the handle from before `initialize`) is refused, since it would neither "
+     "skip nor copy into the model")
     torch.manual_seed(0)
     model = mlp(); inner = torch.optim.Adam(model.parameters(), lr=1e-2)
-    before = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)                  # a scheduler made on the handle from before
+    # a scheduler made on the handle from before
+    before = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)
     methods = ('step', 'zero_grad', 'state_dict', 'load_state_dict', 'add_param_group')
     own = {k: vars(inner).get(k) for k in methods}                               # (torch's scheduler wrapped `step`)
     model, opt = amp.initialize(model, inner, opt_level=level, verbosity=0)
     assert isinstance(opt, amp.AmpOptimizer) and isinstance(opt, torch.optim.Optimizer) and opt.optimizer is inner
     assert all(vars(inner).get(k) is own[k] for k in methods), "a method of the user's optimizer was replaced"
     assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.defaults is inner.defaults
-    after = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)                # and one made on the returned optimizer
+    # and one made on the returned optimizer
+    after = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
     hooked = []
     opt.register_step_post_hook(lambda o, a, k: hooked.append(o))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                                           # neither scheduler warns that the step was not called
+        # neither scheduler warns that the step was not called
+        warnings.simplefilter("error")
         for xb, yb in batches(3):
-            with amp.scale_loss(nn.functional.mse_loss(model(xb), yb), inner) as s: s.backward()   # either handle scales
+            with amp.scale_loss(nn.functional.mse_loss(model(xb), yb), inner) as s:
+                s.backward()   # either handle scales
             opt.step(); before.step(); after.step(); opt.zero_grad()
     assert hooked == [inner] * 3
     assert inner.param_groups[0]['lr'] == pytest.approx(1e-2 * 0.5**3 * 0.9**3)
     with amp.scale_loss(nn.functional.mse_loss(model(xb), yb), opt) as s: s.backward()
-    with pytest.raises(RuntimeError, match=r"returned the optimizer to step: `model, optimizer = amp.initialize"): inner.step()
-    opt.step()                                                                   # the refused step changed nothing: the pending one still runs
+    with pytest.raises(RuntimeError, match=r"returned the optimizer to step: `model, optimizer = amp.initialize"):
+        inner.step()
+    # the refused step changed nothing: the pending one still runs
+    opt.step()
     assert len(hooked) == 4
     for copy_ in (pickle.dumps, copy.deepcopy):
         with pytest.raises(TypeError, match="does not pickle or deep-copy.*amp.state_dict"): copy_(opt)
@@ -116,7 +131,8 @@ def test_gan_three_losses_two_optimizers_skip_the_right_ones(num_losses):
     torch.manual_seed(0)
     gen, disc = nn.Linear(4, 6), nn.Linear(6, 1)
     opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
-    [gen, disc], [opt_g, opt_d] = amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O2", num_losses=num_losses, max_loss_scale=2.**10, verbosity=0)
+    [gen, disc], [opt_g, opt_d] = amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O2", num_losses=num_losses,
+                                                 max_loss_scale=2.**10, verbosity=0)
     z, real = torch.randn(8, 4), torch.randn(8, 6)
     ids = [0, 1, 2] if num_losses == 3 else [0, 0, 0]
     fake = gen(z)
@@ -207,12 +223,16 @@ def test_o1_autocast_on_cpu_in_bf16():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_penalty_on_the_grads_through_loss_scale_trains_as_in_fp32(dtype):
-    "torch's gradient-penalty recipe: grads of the scaled loss with `create_graph`, unscaled by `amp.loss_scale()`, their norm added to the loss. The loss is small enough (1e-6 of an MSE) that fp16's unscaled grads would flush to zero"
+    ("torch's gradient-penalty recipe: grads of the scaled loss with `create_graph`, unscaled by `amp.loss_scale()`, "
+     "their norm added to the loss. The loss is small enough (1e-6 of an MSE) that fp16's unscaled grads would flush "
+     "to zero")
     def run(mixed):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         opt = torch.optim.SGD(model.parameters(), lr=5e4)
-        if mixed: model, opt = amp.initialize(model, opt, opt_level='O2', cast_model_type=dtype, loss_scale=2.**10, verbosity=0)
+        if mixed:
+            model, opt = amp.initialize(model, opt, opt_level='O2', cast_model_type=dtype, loss_scale=2.**10,
+                                        verbosity=0)
         g, norms = torch.Generator().manual_seed(1), []
         for step in range(20):
             x = torch.randn(32, 8, generator=g); y = x[:, :1] * 1e-2

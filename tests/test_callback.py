@@ -1,5 +1,6 @@
 import pytest, torch
-pytestmark = pytest.mark.usefixtures("decide")       # every test with the skip decided on the host and on the device (fastai's Adam/SGD fused)
+# every test with the skip decided on the host and on the device (fastai's Adam/SGD fused)
+pytestmark = pytest.mark.usefixtures("decide")
 from torch import nn
 from fastai.learner import Learner
 from fastai.optimizer import SGD, Adam
@@ -30,8 +31,11 @@ def test_dtypes_at_each_event_and_oracles():
     def grads_in(learn): seen['grads'] = [p.grad.float().clone() for p in learn.model.parameters()]
     def loss_in(learn): seen['loss'] = learn.loss_grad.detach().clone()
     def check_batch(learn):
-        assert learn.xb[0].dtype == torch.float32 and learn.yb[0].dtype == torch.float32     # callbacks see fp32 batches
-        if 'hooked' not in seen: seen['hooked'] = learn.model[0].register_forward_pre_hook(lambda m, args: seen.__setitem__('input', args[0].dtype))
+        # callbacks see fp32 batches
+        assert learn.xb[0].dtype == torch.float32 and learn.yb[0].dtype == torch.float32
+        if 'hooked' not in seen:
+            seen['hooked'] = learn.model[0].register_forward_pre_hook(lambda m,
+                                                                      args: seen.__setitem__('input', args[0].dtype))
     def check_pred(learn): assert learn.pred.dtype == torch.float32
     def check_loss(learn):
         assert learn.loss_grad.dtype == torch.float32
@@ -47,7 +51,8 @@ def test_dtypes_at_each_event_and_oracles():
         if mp.skipped: return
         lr = learn.opt.hypers[0]['lr']
         for p, m, old, g in zip(learn.model.parameters(), masters_of(learn), seen['old'], seen['grads']):
-            want = old.add(g * (1 / mp.history[-1].scale), alpha=-lr)      # fastai's own step; the fused one (device decision) rounds its own way
+            # fastai's own step; the fused one (device decision) rounds its own way
+            want = old.add(g * (1 / mp.history[-1].scale), alpha=-lr)
             if mp.engine.plan is None: assert torch.equal(m.detach(), want)
             else: torch.testing.assert_close(m.detach(), want, rtol=1e-6, atol=1e-8)
             assert torch.equal(p.detach(), m.detach().to(p.dtype))
@@ -61,7 +66,8 @@ def test_dtypes_at_each_event_and_oracles():
 def _snapshot(learn):
     opt = learn.opt
     return ([p.detach().clone() for p in learn.model.parameters()],
-            [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()} for g in opt.param_lists for p in g])
+            [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k,
+              v in opt.state[p].items()} for g in opt.param_lists for p in g])
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_injected_inf_skips_the_step_exactly(flat):
@@ -94,7 +100,8 @@ def test_flat_master_trains_to_the_same_weights(opt_func):
     for flat in (False, True):
         learn = synth_learner(opt_func=opt_func, lr=1e-2, wd=1e-2).to_fp16(loss_scale=2.**8, flat_master=flat)
         learn.fit(2)
-        assert len(learn.opt.param_lists[0]) == (4 if flat else 6)   # flat: weights (wd), biases (no wd), and the 2 fp32 BN params
+        # flat: weights (wd), biases (no wd), and the 2 fp32 BN params
+        assert len(learn.opt.param_lists[0]) == (4 if flat else 6)
         learn.to_fp32()
         res.append([p.detach().clone() for p in learn.model.parameters()])
     for a, b in zip(*res): torch.testing.assert_close(a, b)
@@ -103,7 +110,8 @@ def test_clip_matches_clip_grad_norm_on_fp32_copy(impl):
     checked = []
     def unclipped(learn):
         scale = learn.mixed_precision.scaler.scale
-        checked.append([p.grad.float() * (1 / scale) if p.grad.dtype != torch.float32 else p.grad * (1 / scale) for p in learn.model.parameters()])
+        checked.append(
+            [p.grad.float() * (1 / scale) if p.grad.dtype != torch.float32 else p.grad * (1 / scale) for p in learn.model.parameters()])
     def compare(learn):
         ref = [nn.Parameter(torch.zeros_like(g)) for g in checked[-1]]
         for r, g in zip(ref, checked[-1]): r.grad = g.clone()
@@ -121,9 +129,11 @@ def test_fit_twice_keeps_scale_masters_and_state():
     scale, n, masters = mp.loss_scale, mp.scaler.n_steps, [m for m in mp.masters.master_params]
     avg = opt.state[masters[0]]['grad_avg']
     learn.fit(1)
-    assert learn.opt is opt and learn.mixed_precision.masters.master_params == masters     # the same `MixedPrecisionOpt`, not a new one per fit
+    # the same `MixedPrecisionOpt`, not a new one per fit
+    assert learn.opt is opt and learn.mixed_precision.masters.master_params == masters
     assert mp.scaler.n_steps == 2 * n and mp.loss_scale >= scale
-    assert opt.state[masters[0]]['step'] == 2 * n and opt.state[masters[0]]['grad_avg'] is avg     # updated in place, never reset
+    # updated in place, never reset
+    assert opt.state[masters[0]]['step'] == 2 * n and opt.state[masters[0]]['grad_avg'] is avg
 
 def test_to_fp32_gives_masters_exactly_and_keeps_state():
     learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
@@ -153,7 +163,8 @@ def test_to_fp16_twice_does_not_stack_and_unknown_kwargs_raise():
     learn = synth_learner().to_fp16().to_fp16()
     assert len([cb for cb in learn.cbs if isinstance(cb, MixedPrecision)]) == 1
     assert learn.model[0].weight.dtype == torch.half
-    with pytest.raises(TypeError, match="unknown keyword argument.*scale_window"): synth_learner().to_fp16(scale_window=2)
+    with pytest.raises(TypeError, match="unknown keyword argument.*scale_window"):
+        synth_learner().to_fp16(scale_window=2)
     with pytest.raises(ValueError, match="clip"): synth_learner().to_fp16(clip=-1.)
 
 def test_logged_loss_is_unscaled():
@@ -220,7 +231,9 @@ def test_integer_inputs_are_not_cast():
     x, y = torch.randint(0, 10, (64, 3)), torch.randn(64, 1)
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
     learn = Learner(dls, Emb(), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8)
-    learn.fit(1, cbs=Record(1, before_batch=lambda l: (_ for _ in ()).throw(AssertionError) if l.xb[0].dtype != torch.int64 else None))
+    learn.fit(1, cbs=Record(1,
+                            before_batch=lambda l: (
+                                _ for _ in ()).throw(AssertionError) if l.xb[0].dtype != torch.int64 else None))
     assert learn.mixed_precision.scaler.n_steps == 4
 
 def test_state_dict_round_trip():
@@ -231,6 +244,8 @@ def test_state_dict_round_trip():
     other.mixed_precision.load_state_dict(sd)
     assert other.mixed_precision.scaler.state_dict() == learn.mixed_precision.scaler.state_dict()
     half = lambda l: [l.mixed_precision.conversion.masters[p] for p in l.model.parameters() if p.dtype == torch.half]
-    for a, b in zip(half(other), half(learn)): assert torch.equal(a.detach(), b.detach())       # fp32 params travel in the model's state
+    for a, b in zip(half(other), half(learn)):
+        assert torch.equal(a.detach(), b.detach())       # fp32 params travel in the model's state
     assert [m is None for m in sd['masters']] == [False, False, True, True, False, False]
-    with pytest.raises(ValueError, match="another model"): synth_learner(model=nn.Sequential(nn.Linear(8, 1))).to_fp16().mixed_precision.load_state_dict(sd)
+    with pytest.raises(ValueError, match="another model"):
+        synth_learner(model=nn.Sequential(nn.Linear(8, 1))).to_fp16().mixed_precision.load_state_dict(sd)

@@ -19,7 +19,8 @@ def trained_learner(path, flat=False, **kw):
 def learner_state(learn):
     "Everything a load may change: the masters, the model's weights and buffers, the scaler and the optimizer state"
     mp = learn.mixed_precision
-    return snapshot([m for m in masters_of(learn)], learn.model.state_dict(keep_vars=True), [b for b in learn.model.buffers()],
+    return snapshot([m for m in masters_of(learn)], learn.model.state_dict(keep_vars=True),
+                    [b for b in learn.model.buffers()],
                     [p for p in learn.model.parameters()], mp.scaler.state_dict(), learn.opt.state_dict())
 
 def written(path, name):
@@ -65,7 +66,8 @@ def test_learn_load_whose_optimizer_part_is_refused_raises_and_keeps_the_weights
 
 BAD_SCALER = {'min_scale 0': dict(min_scale=0.), 'factor 0.5': dict(factor=0.5), 'max_noskip 0': dict(max_noskip=0),
               'max_scale inf': dict(max_scale=float('inf')), 'scale above max_scale': dict(scale=2.**30),
-              'scale nan': dict(scale=float('nan')), 'negative count': dict(n_skipped=-1), 'min above max': dict(min_scale=2.**25)}
+              'scale nan': dict(scale=float('nan')), 'negative count': dict(n_skipped=-1),
+                  'min above max': dict(min_scale=2.**25)}
 
 def fp16_optimizer():
     torch.manual_seed(0)
@@ -93,7 +95,11 @@ def test_every_door_refuses_a_scaler_state_out_of_range(tmp_path, bad):
     before = learner_state(learn)
     with pytest.raises(ValueError, match='nothing was loaded|not a LossScaler'): mp.load_state_dict(sd)
     assert same(before, learner_state(learn))
-    learn.save('good', with_opt=True); ck = written(tmp_path, 'good'); ck['opt']['mixedprec']['scaler'].update(fields); write(tmp_path, 'bad', ck)
+    learn.save('good', with_opt=True); ck = written(tmp_path,
+                                                    'good'); ck[
+                                                        'opt'][
+                                                            'mixedprec'][
+                                                                'scaler'].update(fields); write(tmp_path, 'bad', ck)
     refused_and_unchanged(learn, 'bad', match='nothing was loaded|not a LossScaler')
     # FP16_Optimizer
     model, opt = fp16_optimizer()
@@ -113,7 +119,8 @@ def test_every_door_refuses_a_scaler_state_out_of_range(tmp_path, bad):
     sd = e.state_dict(); sd['scaler'].update(fields)
     with pytest.raises(ValueError, match='nothing was loaded|not a LossScaler'): e.load_state_dict(sd)
 
-# ---------------------------------------------------------------- the masters' values: finite, floating, of the right shape
+# ---------------------------------------------------------------- the masters' values: finite, floating, of the right
+# shape
 
 @pytest.mark.parametrize("bad", ['nan', 'int64', 'transposed'])
 def test_every_door_refuses_a_master_that_cannot_be_one(tmp_path, bad):
@@ -121,14 +128,19 @@ def test_every_door_refuses_a_master_that_cannot_be_one(tmp_path, bad):
         if bad == 'nan': v = v.clone(); v.view(-1)[0] = float('nan'); return v
         if bad == 'int64': return v.round().long()
         return v.t().contiguous() if v.dim() == 2 else v.flip(0)[:-1]
-    match = {'nan': 'inf or NaN', 'int64': 'torch.int64, a master is floating point', 'transposed': 'comes from another model'}[bad]
+    match = {'nan': 'inf or NaN', 'int64': 'torch.int64, a master is floating point',
+             'transposed': 'comes from another model'}[bad]
     learn = trained_learner(tmp_path)
     mp = learn.mixed_precision
     sd = mp.state_dict(); sd['masters'][0] = spoil(sd['masters'][0])
     before = learner_state(learn)
     with pytest.raises(ValueError, match=match): mp.load_state_dict(sd)
     assert same(before, learner_state(learn))
-    learn.save('good', with_opt=True); ck = written(tmp_path, 'good'); ck['model']['0.weight'] = spoil(ck['model']['0.weight']); write(tmp_path, 'bad', ck)
+    learn.save('good', with_opt=True); ck = written(tmp_path,
+                                                    'good'); ck[
+                                                        'model'][
+                                                            '0.weight'] = spoil(
+                                                                ck['model']['0.weight']); write(tmp_path, 'bad', ck)
     refused_and_unchanged(learn, 'bad', match=match if bad != 'transposed' else 'size mismatch')
     model, opt = fp16_optimizer()
     sd = opt.state_dict(); sd['fp32_from_fp16'][0] = spoil(sd['fp32_from_fp16'][0])
@@ -154,17 +166,24 @@ def test_optimizer_state_with_nan_or_ints_is_refused_and_half_state_is_cast(tmp_
     learn = trained_learner(tmp_path)
     learn.save('good', with_opt=True)
     ck = written(tmp_path, 'good')
-    nan = copy.deepcopy(ck); nan['opt']['state'][0]['sqr_avg'] = torch.full_like(nan['opt']['state'][0]['sqr_avg'], float('nan')); write(tmp_path, 'nan', nan)
+    nan = copy.deepcopy(
+        ck); nan['opt']['state'][0]['sqr_avg'] = torch.full_like(nan['opt']['state'][0]['sqr_avg'],
+                                                                 float('nan')); write(tmp_path, 'nan', nan)
     refused_and_unchanged(learn, 'nan', match="'sqr_avg' of param 0 .* holds inf or NaN")
-    ints = copy.deepcopy(ck); ints['opt']['state'][0]['grad_avg'] = ints['opt']['state'][0]['grad_avg'].long(); write(tmp_path, 'ints', ints)
+    ints = copy.deepcopy(
+        ck); ints[
+            'opt']['state'][0]['grad_avg'] = ints['opt']['state'][0]['grad_avg'].long(); write(tmp_path, 'ints', ints)
     refused_and_unchanged(learn, 'ints', match="'grad_avg' of param 0 .* is torch.int64")
     half = copy.deepcopy(ck)
     for s in half['opt']['state']:
         for k, v in s.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0: s[k] = v.half()
     write(tmp_path, 'half', half)
-    learn.load('half', with_opt=True)                                  # fp16 state is cast to the masters' fp32, and trains on
-    assert all(v.dtype == torch.float32 for p in masters_of(learn) for v in learn.opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    # fp16 state is cast to the masters' fp32, and trains on
+    learn.load('half', with_opt=True)
+    assert all(
+        v.dtype == torch.float32 for p in masters_of(
+            learn) for v in learn.opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     learn.fit(1)
     assert all(torch.isfinite(m).all() for m in masters_of(learn))
 
@@ -179,20 +198,24 @@ def test_amp_optimizer_load_refuses_another_models_state_with_the_same_param_cou
         with amp.scale_loss(m(x).float().pow(2).mean(), opt) as s: s.backward()
         opt.step(); sds.append(opt.state_dict())
     before = snapshot(opt.state_dict(), m.state_dict())
-    with pytest.raises(ValueError, match="'exp_avg' of param 0 is \\(4, 8\\), the param is \\(8, 4\\): it comes from another model"): opt.load_state_dict(sds[0])
+    with pytest.raises(ValueError, match="'exp_avg' of param 0 is \\(4, 8\\), the param is \\(8, 4\\): it comes from "
+                                         "another model"):
+        opt.load_state_dict(sds[0])
     assert same(before, snapshot(opt.state_dict(), m.state_dict()))
 
 # ---------------------------------------------------------------- a round trip just after a skipped step
 
 def test_fp16_optimizer_round_trip_after_a_skipped_step_loses_no_step():
-    # torch's grad-scaling `try_pickle` case: an inf at one step, a state_dict round trip right after; the next step must step
+    # torch's grad-scaling `try_pickle` case: an inf at one step, a state_dict round trip right after; the next step
+    # must step
     def run(round_trip):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).half()
         opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1e-1), dynamic_loss_scale=True, verbose=False)
         g = torch.Generator().manual_seed(1)
         for i in range(4):
-            opt.zero_grad(); opt.backward(model(torch.randn(8, 4, generator=g).half()).float().pow(2).mean(), update_master_grads=False)
+            opt.zero_grad(); opt.backward(model(torch.randn(8, 4, generator=g).half()).float().pow(2).mean(),
+                                          update_master_grads=False)
             if i == 1: next(model.parameters()).grad.view(-1)[0] = float('inf')
             opt.update_master_grads(); opt.step()
             if i == 1 and round_trip: opt.load_state_dict(copy.deepcopy(opt.state_dict()))
@@ -215,7 +238,9 @@ def test_learn_save_that_fails_halfway_leaves_the_previous_checkpoint_whole(tmp_
         with open(f, 'r+b') as fh: fh.truncate(1000)
         raise OSError(28, 'No space left on device')
     monkeypatch.setattr(fastai.learner.torch, 'save', half_write)
-    with pytest.raises(OSError, match=r"could not save .*ck\.pth: the disk is full.*previous file at that path .* is unchanged"): learn.save('ck', with_opt=True)
+    with pytest.raises(OSError, match=r"could not save .*ck\.pth: the disk is full.*previous file at that path .* is "
+                                      r"unchanged"):
+        learn.save('ck', with_opt=True)
     monkeypatch.undo()
     assert (tmp_path/'models'/'ck.pth').read_bytes() == good
     assert [f.name for f in (tmp_path/'models').iterdir()] == ['ck.pth']  # no temporary file left behind
@@ -223,7 +248,8 @@ def test_learn_save_that_fails_halfway_leaves_the_previous_checkpoint_whole(tmp_
 
 def test_export_and_save_checkpoint_are_atomic_too(tmp_path, monkeypatch):
     learn = trained_learner(tmp_path)
-    learn.dls.new_empty = lambda: learn.dls                            # (the synthetic data has no empty copy; export pickles it whole)
+    # (the synthetic data has no empty copy; export pickles it whole)
+    learn.dls.new_empty = lambda: learn.dls
     learn.export('model.pkl')
     good = (tmp_path/'model.pkl').read_bytes()
     def boom(*a, **k): raise PermissionError(13, 'Permission denied')
@@ -258,7 +284,8 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_whole(tmp_path):
     learn = trained_learner(tmp_path)
     learn.save('ck', with_opt=True)
     good = (tmp_path/'models'/'ck.pth').read_bytes()
-    r = subprocess.run([sys.executable, '-c', KILLED_SAVE.format(tests=os.path.dirname(__file__), path=str(tmp_path))], capture_output=True, timeout=300)
+    r = subprocess.run([sys.executable, '-c', KILLED_SAVE.format(tests=os.path.dirname(__file__),
+                                                                 path=str(tmp_path))], capture_output=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-2000:]
     assert (tmp_path/'models'/'ck.pth').read_bytes() == good
     before = learner_state(learn)
@@ -284,17 +311,20 @@ def test_a_save_past_the_file_size_limit_says_so_and_keeps_the_old_file(tmp_path
     learn = trained_learner(tmp_path)
     learn.save('ck', with_opt=True)
     good = (tmp_path/'models'/'ck.pth').read_bytes()
-    r = subprocess.run([sys.executable, '-c', FSIZE_SAVE.format(tests=os.path.dirname(__file__), path=str(tmp_path))], capture_output=True, timeout=300, text=True)
+    r = subprocess.run([sys.executable, '-c', FSIZE_SAVE.format(tests=os.path.dirname(__file__), path=str(tmp_path))],
+                       capture_output=True, timeout=300, text=True)
     assert 'ERROR mixedprec: could not save' in r.stdout and 'previous file at that path (if any) is unchanged' in r.stdout, (r.stdout, r.stderr[-2000:])
     assert (tmp_path/'models'/'ck.pth').read_bytes() == good
 
-# ---------------------------------------------------------------- a property: random corruptions are all refused, and nothing changes
+# ---------------------------------------------------------------- a property: random corruptions are all refused, and
+# nothing changes
 
 def _corruptions(ck, rng):
     "A few random damages of a valid fastai checkpoint, each with its name"
     keys = [k for k in ck['model'] if ck['model'][k].is_floating_point()]
     k = rng.choice(keys)
-    scaler_fields = {'scale': [0., -1., float('inf'), float('nan'), 2.**40], 'min_scale': [0., -2.], 'factor': [1., 0.5], 'max_noskip': [0, -5],
+    scaler_fields = {'scale': [0., -1., float('inf'), float('nan'), 2.**40], 'min_scale': [0., -2.],
+                     'factor': [1., 0.5], 'max_noskip': [0, -5],
                      'max_scale': [float('inf'), 0.], 'n_steps': [-1], 'noskip': [-3]}
     field = rng.choice(sorted(scaler_fields))
     i = rng.randrange(len(ck['opt']['state']))
@@ -305,11 +335,19 @@ def _corruptions(ck, rng):
         f'drop {k}':            lambda c: c['model'].pop(k),
         f'add a key':           lambda c: c['model'].__setitem__('extra.weight', torch.zeros(3)),
         f'{k} as float64 NaN':  lambda c: c['model'].__setitem__(k, nan_at(c['model'][k].double())),
-        f'{k} reshaped':        lambda c: c['model'].__setitem__(k, c['model'][k].reshape(-1)[:-1] if c['model'][k].numel() > 1 else torch.zeros(2)),
-        f'{k} as int':          lambda c: c['model'].__setitem__(k, c['model'][k].long()) if k in ('0.weight', '0.bias', '3.weight', '3.bias') else c['model'].pop(k),
-        f'scaler {field}':      lambda c: c['opt']['mixedprec']['scaler'].__setitem__(field, rng.choice(scaler_fields[field])),
-        f'state {i} NaN':       lambda c: [c['opt']['state'][i].__setitem__(s, nan_at(c['opt']['state'][i][s])) for s in tensor_keys[:1]] or c['opt']['state'].pop(),
-        f'state {i} shape':     lambda c: [c['opt']['state'][i].__setitem__(s, torch.zeros(7)) for s in tensor_keys[:1]] or c['opt']['state'].pop(),
+        f'{k} reshaped':        lambda c: c['model'].__setitem__(k,
+                                                                 c['model'][k].reshape(-1)[:-1] if c['model'][k].numel() > 1 else torch.zeros(2)),
+        f'{k} as int':          lambda c: c[
+            'model'].__setitem__(k, c['model'][k].long()) if k in ('0.weight', '0.bias', '3.weight',
+                                                                   '3.bias') else c['model'].pop(k),
+        f'scaler {field}':      lambda c: c[
+            'opt']['mixedprec']['scaler'].__setitem__(field, rng.choice(scaler_fields[field])),
+        f'state {i} NaN':       lambda c: [
+            c['opt']['state'][i].__setitem__(s,
+                                             nan_at(
+                                                 c['opt']['state'][i][s])) for s in tensor_keys[:1]] or c['opt']['state'].pop(),
+        f'state {i} shape':     lambda c: [
+            c['opt']['state'][i].__setitem__(s, torch.zeros(7)) for s in tensor_keys[:1]] or c['opt']['state'].pop(),
         'a group less':         lambda c: c['opt']['hypers'].pop(),
     }
 
@@ -330,7 +368,8 @@ def test_random_corruptions_of_a_checkpoint_are_all_refused_and_change_nothing(t
         assert same(before, learner_state(learn)), name
     learn.load('good', with_opt=True); learn.fit(1)
 
-# ---------------------------------------------------------------- checkpoints written before the checked loads still load
+# ---------------------------------------------------------------- checkpoints written before the checked loads still
+# load
 
 OLD = os.path.join(os.path.dirname(__file__), 'data', 'checkpoints_c59eba0')    # written by mixedprec at commit c59eba0
 
@@ -339,9 +378,11 @@ def test_a_fastai_checkpoint_of_an_earlier_version_loads(tmp_path, flat):
     import shutil
     shutil.copy(os.path.join(OLD, f'learn_flat{flat}.pth'), tmp_path / 'old.pth')
     ck = torch.load(tmp_path / 'old.pth', weights_only=True)          # also with weights only
-    learn = synth_learner(mlp(), opt_func=Adam, lr=1e-2, path=tmp_path, model_dir='.').to_fp16(loss_scale=2.**8, flat_master=flat)
+    learn = synth_learner(mlp(), opt_func=Adam, lr=1e-2, path=tmp_path,
+                          model_dir='.').to_fp16(loss_scale=2.**8, flat_master=flat)
     learn.load('old', with_opt=True)
-    assert all(torch.equal(m.detach(), ck['model'][n]) for (n, _), m in zip(learn.model.named_parameters(), masters_of(learn)))
+    assert all(torch.equal(m.detach(), ck['model'][n]) for (n, _),
+               m in zip(learn.model.named_parameters(), masters_of(learn)))
     assert learn.mixed_precision.scaler.state_dict() == ck['opt']['mixedprec']['scaler']
     learn.fit(1)
 
@@ -356,10 +397,12 @@ def test_plain_pytorch_checkpoints_of_an_earlier_version_load():
     assert all(torch.equal(a, b) for a, b in zip(amp.state_dict()['masters'][0], ck['amp']['masters'][0]))
 
 def test_a_kept_mixed_precision_export_carries_no_optimizer_through_the_callback(tmp_path):
-    # the callback's state reader holds the optimizer (a wrapped torch one: its bound methods); export pickles the callback
+    # the callback's state reader holds the optimizer (a wrapped torch one: its bound methods); export pickles the
+    # callback
     from functools import partial
     from fastai.optimizer import OptimWrapper
-    learn = synth_learner(mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8)
+    learn = synth_learner(mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), lr=1e-2,
+                          path=tmp_path).to_fp16(loss_scale=2.**8)
     learn.fit(1)
     learn.dls.new_empty = lambda: learn.dls
     learn.export('kept.pkl', keep_mixed_precision=True)
@@ -369,7 +412,8 @@ def test_a_kept_mixed_precision_export_carries_no_optimizer_through_the_callback
     assert not any(isinstance(o, torch.optim.Optimizer) for o in vars(cb).values())
 
 def test_a_hand_made_state_dict_without_batchnorms_step_count_loads_as_in_torch():
-    # torch's batchnorm fills in `num_batches_tracked` for a dict without version metadata; the key check lets it, as torch does
+    # torch's batchnorm fills in `num_batches_tracked` for a dict without version metadata; the key check lets it, as
+    # torch does
     learn = synth_learner(mlp()).to_fp16()
     sd = {k: v.clone() for k, v in learn.model.state_dict().items() if not k.endswith('num_batches_tracked')}
     learn.model.load_state_dict(sd)

@@ -1,4 +1,5 @@
-"End to end on a GPU: each front end trains with the CUDA kernels, skips on overflow, matches the reference ops, and syncs as documented"
+("End to end on a GPU: each front end trains with the CUDA kernels, skips on overflow, matches the reference ops, "
+ "and syncs as documented")
 import warnings
 import pytest, torch
 from torch import nn
@@ -20,22 +21,26 @@ def deterministic():
 
 def cnn(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4)).cuda()
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(16, 4)).cuda()
 
 def batches(n=6, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 3, 8, 8, generator=g).cuda(), torch.randint(0, 4, (8,), generator=g).cuda()) for _ in range(n)]
+    return [(torch.randn(8, 3, 8, 8, generator=g).cuda(),
+             torch.randint(0, 4, (8,), generator=g).cuda()) for _ in range(n)]
 
 def make_opt(kind, params):
     return {'sgd': lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3),
             'adamw': lambda: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
             'adam': lambda: torch.optim.Adam(params, lr=1e-2)}[kind]()
 
-def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None, decide='cuda', masters='fp32', state='fp32'):
+def amp_run(impl, kind='adamw', inject_at=None, n=6, level='O2', half_dtype=None, decide='cuda', masters='fp32',
+            state='fp32'):
     "Train `cnn` with amp; returns the masters after each step and the scaler history"
     with settings(impl=impl, decide=decide):
         model = cnn()
-        model, opt = amp.initialize(model, make_opt(kind, model.parameters()), opt_level=level, verbosity=0, half_dtype=half_dtype, masters=masters,
+        model, opt = amp.initialize(model, make_opt(kind, model.parameters()), opt_level=level, verbosity=0,
+                                    half_dtype=half_dtype, masters=masters,
                                     state=state)
         snaps = []
         for i, (x, y) in enumerate(batches(n)):
@@ -52,7 +57,8 @@ def test_amp_o2_fused_matches_reference(kind):
     (ref, _, _), (fused, hist, model) = amp_run('ref', kind), amp_run('fused', kind)
     assert ops.backend(next(model.parameters())) == 'cuda'
     assert next(model.parameters()).dtype == torch.float16 and model[1].weight.dtype == torch.float32
-    # the kernels match the reference ops bit for bit (test_fused); torch's own CUDA Adam rounds differently (it multiplies
+    # the kernels match the reference ops bit for bit (test_fused); torch's own CUDA Adam rounds differently (it
+    # multiplies
     # by reciprocals), and Adam turns an ulp on a near-zero grad into a step of up to lr: bound that, and keep it rare
     lr = 0.05 if kind == 'sgd' else 1e-2
     for a, b in zip(ref[-1], fused[-1]):
@@ -71,13 +77,15 @@ def test_amp_overflow_skips_the_step_on_cuda():
 @pytest.mark.parametrize("kind", ['sgd', 'adamw'])
 def test_skip_decided_on_the_device_matches_the_host(kind):
     # the same kernels, the skip decided by the host (a sync per step) or on the device (none): bit for bit the same run
-    (h_snaps, h_hist, _), (d_snaps, d_hist, model) = (amp_run('fused', kind, inject_at=2, decide=d) for d in ('never', 'cuda'))
+    (h_snaps, h_hist, _), (d_snaps, d_hist, model) = (amp_run('fused', kind, inject_at=2,
+                                                              decide=d) for d in ('never', 'cuda'))
     assert amp._state.engines[0].on_device
     assert h_hist == d_hist and d_hist[2].skipped and d_hist[2].params == ('0.weight (inf)',)   # both name the param
     for a, b in zip(h_snaps, d_snaps):
         for x, y in zip(a, b): assert torch.equal(x, y)
     steps = [st['step'] for st in amp._state.optimizers[0].state.values() if 'step' in st]
-    assert all(s.is_cuda and s.item() == 5 for s in steps)             # Adam's counts moved beside the params, the skip not counted
+    # Adam's counts moved beside the params, the skip not counted
+    assert all(s.is_cuda and s.item() == 5 for s in steps)
 
 def test_amp_bf16_trains_on_cuda():
     snaps, hist, model = amp_run('fused', 'adamw', n=4, half_dtype='bf16')
@@ -110,7 +118,8 @@ def test_fastai_callback_trains_and_checkpoints_on_cuda(how, tmp_path):
     learn.dls.cuda()
     getattr(learn, how)()
     learn.fit(2, 1e-2)
-    assert next(learn.model.parameters()).is_cuda and all(m.is_cuda and m.dtype == torch.float32 for m in masters_of(learn))
+    assert next(
+        learn.model.parameters()).is_cuda and all(m.is_cuda and m.dtype == torch.float32 for m in masters_of(learn))
     assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] * 1.5
     learn.save('ckpt')
     before = [m.clone() for m in masters_of(learn)]
@@ -129,7 +138,8 @@ def test_8bit_state_follows_the_model_to_the_gpu(tmp_path):
     learn = synth_learner(path=tmp_path).to_bf16(masters='split', state='8bit')
     learn.fit(1, 1e-2)                                        # the codes and scales are made on the CPU
     learn.dls.cuda()
-    learn.fit(1, 1e-2)                                        # fastai moves the model to the data's device; the state follows
+    # fastai moves the model to the data's device; the state follows
+    learn.fit(1, 1e-2)
     held = [v for s in learn.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     assert held and all(t.is_cuda for t in held) and torch.int8 in {t.dtype for t in held}
     assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] * 1.5
@@ -156,8 +166,10 @@ def sync_sites(fn) -> list:
 
 @pytest.mark.parametrize("front", ['amp', 'fp16_optimizer'])
 def test_steady_state_step_makes_no_host_sync(front):
-    # the skip is decided on the device: the fused step reads the overflow flag there and the scale is updated there; the
-    # host takes each step into its books one step late, from a copy that has landed by then. Only naming the params of an
+    # the skip is decided on the device: the fused step reads the overflow flag there and the scale is updated there;
+    # the
+    # host takes each step into its books one step late, from a copy that has landed by then. Only naming the params of
+    # an
     # overflowed step reads the grads (a few syncs, in the step after it)
     model = cnn()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -171,9 +183,11 @@ def test_steady_state_step_makes_no_host_sync(front):
             with amp.scale_loss(loss, opt) as scaled: scaled.backward()
         else: opt.backward(loss)
         opt.step(); opt.zero_grad()
-    for x, y in data[:3]: step(x, y)                      # warm-up: allocations, optimizer state, the scale's device copy
+    for x, y in data[:3]:
+        step(x, y)                      # warm-up: allocations, optimizer state, the scale's device copy
     torch.cuda.synchronize()
-    sync_sites(lambda: torch.zeros(1, device='cuda').item())   # the process's first use of the debug mode may add a sync of its own
+    # the process's first use of the debug mode may add a sync of its own
+    sync_sites(lambda: torch.zeros(1, device='cuda').item())
     sites = [sync_sites(lambda: step(x, y)) for x, y in data[3:]]
     hist = list(amp.history() if front == 'amp' else opt.history)
     after_skip = [hist[i - 1].skipped for i in range(3, len(data))]
@@ -182,7 +196,8 @@ def test_steady_state_step_makes_no_host_sync(front):
     assert all(len(s) <= 6 for s in sites), sites                # naming an overflowed step's params: a few reads
 
 class SyncSites(Callback):
-    "Where each training batch syncs, from `before_batch` to `after_step` (mixedprec's hooks and the model's work; fastai's recorder syncs after that)"
+    ("Where each training batch syncs, from `before_batch` to `after_step` (mixedprec's hooks and the model's work; "
+     "fastai's recorder syncs after that)")
     order = 99
     def __init__(self): self.sites, self._cm = [], None
     def before_batch(self):
@@ -193,7 +208,8 @@ class SyncSites(Callback):
     def after_step(self):
         torch.cuda.set_sync_debug_mode(0)
         self._cm.__exit__(None, None, None)
-        self.sites.append([f"{w.filename.split('/')[-1]}:{w.lineno}" for w in self._caught if 'synchroniz' in str(w.message).lower()])
+        self.sites.append(
+            [f"{w.filename.split('/')[-1]}:{w.lineno}" for w in self._caught if 'synchroniz' in str(w.message).lower()])
 
 @pytest.mark.parametrize("opt_func", ['Adam', 'SGD'])
 def test_fastai_fused_step_makes_no_host_sync(opt_func):
@@ -210,15 +226,18 @@ def test_fastai_fused_step_makes_no_host_sync(opt_func):
             learn.dls.cuda()
             learn.to_fp16()
             sync = SyncSites()
-            sync_sites(lambda: torch.zeros(1, device='cuda').item())   # the process's first use of the debug mode may add a sync of its own
+            # the process's first use of the debug mode may add a sync of its own
+            sync_sites(lambda: torch.zeros(1, device='cuda').item())
             learn.fit_one_cycle(2, 1e-2, cbs=[sync])
         runs[where] = learn, sync.sites
     (host, host_sites), (dev, dev_sites) = runs['never'], runs['cuda']
     assert all(len(s) >= 1 for s in host_sites[3:])                     # the host decision reads the flag once a step
     hist = dev.mixed_precision.history
-    assert [r.skipped for r in hist] == [r.skipped for r in host.mixed_precision.history] and len(hist) == len(dev_sites)
+    assert [
+        r.skipped for r in hist] == [r.skipped for r in host.mixed_precision.history] and len(hist) == len(dev_sites)
     # after the warm-up, no sync; only naming the params of an overflowed step reads its grads (in the step after it)
-    assert all(not s for i, s in enumerate(dev_sites) if i >= 3 and not hist[i - 1].skipped), (dev_sites, [r.skipped for r in hist])
+    assert all(not s for i,
+               s in enumerate(dev_sites) if i >= 3 and not hist[i - 1].skipped), (dev_sites, [r.skipped for r in hist])
     for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("decide", ['never', 'cuda'])

@@ -11,7 +11,8 @@ from builds import build_emulator
 
 ROOT = pathlib.Path(__file__).parent.parent
 CSRC = ROOT / 'mixedprec' / 'csrc'
-GPU_GRID, SMALL_GRID = (1 << 16, 512), (64, 32)        # the GPU's chunk and block size; one that makes many launches and rounds
+# the GPU's chunk and block size; one that makes many launches and rounds
+GPU_GRID, SMALL_GRID = (1 << 16, 512), (64, 32)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PACK = 4                                                # elements per vector access (multi_tensor.h's kPack)
 
@@ -23,11 +24,14 @@ def emu():
     mod.set_grid(*GPU_GRID)
 
 class Emulated:
-    "The emulator behind the same methods as `ops.Kernels`, so that `ops` and the front ends run the CUDA code on CPU tensors"
+    ("The emulator behind the same methods as `ops.Kernels`, so that `ops` and the front ends run the CUDA code on "
+     "CPU tensors")
     def __init__(self, mod): self.mod = mod
     def has_cuda(self): return False
-    def scale_check(self, src, dst, scale, scale_tensor=None): return self.mod.scale_check(src, dst, scale, scale_tensor)
-    def scale_add_check(self, src, dst, scale, scale_tensor=None): return self.mod.scale_add_check(src, dst, scale, scale_tensor)
+    def scale_check(self, src, dst, scale, scale_tensor=None):
+        return self.mod.scale_check(src, dst, scale, scale_tensor)
+    def scale_add_check(self, src, dst, scale, scale_tensor=None):
+        return self.mod.scale_add_check(src, dst, scale, scale_tensor)
     def l2norm(self, tensors): return self.mod.l2norm(tensors)
     def sgd_step(self, *args): return self.mod.sgd_step(*args)
     def adam_step(self, *args): return self.mod.adam_step(*args)
@@ -73,7 +77,8 @@ SIZES = {'tiny': [1, 3, 4, 5], 'ragged': [7, 8, 9, 1023, 1024, 1025], 'two chunk
 def clone(ts): return [t.clone() for t in ts]
 
 def assert_same(a, b):
-    for x, y in zip(a, b): assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), (x, y)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), (x, y)
 
 @pytest.mark.parametrize("sizes", list(SIZES))
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -81,11 +86,13 @@ def assert_same(a, b):
 @pytest.mark.parametrize("dst_dtype", DTYPES)
 @pytest.mark.parametrize("add", [False, True])
 def test_scale_bit_exact(device, sizes, layout, src_dtype, dst_dtype, add):
-    if sizes == 'two chunks+' and (src_dtype, dst_dtype) != (torch.float16, torch.float32): pytest.skip("the large lists once, as unscale reads them")
+    if sizes == 'two chunks+' and (src_dtype, dst_dtype) != (torch.float16, torch.float32):
+        pytest.skip("the large lists once, as unscale reads them")
     src = make(SIZES[sizes], src_dtype, layout, 0, seed=1, device=device)
     dst = make(SIZES[sizes], dst_dtype, layout, 2, seed=2, device=device)
     op, ref = (ops.scale_add_check_, ops.scale_add_check_ref_) if add else (ops.scale_check_, ops.scale_check_ref_)
-    for scale in (1 / 3, torch.tensor(2. ** -7, device=device)):                      # a host number, and a scale the device computed
+    # a host number, and a scale the device computed
+    for scale in (1 / 3, torch.tensor(2. ** -7, device=device)):
         a, b = clone(dst), clone(dst)
         assert not op(src, a, scale, impl='fused').item() and not ref(src, b, scale).item()
         assert_same(a, b)
@@ -96,7 +103,8 @@ def test_nonfinite_in_a_pack_or_a_ragged_end_is_flagged(device, value, where):
     for layout in LAYOUTS:
         src = make([11, 1029], torch.float16, layout, 0, seed=3, device=device)
         src[1][where] = value
-        assert ops.scale_check_(src, make([11, 1029], torch.float32, layout, 2, seed=4, device=device), 1., impl='fused').item()
+        assert ops.scale_check_(src, make([11, 1029], torch.float32, layout, 2, seed=4, device=device), 1.,
+                                impl='fused').item()
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,8 +120,10 @@ def step_lists(sizes, mode, layout, seed, device='cpu'):
     "Masters (fp32, or bf16 with low halves or seeds), the half copy `out` (list 2), and the lists' kwargs for a step"
     if mode.startswith('fp32'):
         params = make(sizes, torch.float32, layout, 1, seed, device=device)
-        out = [] if mode == 'fp32' else make(sizes, torch.float16 if 'fp16' in mode else torch.bfloat16, layout, 2, seed + 1, device=device)
-        for o, p in zip(out, params):        # the masters' rounding, as after every write, but for every 7th element: an edit through `.data`
+        out = [] if mode == 'fp32' else make(sizes, torch.float16 if 'fp16' in mode else torch.bfloat16, layout, 2,
+                                             seed + 1, device=device)
+        # the masters' rounding, as after every write, but for every 7th element: an edit through `.data`
+        for o, p in zip(out, params):
             kept = torch.arange(o.numel(), device=device).reshape(o.shape) % 7 != 3
             o.copy_(torch.where(kept, p.to(o.dtype), o))
         return params, out, {}
@@ -130,7 +140,8 @@ def snapshot(*lists): return [t.clone() for l in lists for t in l]
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
-@pytest.mark.parametrize("momentum,nesterov,wd,decoupled", [(0., False, 0., False), (0.9, True, 1e-2, False), (0.9, False, 0.1, True)])
+@pytest.mark.parametrize("momentum,nesterov,wd,decoupled", [(0., False, 0., False), (0.9, True, 1e-2, False),
+                                                            (0.9, False, 0.1, True)])
 def test_sgd_step_bit_exact(device, mode, layout, grad_dtype, momentum, nesterov, wd, decoupled):
     sizes = SIZES['tiny'] + SIZES['ragged']
     runs = []
@@ -139,7 +150,8 @@ def test_sgd_step_bit_exact(device, mode, layout, grad_dtype, momentum, nesterov
         bufs = make(sizes, torch.float32, layout, 3, seed=11, device=device) if momentum else []
         for i in range(3):
             grads = make(sizes, grad_dtype, layout, 0, seed=20 + i, scale=256., device=device)
-            ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == 1, device=device), 1 / 256, 0.1, momentum, 0., wd, nesterov, first_run=i == 0,
+            ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == 1, device=device), 1 / 256, 0.1, momentum, 0.,
+                          wd, nesterov, first_run=i == 0,
                           decoupled=decoupled, impl=impl, **kw)
         runs.append(snapshot(params, bufs, out, kw.get('lows', [])))
     assert_same(*runs)
@@ -158,7 +170,8 @@ def test_adam_step_bit_exact(device, mode, layout, grad_dtype, decoupled, wd):
         steps = [torch.tensor([float(k)], device=device) for k in range(len(sizes))]  # a count per param, each its own
         for i in range(3):
             grads = make(sizes, grad_dtype, layout, 0, seed=40 + i, scale=1024., device=device)
-            ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1, device=device), steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, wd, decoupled, impl=impl, **kw)
+            ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1, device=device), steps, 1 / 1024, 1e-2, 0.9,
+                           0.999, 1e-8, wd, decoupled, impl=impl, **kw)
         runs.append(snapshot(params, m, v, out, kw.get('lows', []), steps))
     assert_same(*runs)
 
@@ -174,9 +187,11 @@ def test_many_tensors_over_many_launches_carry_their_state(on_emulator):
         for mode in ('fp32+fp16 copy', 'stochastic'):
             params, out, kw = step_lists(sizes, mode, 'same offset', seed=50)
             m, v = make(sizes, torch.float32, 'aligned', 3, seed=51, scale=0.1), [torch.zeros(n) for n in sizes]
-            steps = [torch.tensor([float(k)]) for k in range(len(sizes))]  # distinct: a carried tensor must not read another's
+            # distinct: a carried tensor must not read another's
+            steps = [torch.tensor([float(k)]) for k in range(len(sizes))]
             grads = make(sizes, torch.float16, 'same offset', 0, seed=52, scale=64.)
-            ops.adam_step_(grads, params, m, v, out, torch.tensor(False), steps, 1 / 64, 1e-2, 0.9, 0.999, 1e-8, 0.01, True, impl=impl, **kw)
+            ops.adam_step_(grads, params, m, v, out, torch.tensor(False), steps, 1 / 64, 1e-2, 0.9, 0.999, 1e-8, 0.01,
+                           True, impl=impl, **kw)
             runs.append(snapshot(params, m, v, out, steps) + list(ops.l2norm(grads, per_tensor=True, impl=impl)))
     for r, f in zip(runs[:2], runs[2:]):
         assert_same(r[:-2], f[:-2])
@@ -189,7 +204,8 @@ def test_aligned_lists_go_in_packs_and_ragged_ends_element_by_element(emu, n):
     emu.set_grid(*GPU_GRID)
     chunks = [(c, min(n, c + GPU_GRID[0])) for c in range(0, n, GPU_GRID[0])]
     for layout, head in [('aligned', 0), ('same offset', None), ('other offsets', -1)]:
-        src, dst = make([n], torch.float16, layout, 0, seed=1), make([n], torch.float32, layout, 1, seed=2)    # list 1: same offsets
+        # list 1: same offsets
+        src, dst = make([n], torch.float16, layout, 0, seed=1), make([n], torch.float32, layout, 1, seed=2)
         if head is None: head = (PACK - (dst[0].data_ptr() // 4) % PACK) % PACK
         emu.reset_counters()
         emu.scale_check(src, dst, 0.5, None)
@@ -206,8 +222,10 @@ def test_a_misaligned_pack_access_fails_in_the_emulation(emu):
     emu.load_pack(t, 4)
 
 def test_amp_trains_on_the_emulated_kernels_as_on_the_cpu_kernels(emu, monkeypatch):
-    # a front end end to end, its unscale, overflow skip and fused AdamW run by the CUDA code: the same run, bit for bit,
-    # as with the C++ CPU kernels (both match the references bit for bit; impl='ref' would run torch's own AdamW instead)
+    # a front end end to end, its unscale, overflow skip and fused AdamW run by the CUDA code: the same run, bit for
+    # bit,
+    # as with the C++ CPU kernels (both match the references bit for bit; impl='ref' would run torch's own AdamW
+    # instead)
     from mixedprec import amp
     from mixedprec.engine import settings
     def run():
@@ -215,7 +233,8 @@ def test_amp_trains_on_the_emulated_kernels_as_on_the_cpu_kernels(emu, monkeypat
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(10, 33), torch.nn.ReLU(), torch.nn.Linear(33, 3))
             init = [p.detach().clone() for p in model.parameters()]
-            model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), opt_level='O2',
+            model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                        opt_level='O2',
                                         half_dtype='bf16', verbosity=0)
             g = torch.Generator().manual_seed(1)
             for i in range(6):
@@ -242,17 +261,21 @@ def test_packs_compile_to_vector_instructions(tmp_path):
     # a pack is one 16-byte (fp32) or 8-byte (fp16, bf16) load or store in the PTX for sm_90, not four scalar ones
     nvcc = os.path.join(ops.find_cuda_home(), 'bin', 'nvcc')
     ptx = tmp_path / 'scale_kernels.ptx'
-    includes = [f'-I{p}' for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f'-I{CSRC}']
+    includes = [f'-I{p}' for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}",
+                                                                    f'-I{CSRC}']
     subprocess.run([nvcc, '-ptx', *ops._CUDA_FLAGS, '-std=c++20', '--expt-relaxed-constexpr', '-arch=sm_90',
-                    '-DTORCH_EXTENSION_NAME=mixedprec_ptx', *includes, str(CSRC / 'scale_kernels.cu'), '-o', str(ptx)], check=True, capture_output=True)
+                    '-DTORCH_EXTENSION_NAME=mixedprec_ptx', *includes, str(CSRC / 'scale_kernels.cu'), '-o',
+                        str(ptx)], check=True, capture_output=True)
     text = ptx.read_text()
-    for instruction in ('ld.global.v4.f32', 'st.global.v4.f32', 'ld.global.v4.u16', 'st.global.v4.u16'): assert instruction in text, instruction
+    for instruction in ('ld.global.v4.f32', 'st.global.v4.f32', 'ld.global.v4.u16', 'st.global.v4.u16'):
+        assert instruction in text, instruction
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ['sgd', 'adam'])
 def test_bf16_state_steps_bit_exact(device, mode, layout, kind):
-    "Lean optimizer state: bf16 moments, read as fp32 and rounded back stochastically, from each list's own seed and index"
+    ("Lean optimizer state: bf16 moments, read as fp32 and rounded back stochastically, from each list's own seed "
+     "and index")
     sizes = SIZES['tiny'] + SIZES['ragged']
     runs = []
     for impl in ('ref', 'fused'):
@@ -263,21 +286,26 @@ def test_bf16_state_steps_bit_exact(device, mode, layout, kind):
             grads = make(sizes, torch.float16, layout, 0, seed=60 + i, scale=1024., device=device)
             found = torch.tensor(i == 1, device=device)
             if kind == 'sgd':
-                ops.sgd_step_(grads, params, m, out, found, 1 / 1024, 0.1, 0.9, 0., 1e-2, False, first_run=False, impl=impl,
+                ops.sgd_step_(grads, params, m, out, found, 1 / 1024, 0.1, 0.9, 0., 1e-2, False, first_run=False,
+                              impl=impl,
                               state_seeds=[(900 + k + 10 * i,) for k in range(len(sizes))], **kw)
             else:
                 steps = [torch.tensor([float(k)], device=device) for k in range(len(sizes))]
-                ops.adam_step_(grads, params, m, v, out, found, steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, impl=impl,
+                ops.adam_step_(grads, params, m, v, out, found, steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, 0.1, True,
+                               impl=impl,
                                state_seeds=[(900 + k + 10 * i, 950 + k + 10 * i) for k in range(len(sizes))], **kw)
         runs.append(snapshot(params, m, v, out, kw.get('lows', [])))
     assert_same(*runs)
 
 def state8(sizes, layout, which, seed, scale, signed, device):
-    "8-bit optimizer state of `sizes`: codes laid out as `layout` says (list `which`), quantised from random values, and their scales"
+    ("8-bit optimizer state of `sizes`: codes laid out as `layout` says (list `which`), quantised from random "
+     "values, and their scales")
     codes = make(sizes, torch.int8 if signed else torch.uint8, layout, which, seed, scale=0., device=device)
     scales = []
     for c, x in zip(codes, make(sizes, torch.float32, 'aligned', which, seed, scale=scale, device=device)):
-        x = x * torch.logspace(-6, 0, x.numel(), device=device)[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(seed)).to(device)]
+        x = x * torch.logspace(
+            -6, 0, x.numel(), device=device)[torch.randperm(x.numel(),
+                                                            generator=torch.Generator().manual_seed(seed)).to(device)]
         q, s = ops.quantize8_ref(x if signed else x.abs(), None, signed)
         c.copy_(q); scales.append(s)
     return codes, scales
@@ -298,12 +326,15 @@ def test_8bit_state_steps_bit_exact(device, mode, layout, kind):
             grads = make(sizes, torch.float16, layout, 0, seed=80 + i, scale=1024., device=device)
             found = torch.tensor(i == 1, device=device)
             if kind == 'sgd':
-                ops.sgd_step_(grads, params, m, out, found, 1 / 1024, 0.1, 0.9, 0., 1e-2, False, first_run=i == 0, impl=impl,
+                ops.sgd_step_(grads, params, m, out, found, 1 / 1024, 0.1, 0.9, 0., 1e-2, False, first_run=i == 0,
+                              impl=impl,
                               state_seeds=[(900 + k + 10 * i,) for k in range(len(sizes))], state_scales=[msc], **kw)
             else:
                 steps = [torch.tensor([float(k)], device=device) for k in range(len(sizes))]
-                ops.adam_step_(grads, params, m, v, out, found, steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, impl=impl,
-                               state_seeds=[(900 + k + 10 * i, 950 + k + 10 * i) for k in range(len(sizes))], state_scales=[msc, vsc], **kw)
+                ops.adam_step_(grads, params, m, v, out, found, steps, 1 / 1024, 1e-2, 0.9, 0.999, 1e-8, 0.1, True,
+                               impl=impl,
+                               state_seeds=[(900 + k + 10 * i, 950 + k + 10 * i) for k in range(len(sizes))],
+                                   state_scales=[msc, vsc], **kw)
         runs.append(snapshot(params, m, v, msc, vsc, out, kw.get('lows', [])))
     assert_same(*runs)
 
@@ -322,5 +353,6 @@ def test_8bit_step_reads_each_input_once_in_coalesced_packs(emu, layout, packed)
                   0.1, True, [], None, torch.tensor([[1, 2]]), [*msc, *vsc])
     elements, packs, _ = emu.counters()
     n = sizes[0]
-    assert elements + PACK * packs == 9 * n               # g, master, m, v, half copy read (edits through `.data`); master, m, v, half copy written
+    # g, master, m, v, half copy read (edits through `.data`); master, m, v, half copy written
+    assert elements + PACK * packs == 9 * n
     assert (packs == 9 * n // PACK) if packed else (packs == 0)

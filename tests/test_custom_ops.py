@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from mixedprec import ops, amp
 from mixedprec.fp16_optimizer import FP16_Optimizer
+from mixedprec.engine import Stage
 
 DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
 
@@ -30,24 +31,37 @@ def test_every_op_passes_opcheck(kernels, device):
     opcheck(k['scale_add_check_'], (g16, [torch.zeros_like(m) for m in m32], 0.5, None))
     opcheck(k['l2norm'], (m32,))
     out = [m.to(g.dtype) for g, m in zip(g16, m32)]
-    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, None, []))
-    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], out, flag,
-                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, [], None, None, []))
-    hi, lo = zip(*[ops.split_bf16_ref(m) for m in m32])                       # bf16 masters: split, and stochastic rounding
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32], out, flag, 1., 0.1,
+                             0.9, 0., 1e-2, True, False, False, [], None, None, []))
+    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], [torch.zeros_like(m) for m in m32],
+                              [torch.zeros_like(m) for m in m32], out, flag,
+                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True,
+                                  [], None, None, []))
+    # bf16 masters: split, and stochastic rounding
+    hi, lo = zip(*[ops.split_bf16_ref(m) for m in m32])
     seeds = torch.arange(len(m32), dtype=torch.int64, device=device)
     for lows, sd in (([l.clone() for l in lo], None), ([], seeds)):
-        opcheck(k['sgd_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [], flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, lows, sd, None, []))
-        opcheck(k['adam_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [torch.zeros_like(m) for m in m32], [], flag,
-                                  [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2, True, lows, sd, None, []))
-    b16 = lambda: [torch.zeros_like(m, dtype=torch.bfloat16) for m in m32]                 # bf16 state, with a seed per param and state list
+        opcheck(k['sgd_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32], [], flag, 1., 0.1,
+                                 0.9, 0., 1e-2, True, False, False, lows, sd, None, []))
+        opcheck(k['adam_step_'], (g16, [h.clone() for h in hi], [torch.zeros_like(m) for m in m32],
+                                  [torch.zeros_like(m) for m in m32], [], flag,
+                                  [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9, 0.999, 1e-8, 1e-2,
+                                      True, lows, sd, None, []))
+    # bf16 state, with a seed per param and state list
+    b16 = lambda: [torch.zeros_like(m, dtype=torch.bfloat16) for m in m32]
     ss = torch.arange(2 * len(m32), dtype=torch.int64, device=device).reshape(len(m32), 2)
-    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], b16(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, ss[:, :1].contiguous(), []))
-    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], b16(), b16(), out, flag, [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9,
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], b16(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False,
+                             False, [], None, ss[:, :1].contiguous(), []))
+    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], b16(), b16(), out, flag,
+                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9,
                               0.999, 1e-8, 1e-2, True, [], None, ss, []))
-    q8 = lambda dtype=torch.int8: [torch.zeros_like(m, dtype=dtype) for m in m32]         # 8-bit state: codes, and a scale per 256 elements
+    # 8-bit state: codes, and a scale per 256 elements
+    q8 = lambda dtype=torch.int8: [torch.zeros_like(m, dtype=dtype) for m in m32]
     sc = lambda: [torch.zeros(1, device=device) for m in m32]
-    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], q8(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False, False, [], None, ss[:, :1].contiguous(), sc()))
-    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], q8(), q8(torch.uint8), out, flag, [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9,
+    opcheck(k['sgd_step_'], (g16, [m.clone() for m in m32], q8(), out, flag, 1., 0.1, 0.9, 0., 1e-2, True, False,
+                             False, [], None, ss[:, :1].contiguous(), sc()))
+    opcheck(k['adam_step_'], (g16, [m.clone() for m in m32], q8(), q8(torch.uint8), out, flag,
+                              [torch.zeros((), device=device) for _ in m32], 1., 1e-3, 0.9,
                               0.999, 1e-8, 1e-2, True, [], None, ss, sc() + sc()))
 
 def test_the_ops_live_in_the_builds_namespace(kernels):
@@ -99,18 +113,25 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state=
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0, decide='always', max_loss_scale=2.**10, state=state)
+        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0, decide='always', max_loss_scale=2.**10,
+                                    state=state)
         e = opt._mixedprec_engine
         step = torch.compile(engine.fused_opt_step, fullgraph=True) if compiled else engine.fused_opt_step
         g = torch.Generator().manual_seed(1)
         for i in range(6):
             x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-            with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * (1e6 if i == 3 else 1), opt) as s: s.backward()
+            with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * (1e6 if i == 3 else 1), opt) as s:
+                s.backward()
             if i == 0: opt.step()                              # the first step makes the optimizer state, eagerly
-            else:                                             # what `StepEngine.step` does around the kernels, the skip read on the device
-                step(opt, e.plan, e.masters, e.found, None, state); e.last_found, e.found, e.stage = e.found, None, 'stepped'; e.masters.mark_written()
+            # what `StepEngine.step` does around the kernels, the skip read on the device
+            else:
+                step(opt, e.plan, e.masters, e.found, None,
+                     state); e.last_found, e.found, e.stage = e.found, None, Stage.STEPPED; e.masters.mark_written()
             opt.zero_grad()
-        return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
+        return [
+            m.detach(
+                ).clone(
+                    ) for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
     torch._dynamo.reset()
     (eager, steps), (compiled, csteps) = run(False), run(True)
     assert steps == csteps == [5.] * 4                        # the overflowed step counted by neither
@@ -118,7 +139,8 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state=
 
 @pytest.mark.parametrize("state", ['bf16', '8bit'])
 def test_a_compiled_step_with_stochastic_rounding_says_to_compile_the_model_instead(state):
-    # the rounding seeds are host ints that change every step; dynamo would recompile for each, then overflow int64 in inductor
+    # the rounding seeds are host ints that change every step; dynamo would recompile for each, then overflow int64 in
+    # inductor
     from mixedprec import engine
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -8,7 +8,8 @@ def test_fp16_digits_matches_fp32_within_one_point():
 
 def test_summary_says_what_ran():
     s = summary(train('fp16', epochs=1, show=False))
-    for line in ('Linear float16', 'BatchNorm1d float32', 'masters:       float32', 'loss scale:', 'skipped steps:', 'implementation: cpp'):
+    for line in ('Linear float16', 'BatchNorm1d float32', 'masters:       float32', 'loss scale:', 'skipped steps:',
+                 'implementation: cpp'):
         assert line in s, s
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -37,7 +37,8 @@ def test_plot_draws_scale_and_skips():
     assert len(ax.lines) == 1 and len(ax.collections) == 1 and ax.get_yscale() == 'log'
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ['loss scale', 'skipped: overflow']
-    ax = plot_history(FP16_Optimizer(torch.optim.SGD(mlp().half().parameters(), lr=1.), verbose=False).history)   # empty is fine
+    # empty is fine
+    ax = plot_history(FP16_Optimizer(torch.optim.SGD(mlp().half().parameters(), lr=1.), verbose=False).history)
 
 def test_nan_in_the_input_batch_is_reported_as_data():
     x, y = torch.randn(64, 8), torch.randn(64, 1)
@@ -45,21 +46,29 @@ def test_nan_in_the_input_batch_is_reported_as_data():
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
     learn = Learner(dls, mlp(), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, max_bad_loss=3)
     with pytest.raises(ScalingError, match='input batch held inf or NaN'): learn.fit(1)
-    assert [r.reason for r in learn.mixed_precision.history] == ['nonfinite_input'] * 3 and learn.mixed_precision.loss_scale == 2.**8
+    assert [
+        r.reason for r in learn.mixed_precision.history] == [
+            'nonfinite_input'] * 3 and learn.mixed_precision.loss_scale == 2.**8
 
 def test_inputs_beyond_fp16s_range_are_reported_as_data_and_bf16_trains_on_them():
-    # A raw feature in the hundreds of thousands (a salary, unnormalised) becomes inf when the inputs are cast into an fp16 model
+    # A raw feature in the hundreds of thousands (a salary, unnormalised) becomes inf when the inputs are cast into an
+    # fp16 model
     torch.manual_seed(0)
     x = torch.randn(64, 8); x[:, 3] *= 1e5
     y = x[:, :3].sum(1, keepdim=True)
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
     learn = Learner(dls, mlp(), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, max_bad_loss=3)
-    with pytest.raises(ScalingError, match=r"input batch held inf or NaN .*above 65504.*cast into the half model.*`Normalize`.*bf16"):
+    with pytest.raises(ScalingError, match=r"input batch held inf or NaN .*above 65504.*cast into the half "
+                                           r"model.*`Normalize`.*bf16"):
         learn.fit(1)
-    assert [r.reason for r in learn.mixed_precision.history] == ['nonfinite_input'] * 3 and learn.mixed_precision.loss_scale == 2.**8
+    assert [
+        r.reason for r in learn.mixed_precision.history] == [
+            'nonfinite_input'] * 3 and learn.mixed_precision.loss_scale == 2.**8
     learn = Learner(dls, mlp(), loss_func=nn.MSELoss(), opt_func=SGD, lr=1e-6).to_bf16()
     learn.fit(1)
-    assert all(r.reason is None for r in learn.mixed_precision.history) and torch.isfinite(torch.tensor(learn.recorder.values[-1])).all()
+    assert all(
+        r.reason is None for r in learn.mixed_precision.history) and torch.isfinite(
+            torch.tensor(learn.recorder.values[-1])).all()
 
 def test_inf_loss_on_fp16_optimizer_and_amp_keeps_the_scale():
     model = mlp(bn=False) if False else nn.Linear(4, 1).half()
@@ -75,11 +84,13 @@ def test_inf_loss_on_fp16_optimizer_and_amp_keeps_the_scale():
 def test_persistent_overflow_at_the_floor_raises_naming_params():
     learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=4., min_scale=1., max_overflow_at_min=3)
     cb = Record(-1, before_step=lambda l: l.model[3].weight.grad.fill_(float('inf')))
-    with pytest.raises(ScalingError, match=r"minimum loss scale 1.*bf16.*keep_fp32.*3\.weight \(inf\)"): learn.fit(1, cbs=cb)
+    with pytest.raises(ScalingError, match=r"minimum loss scale 1.*bf16.*keep_fp32.*3\.weight \(inf\)"):
+        learn.fit(1, cbs=cb)
     scales = [r.scale for r in learn.mixed_precision.history]
     assert min(scales) == 1. and learn.mixed_precision.loss_scale == 1.
 
-@pytest.mark.parametrize("kw,exc,msg", [(dict(min_scale=0.), ValueError, 'min_scale'), (dict(loss_scale=-2.), ValueError, 'loss_scale'),
+@pytest.mark.parametrize("kw,exc,msg", [(dict(min_scale=0.), ValueError, 'min_scale'),
+                                        (dict(loss_scale=-2.), ValueError, 'loss_scale'),
     (dict(max_scale=8., loss_scale=16.), ValueError, 'max_scale'), (dict(max_noskip=0), ValueError, 'max_noskip'),
     (dict(clip=0.), ValueError, 'clip'), (dict(bogus=1), TypeError, 'unknown keyword')])
 def test_bad_settings_raise_at_construction(kw, exc, msg):
@@ -93,8 +104,10 @@ def test_messages_are_off_by_default_and_once_per_change_when_verbose(capsys):
     learn.fit(1, cbs=inject(1))
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0] == 'mixedprec: step 2: loss scale 256 -> 128 (overflow in 3.weight (inf))'
-    assert out[1:] == ['mixedprec: step 4: loss scale 128 -> 256 (2 clean steps)', 'mixedprec: step 6: loss scale 256 -> 512 (2 clean steps)']
-    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(dynamic=False, verbose=True)        # a static scale: skips don't flood
+    assert out[1:] == ['mixedprec: step 4: loss scale 128 -> 256 (2 clean steps)',
+                       'mixedprec: step 6: loss scale 256 -> 512 (2 clean steps)']
+    # a static scale: skips don't flood
+    learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(dynamic=False, verbose=True)
     learn.fit(1, cbs=Record(-1, before_step=lambda l: l.model[3].weight.grad.fill_(float('inf'))))
     assert len(capsys.readouterr().out.strip().splitlines()) == 1
 
@@ -108,7 +121,8 @@ def test_conversion_warns_about_underflow_and_range(monkeypatch):
     with pytest.warns(UserWarning, match='running_var'):
         bn = nn.BatchNorm1d(3); bn.running_var.fill_(1e6)
         convert.convert_model(nn.Sequential(nn.Linear(3, 3), bn), keep_fp32=())
-    convert.convert_model(nn.Sequential(nn.Linear(100, 10)), dtype=torch.bfloat16)              # bf16 has fp32's range: no warning
+    # bf16 has fp32's range: no warning
+    convert.convert_model(nn.Sequential(nn.Linear(100, 10)), dtype=torch.bfloat16)
 
 def test_table_shows_scale_and_skipped_per_epoch():
     learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=2.**8, table=True)
@@ -160,11 +174,15 @@ def test_dict_batch_and_tuple_dict_prediction():
 def test_tied_weights_and_params_already_half():
     class Tied(nn.Module):
         def __init__(self):
-            super().__init__(); self.emb = nn.Embedding(10, 8); self.out = nn.Linear(8, 10, bias=False); self.out.weight = self.emb.weight
+            super(
+                ).__init__(
+                    ); self.emb = nn.Embedding(
+                        10, 8); self.out = nn.Linear(8, 10, bias=False); self.out.weight = self.emb.weight
         def forward(self, ids): return self.out(self.emb(ids))
     ids = torch.randint(0, 10, (64,))
     dls = DataLoaders(DataLoader(TensorDataset(ids, ids), bs=16), DataLoader(TensorDataset(ids, ids), bs=16))
-    learn = Learner(dls, Tied().half(), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
+    learn = Learner(dls, Tied().half(), loss_func=nn.CrossEntropyLoss(), opt_func=Adam,
+                    lr=1e-2).to_fp16(loss_scale=2.**8)
     assert len(learn.mixed_precision.conversion.masters) == 1
     learn.fit(1)
     assert learn.model.out.weight is learn.model.emb.weight and len(learn.opt.param_lists[0]) == 1
@@ -174,10 +192,12 @@ def test_tied_weights_and_params_already_half():
 # ---------------------------------------------------------------- constants beyond the half range (attention masks)
 
 class MaskedAttention(nn.Module):
-    "Self-attention over token embeddings, its padding masked with `fill` (a number, or 'dtype' for the scores' own most negative value)"
+    ("Self-attention over token embeddings, its padding masked with `fill` (a number, or 'dtype' for the scores' own "
+     "most negative value)")
     def __init__(self, fill):
         super().__init__(); self.fill = fill
-        self.emb, self.q, self.k, self.out = nn.Embedding(20, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+        self.emb, self.q, self.k, self.out = nn.Embedding(20,
+                                                          16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
     def forward(self, toks):
         h, pad = self.emb(toks), (toks == 0)[:, None, :]
         s = self.q(h) @ self.k(h).transpose(1, 2) / 4
@@ -186,9 +206,11 @@ class MaskedAttention(nn.Module):
 
 def attention_learner(fill):
     g = torch.Generator().manual_seed(0)
-    toks = torch.randint(1, 20, (256, 8), generator=g); toks[::8] = 0                 # every 8th sequence is all padding
+    # every 8th sequence is all padding
+    toks = torch.randint(1, 20, (256, 8), generator=g); toks[::8] = 0
     y = (toks == 3).float().sum(1, keepdim=True)
-    dls = DataLoaders(DataLoader(TensorDataset(toks[:192], y[:192]), bs=32), DataLoader(TensorDataset(toks[192:], y[192:]), bs=32))
+    dls = DataLoaders(DataLoader(TensorDataset(toks[:192], y[:192]), bs=32),
+                      DataLoader(TensorDataset(toks[192:], y[192:]), bs=32))
     torch.manual_seed(0)
     learn = Learner(dls, MaskedAttention(fill), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2)
     learn.logger = lambda *a, **k: None
@@ -205,11 +227,13 @@ def test_a_mask_filled_from_the_scores_dtype_trains_in_fp16_as_in_fp32():
     "A fully masked row stays finite (a uniform softmax, as in fp32), and the run ends where fp32's does"
     ref, half = attention_learner('dtype'), attention_learner('dtype').to_fp16()
     for l in (ref, half): l.fit(2)
-    assert half.mixed_precision.scaler.n_skipped < 10 and all(r.reason in (None, 'overflow') for r in half.mixed_precision.history)
+    assert half.mixed_precision.scaler.n_skipped < 10 and all(
+        r.reason in (None, 'overflow') for r in half.mixed_precision.history)
     assert abs(half.recorder.values[-1][1] - ref.recorder.values[-1][1]) < 0.02 * ref.recorder.values[-1][1]
 
 
-# ---------------------------------------------------------------- which op overflowed: watch_overflow, and the callback's own use of it
+# ---------------------------------------------------------------- which op overflowed: watch_overflow, and the
+# callback's own use of it
 
 from mixedprec.convert import watch_overflow, convert_model
 
@@ -230,8 +254,11 @@ def test_watch_overflow_names_the_first_op_its_module_and_its_inputs(dtype):
     with watch_overflow(model) as watch: out = model(x)
     if dtype != torch.float16:
         assert watch.first is None; return                       # fp32 and bf16 hold the squares
-    assert (watch.first.op, watch.first.module, watch.first.kind, watch.first.dtype, watch.first.result) == ('pow', '1', 'NaiveRMSNorm', torch.float16, 'inf')
-    assert 300 < watch.first.input_absmax < 65504 and torch.isfinite(out).all() and not torch.allclose(out, ref, atol=0.05)   # silently wrong
+    assert (watch.first.op, watch.first.module, watch.first.kind, watch.first.dtype,
+            watch.first.result) == ('pow', '1', 'NaiveRMSNorm', torch.float16, 'inf')
+    # silently wrong
+    assert 300 < watch.first.input_absmax < 65504 and torch.isfinite(
+        out).all() and not torch.allclose(out, ref, atol=0.05)
 
 def test_watch_overflow_reports_where_it_began_not_what_it_reached():
     "The ops after the first take inf and pass it on: they are not the news"
@@ -246,7 +273,9 @@ def test_watch_overflow_raises_inside_forward_and_leaves_no_trace():
     hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
     with pytest.raises(FloatingPointError, match=r"pow in `1` \(NaiveRMSNorm\).*keep_fp32=NaiveRMSNorm") as e:
         with watch_overflow(model, raise_at_first=True): model(x)
-    assert any(f.name == 'forward' and 'test_diagnostics' in f.filename for f in __import__('traceback').extract_tb(e.value.__traceback__))
+    assert any(
+        f.name == 'forward' and 'test_diagnostics' in f.filename for f in __import__(
+            'traceback').extract_tb(e.value.__traceback__))
     assert hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
     with watch_overflow(model) as watch:
         y = torch.full((2,), 1e4, dtype=torch.float16) * 10            # outside the model's forward: not watched
@@ -255,15 +284,21 @@ def test_watch_overflow_raises_inside_forward_and_leaves_no_trace():
 
 def test_a_fastai_run_stopped_by_non_finite_losses_names_the_op_and_keeps_its_buffers():
     class Exp(nn.Module):
-        def __init__(self): super().__init__(); self.lin, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)
         def forward(self, x): return self.out(torch.exp(self.bn(self.lin(x)) * 8))
     learn = synth_learner(model=Exp()).to_fp16(max_bad_loss=3)
-    with pytest.raises(ScalingError, match=r"overflowed first at exp in the model \(Exp\): inf from finite float16 inputs.*keep_fp32=Exp"): learn.fit(1)
+    with pytest.raises(ScalingError, match=r"overflowed first at exp in the model \(Exp\): inf from finite float16 "
+                                           r"inputs.*keep_fp32=Exp"):
+        learn.fit(1)
     mp, xb = learn.mixed_precision, (torch.randn(32, 8),)
-    learn.model.train()                                                               # as in a training step: batchnorm updates its statistics
+    # as in a training step: batchnorm updates its statistics
+    learn.model.train()
     stats = [b.clone() for b in learn.model.buffers()]
     assert "exp in the model (Exp)" in mp._forward_overflow(xb)
-    assert all(torch.equal(a, b) for a, b in zip(stats, learn.model.buffers()))      # the diagnosis ran the forward in train mode, and put the statistics back
+    # the diagnosis ran the forward in train mode, and put the statistics back
+    assert all(torch.equal(a, b) for a, b in zip(stats, learn.model.buffers()))
 
 def test_watch_overflow_sees_an_in_place_op_overflow_its_own_input():
     class InPlace(nn.Module):
@@ -276,7 +311,9 @@ def test_watch_overflow_sees_an_in_place_op_overflow_its_own_input():
 def test_watch_overflow_takes_an_inf_asked_for_as_meant():
     "A causal mask filled with -inf, and torch's MultiheadAttention's own, are not overflows"
     class Causal(nn.Module):
-        def __init__(self): super().__init__(); self.q, self.mha = nn.Linear(8, 8), nn.MultiheadAttention(8, 2, batch_first=True)
+        def __init__(self):
+            super().__init__()
+            self.q, self.mha = nn.Linear(8, 8), nn.MultiheadAttention(8, 2, batch_first=True)
         def forward(self, x):
             causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
             s = (self.q(x) @ x.transpose(1, 2)).masked_fill(causal, float('-inf')).softmax(-1)
@@ -287,7 +324,8 @@ def test_watch_overflow_takes_an_inf_asked_for_as_meant():
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2, enable_nested_tensor=False)
     convert_model(enc, torch.float16, cast_io=True)
     pad = torch.zeros(3, 7, dtype=torch.bool); pad[0, 4:] = True
-    with watch_overflow(enc) as watch:                   # uninitialised memory (`empty_like` inside torch's attention) is not news either
+    # uninitialised memory (`empty_like` inside torch's attention) is not news either
+    with watch_overflow(enc) as watch:
         enc(torch.randn(3, 7, 32), src_key_padding_mask=pad)
         enc(torch.randn(3, 7, 32), mask=nn.Transformer.generate_square_subsequent_mask(7), is_causal=True)
     assert watch.first is None
@@ -312,11 +350,14 @@ def _classifier(loss_times:float, seed:int=0):
     "A 4-class MLP Learner (Adam, 33 batches an epoch) whose loss is cross-entropy times `loss_times`"
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1200, 16, generator=g); y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
-    dls = DataLoaders(DataLoader(TensorDataset(x[:1056], y[:1056]), bs=32, shuffle=True), DataLoader(TensorDataset(x[1056:], y[1056:]), bs=64))
+    dls = DataLoaders(DataLoader(TensorDataset(x[:1056], y[:1056]), bs=32, shuffle=True),
+                      DataLoader(TensorDataset(x[1056:], y[1056:]), bs=64))
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    learn = Learner(dls, model, loss_func=lambda p, t: nn.functional.cross_entropy(p, t) * loss_times, opt_func=Adam, lr=1e-3)
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    learn = Learner(dls, model, loss_func=lambda p, t: nn.functional.cross_entropy(p, t) * loss_times, opt_func=Adam,
+                    lr=1e-3)
+    learn.remove_cbs(
+        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
     return learn
 
 def test_a_short_fit_that_skips_most_steps_at_the_floor_stops_saying_what_to_do():
@@ -326,8 +367,10 @@ def test_a_short_fit_that_skips_most_steps_at_the_floor_stops_saying_what_to_do(
     with pytest.raises(ScalingError, match=r"at the minimum loss scale 1 \(on and off.*lower `min_scale`"): learn.fit(4)
     sc = learn.mixed_precision.scaler
     first_clean = next(r.step for r in sc.history if not r.skipped)
-    assert sc.n_steps - first_clean < 32 < 132 - sc.n_steps         # judged 32 steps after the first clean one, in the fit
-    learn = _classifier(5e5).to_fp16(min_scale=2.**-8)          # what the error says: the loss is beyond fp16 at scale 1
+    # judged 32 steps after the first clean one, in the fit
+    assert sc.n_steps - first_clean < 32 < 132 - sc.n_steps
+    # what the error says: the loss is beyond fp16 at scale 1
+    learn = _classifier(5e5).to_fp16(min_scale=2.**-8)
     learn.fit(4)
     assert learn.mixed_precision.scaler.n_skipped < 30
 
@@ -360,7 +403,10 @@ class _NoisyBlock(nn.Module):
         return torch.relu(h) @ (torch.eye(8) + torch.zeros(8)) + 0.01 * torch.randn(h.shape)
 
 class _NoisyNet(nn.Module):
-    def __init__(self): super().__init__(); self.body = nn.Sequential(nn.Linear(8, 8), nn.Sequential(_NoisyBlock())); self.out = nn.Linear(8, 1)
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Sequential(_NoisyBlock()))
+        self.out = nn.Linear(8, 1)
     def forward(self, x): return self.out(self.body(x))
 
 @pytest.mark.parametrize("precision", ['fp16', 'bf16'])
@@ -372,7 +418,8 @@ def test_an_fp32_tensor_made_in_forward_names_the_module_and_the_fix_that_trains
         x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
         dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
         learn = Learner(dls, _NoisyNet(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2)
-        learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+        learn.remove_cbs(
+            [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
         return getattr(learn, f'to_{precision}')(**kw) if precision else learn
     with pytest.raises(RuntimeError, match="same dtype") as e: learner().fit(1)
     note = ' '.join(getattr(e.value, '__notes__', []))

@@ -9,7 +9,8 @@ def free_port():
 
 def spawn(scenario, outdir, *args, timeout=240, world=2):
     "Run `scenario` on `world` ranks; returns each rank's results"
-    ctx = mp.start_processes(W.main, args=(world, free_port(), scenario, str(outdir), *args), nprocs=world, join=False, start_method='spawn')
+    ctx = mp.start_processes(W.main, args=(world, free_port(), scenario, str(outdir), *args), nprocs=world,
+                             join=False, start_method='spawn')
     deadline = __import__('time').monotonic() + timeout
     while not ctx.join(timeout=5):
         if __import__('time').monotonic() > deadline:
@@ -62,15 +63,20 @@ def test_fastai_callback_flat_masters_and_a_checkpoint_that_loads_in_one_process
     from fastai.learner import Learner
     from fastai.optimizer import Adam
     from torch import nn
-    learn = Learner(synth_learner().dls, W.mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=tmp_path).to_fp16(flat_master=True)
+    learn = Learner(synth_learner().dls, W.mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2,
+                    path=tmp_path).to_fp16(flat_master=True)
     learn.load('ddp', with_opt=True)
     assert learn.mixed_precision.scaler.state_dict() == r0['scaler']
-    masters = [learn.mixed_precision.conversion.masters.get(p, p).detach().reshape(-1) for p in learn.model.parameters()]
+    masters = [learn.mixed_precision.conversion.masters.get(p,
+                                                            p).detach().reshape(-1) for p in learn.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(masters, r0['masters']))
 
 def test_a_stalled_rank_is_named_after_the_agreement_timeout(tmp_path):
-    ctx = mp.start_processes(W.main, args=(2, free_port(), 'stalled_peer', str(tmp_path)), nprocs=2, join=False, start_method='spawn')
+    ctx = mp.start_processes(W.main, args=(2, free_port(), 'stalled_peer', str(tmp_path)), nprocs=2, join=False,
+                             start_method='spawn')
     for p in ctx.processes: p.join(timeout=120)
     res = torch.load(tmp_path / 'stalled_peer_rank0.pt', weights_only=False)
-    assert res['error'] and 'rank 0 of 2 waited 2 s in the overflow agreement' in res['error'] and 'set_process_group(timeout=' in res['error']
+    assert res[
+        'error'] and 'rank 0 of 2 waited 2 s in the overflow agreement' in res[
+            'error'] and 'set_process_group(timeout=' in res['error']
     assert res['waited'] < 12                                  # not the process group's 30 minutes, nor the peer's 15 s

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 from mixedprec import amp
-from mixedprec.engine import StepEngine, settings, fused_plan
+from mixedprec.engine import StepEngine, Stage, settings, fused_plan
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from helpers import synth_learner, masters_of, Record
 
@@ -61,7 +61,8 @@ def test_amp_o3_state_dict_holds_the_trained_weights():
     assert not all(torch.equal(sd[k], before[k]) for k in sd)
 
 def _add_group_run(level, mixed, impl_):
-    "Train the first layer, add the second as a new group after two steps; returns the weights (fp32 reference when not `mixed`)"
+    ("Train the first layer, add the second as a new group after two steps; returns the weights (fp32 reference when "
+     "not `mixed`)")
     model = two_layer()
     opt = torch.optim.SGD(model[0].parameters(), lr=0.05, momentum=0.9)
     if mixed: model, opt = amp.initialize(model, opt, opt_level=level, loss_scale=128., verbosity=0, impl=impl_)
@@ -112,7 +113,8 @@ def test_two_initializes_keep_their_own_scalers():
     m1, o1 = amp.initialize(m1, torch.optim.SGD(m1.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     m2, o2 = amp.initialize(m2, torch.optim.SGD(m2.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     assert o1._mixedprec_engine.amp is not o2._mixedprec_engine.amp
-    with amp.scale_loss(m1(batch(0)[0]).sum() * 1e6, o1) as s: s.backward()        # overflows: only the first initialize's scale drops
+    with amp.scale_loss(m1(batch(0)[0]).sum() * 1e6, o1) as s:
+        s.backward()        # overflows: only the first initialize's scale drops
     o1.step()
     assert o1._mixedprec_engine.amp.scalers[0].scale == 2.**15 and o2._mixedprec_engine.amp.scalers[0].scale == 2.**16
 
@@ -123,22 +125,28 @@ def test_flat_master_leaves_a_param_without_grad_unchanged():
         def forward(self, x): return self.body(x)
     from functools import partial
     from fastai.optimizer import SGD
-    for flat in (False, True):                       # momentum and weight decay would move an unused slice of a flat master
+    # momentum and weight decay would move an unused slice of a flat master
+    for flat in (False, True):
         learn = synth_learner(TwoHeads(), opt_func=partial(SGD, mom=0.9), lr=0.1, wd=0.1).to_fp16(flat_master=flat)
         before = [p.detach().clone() for p in learn.model.unused.parameters()]
         learn.fit(2)
         assert all(torch.equal(p.detach(), b) for p, b in zip(learn.model.unused.parameters(), before)), flat
         assert not torch.equal(learn.model.body.weight.detach().float(), before[0].float())
 
-# ---- apex's suite: several models, optimizers and losses --------------------------------------------------------------
+# ---- apex's suite: several models, optimizers and losses
+# --------------------------------------------------------------
 
 def _multi_run(level, mixed, inject, impl_=None):
-    "Two models, two optimizers, three losses (the third reaches both); an inf in loss `inject[1]`'s backward at iteration `inject[0]`"
+    ("Two models, two optimizers, three losses (the third reaches both); an inf in loss `inject[1]`'s backward at "
+     "iteration `inject[0]`")
     m0, m1 = two_layer(0), two_layer(1)
     o0 = torch.optim.SGD(m0.parameters(), lr=0.05, momentum=0.9)
-    # O3 keeps no masters: Adam's eps (1e-8) underflows in fp16 weights' state and turns them NaN, as in apex, so SGD there
+    # O3 keeps no masters: Adam's eps (1e-8) underflows in fp16 weights' state and turns them NaN, as in apex, so SGD
+    # there
     o1 = torch.optim.Adam(m1.parameters(), lr=1e-2) if level != 'O3' else torch.optim.SGD(m1.parameters(), lr=0.05)
-    if mixed: [m0, m1], [o0, o1] = amp.initialize([m0, m1], [o0, o1], opt_level=level, num_losses=3, loss_scale=128., verbosity=0, impl=impl_)
+    if mixed:
+        [m0, m1], [o0, o1] = amp.initialize([m0, m1], [o0, o1], opt_level=level, num_losses=3, loss_scale=128.,
+                                            verbosity=0, impl=impl_)
     for i in range(6):
         x, y = batch(i)
         losses = [nn.functional.mse_loss(m0(x).float(), y), nn.functional.mse_loss(m1(x).float(), y),
@@ -169,7 +177,8 @@ def test_multiple_models_optimizers_losses_match_fp32_with_the_same_skips(level,
     tol = dict(rtol=0, atol=0) if level == 'O0' else dict(rtol=5e-2, atol=5e-2)
     for a, b in zip(ref, got): torch.testing.assert_close(b, a, **tol)
 
-# ---- checkpoints resume bit for bit ------------------------------------------------------------------------------------
+# ---- checkpoints resume bit for bit
+# ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("level", ['O1', 'O2', 'O3'])
 def test_amp_checkpoint_resumes_exactly(level, tmp_path, decide):
@@ -196,7 +205,8 @@ def test_amp_checkpoint_resumes_exactly(level, tmp_path, decide):
 def test_fp16_optimizer_checkpoint_resumes_exactly(tmp_path, decide):
     def make():
         m = two_layer().half()
-        return m, FP16_Optimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), dynamic_loss_scale=True, verbose=False)
+        return m, FP16_Optimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), dynamic_loss_scale=True,
+                                 verbose=False)
     def train(m, o, steps):
         for i in steps:
             x, y = batch(i)
@@ -211,15 +221,24 @@ def test_fp16_optimizer_checkpoint_resumes_exactly(tmp_path, decide):
     for a, b in zip(m.parameters(), m2.parameters()): assert torch.equal(a, b)
     assert [r.skipped for r in o2.history] == [False, False, True, False]
 
-# ---- torch's grad-scaling cases, through FP16_Optimizer and amp O2, against fp32 ----------------------------------------
+# ---- torch's grad-scaling cases, through FP16_Optimizer and amp O2, against fp32
+# ----------------------------------------
 
 def _scaling_case(front, mode, mixed, skip_at=3):
-    "One of torch's `_run_scaling_case` shapes: 'plain', 'clip' (clip the unscaled grads), 'accumulate' (two backwards per step)"
+    ("One of torch's `_run_scaling_case` shapes: 'plain', 'clip' (clip the unscaled grads), 'accumulate' (two "
+     "backwards per step)")
     model = two_layer()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    if mixed and front == 'amp': model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale='dynamic', verbosity=0)
-    if mixed and front == 'fp16': model = model.half(); opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), dynamic_loss_scale=True, verbose=False)
-    params = lambda: list(amp.master_params(opt)) if front == 'amp' and mixed else opt.optimizer.param_groups[0]['params'] if mixed else list(model.parameters())
+    if mixed and front == 'amp':
+        model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale='dynamic', verbosity=0)
+    if mixed and front == 'fp16':
+        model = model.half()
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), dynamic_loss_scale=True,
+                             verbose=False)
+    params = lambda: list(
+        amp.master_params(
+            opt)) if front == 'amp' and mixed else opt.optimizer.param_groups[
+                0]['params'] if mixed else list(model.parameters())
     for i in range(6):
         parts = [batch(i)] if mode != 'accumulate' else [batch(10 + 2 * i), batch(11 + 2 * i)]
         bad = i == skip_at
@@ -252,9 +271,11 @@ def test_step_hooks_and_a_scheduler_see_the_engine_step(decide):
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)      # created after initialize
     calls = []
-    opt.register_step_pre_hook(lambda o, a, k: calls.append('pre')); opt.register_step_post_hook(lambda o, a, k: calls.append('post'))
+    opt.register_step_pre_hook(
+        lambda o, a, k: calls.append('pre')); opt.register_step_post_hook(lambda o, a, k: calls.append('post'))
     from torch.optim.optimizer import register_optimizer_step_pre_hook, register_optimizer_step_post_hook
-    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append('global pre')),      # every optimizer's, as torch runs them
+    # every optimizer's, as torch runs them
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append('global pre')),
                register_optimizer_step_post_hook(lambda o, a, k: calls.append('global post'))]
     import warnings
     try:
@@ -274,7 +295,8 @@ def test_a_second_step_without_a_backward_changes_nothing(front, impl):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
     else:
-        model = model.half(); opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), verbose=False)
+        model = model.half(); opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                   verbose=False)
     x, y = batch(0)
     loss = nn.functional.mse_loss(model(x.half() if front == 'fp16' else x).float(), y)
     if front == 'amp':
@@ -293,18 +315,19 @@ def test_the_step_protocol_has_one_stage_and_a_clip_out_of_order_is_refused_by_n
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
     e, seen = opt.engine, []
     seen.append(e.stage)
-    with pytest.raises(RuntimeError, match="clipping needs the unscaled grads of a pending step, and the step protocol is at stage 'ready'"):
+    with pytest.raises(RuntimeError, match="clipping needs the unscaled grads of a pending step, and the step "
+                                           "protocol is at stage READY"):
         opt.clip_master_grads(1.)
     opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean(), update_master_grads=False); seen.append(e.stage)
     opt.update_master_grads(); seen.append(e.stage)
     opt.clip_master_grads(1.)
     opt.step(); seen.append(e.stage)
-    with pytest.raises(RuntimeError, match="stage 'stepped'"): opt.clip_master_grads(1.)
+    with pytest.raises(RuntimeError, match="stage STEPPED"): opt.clip_master_grads(1.)
     opt.zero_grad(); seen.append(e.stage)
-    assert seen == ['ready', 'scaled', 'unscaled', 'stepped', 'ready']
+    assert seen == [Stage.READY, Stage.SCALED, Stage.UNSCALED, Stage.STEPPED, Stage.READY]
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O2', verbosity=0)
-    with pytest.raises(RuntimeError, match="stage 'ready'"): amp.clip_grad_norm_(opt, 1.)
+    with pytest.raises(RuntimeError, match="stage READY"): amp.clip_grad_norm_(opt, 1.)
     with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as s: s.backward()
     assert amp.clip_grad_norm_(opt, 1e-3) > 1e-3                        # the norm before clipping
     opt.step()
@@ -336,11 +359,16 @@ def test_attach_then_detach_gives_the_optimizer_back_its_params_and_state(make_o
     model, opt, conv = _stepped_once(make_opt)
     adapter = adapter_for(opt)
     params = list(model.parameters())
-    before = {id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for state in adapter.states() for p, st in state.items()}
+    before = {
+        id(p): {k: v.clone() for k, v in st.items() if isinstance(v,
+                                                                  torch.Tensor)} for state in adapter.states() for p,
+                                                                      st in state.items()}
     assert before, "the fp32 step made state"
     e = StepEngine.attach(opt, conv.masters, flat=flat)
     held = [p for g in adapter.groups() for p in g]
-    assert not any(p is q for p in held for q in params if q.dtype == torch.float16), "the optimizer holds masters, not the half params"
+    assert not any(
+        p is q for p in held for q in params
+            if q.dtype == torch.float16), "the optimizer holds masters, not the half params"
     assert any(p in state for state in adapter.states() for p in held), "the state moved onto the masters"
     e.detach()
     assert [p for g in adapter.groups() for p in g] == params
@@ -356,25 +384,27 @@ def test_an_optimizer_of_no_known_family_is_refused_by_name():
     with pytest.raises(TypeError, match="Mine.*ADAPTERS"): adapter_for(Mine())
 
 def test_a_second_unscale_without_a_backward_is_refused_by_name_and_the_books_count_one_step():
-    "The stage is the engine's one state: an unscale needs a scaled backward since the last one (it used to advance the scaler twice); FP16_Optimizer's `update_master_grads()` after its `backward` changes nothing, as in apex"
+    ("The stage is the engine's one state: an unscale needs a scaled backward since the last one (it used to advance "
+     "the scaler twice); FP16_Optimizer's `update_master_grads()` after its `backward` changes nothing, as in apex")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
     opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean())
-    with pytest.raises(RuntimeError, match=r"stage 'unscaled': the grads were unscaled already"): opt.engine.unscale()
+    with pytest.raises(RuntimeError, match=r"stage UNSCALED: the grads were unscaled already"): opt.engine.unscale()
     opt.update_master_grads()
     opt.step()
     assert len(opt.history) == 1
 
 def test_clearing_grads_drops_the_pending_decision_with_them():
-    "An overflowed backward, then zero_grad, then a clean backward: the step is taken (the skip judged grads that are gone)"
+    ("An overflowed backward, then zero_grad, then a clean backward: the step is taken (the skip judged grads that "
+     "are gone)")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
     opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean() * 1e30)      # overflows
     assert opt.engine.must_skip()
     opt.zero_grad()
-    assert opt.engine.stage == 'ready'
+    assert opt.engine.stage == Stage.READY
     opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean())
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()

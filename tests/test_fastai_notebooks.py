@@ -33,10 +33,12 @@ def one_d_learner(precision=None, mom=0., **kw):
     from torch.utils.data import TensorDataset
     g = torch.Generator().manual_seed(0)
     x = torch.randn(160, 1, generator=g); y = 2 * x + 3 + 0.1 * torch.randn(160, 1, generator=g)
-    dls = DataLoaders(DataLoader(TensorDataset(x[:128], y[:128]), bs=16), DataLoader(TensorDataset(x[128:], y[128:]), bs=16))
+    dls = DataLoaders(DataLoader(TensorDataset(x[:128], y[:128]), bs=16),
+                      DataLoader(TensorDataset(x[128:], y[128:]), bs=16))
     learn = Learner(dls, two_linears(), loss_func=nn.MSELoss(), opt_func=partial(SGD, mom=mom), lr=1e-2,
                     splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    learn.remove_cbs(
+        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
     if precision == 'fp16': learn.to_fp16(**kw)
     elif precision == 'bf16': learn.to_bf16(**kw)
     return learn
@@ -64,7 +66,8 @@ def test_static_scale_stays_and_the_model_trains():
 def test_freeze_then_create_opt_trains_the_second_group_only(precision):
     # fastai: to_fp16(); freeze(); create_opt(); fit(3): the frozen group has no momentum state and does not move;
     # the second group has its grad_avg, and trains as in fp32
-    ref, learn = one_d_learner(mom=0.9), one_d_learner(precision, mom=0.9, **({'loss_scale': 2.**8} if precision == 'fp16' else {}))
+    ref, learn = one_d_learner(mom=0.9), one_d_learner(precision, mom=0.9,
+                                                       **({'loss_scale': 2.**8} if precision == 'fp16' else {}))
     for l in (ref, learn): l.freeze(); l.create_opt()
     before = weights(learn)
     ref.fit(3); learn.fit(3)
@@ -85,17 +88,21 @@ def test_to_fp32_after_a_fit_leaves_fp32_weights_equal_to_the_masters():
     learn.fit(1)
 
 # ---------------------------------------------------------------- 18_callback.fp16, cell by cell as fastai wrote them
-# fastai's cells run `NonNativeMixedPrecision` on CUDA; here `to_fp16()`/`to_bf16()` on the CPU, with these differences of
+# fastai's cells run `NonNativeMixedPrecision` on CUDA; here `to_fp16()`/`to_bf16()` on the CPU, with these differences
+# of
 # design, each marked where it applies: the model is converted at `to_fp16()`, not at `before_fit` (so the cells set the
-# model before the call), it stays half until `to_fp32()`, and inputs are cast inside the model (callbacks see fp32 `x`).
+# model before the call), it stays half until `to_fp32()`, and inputs are cast inside the model (callbacks see fp32
+# `x`).
 # Each numeric check is fastai's, at bf16's precision (eps x10) where fastai's eps is fp16's.
 
 class TestBeforeMixedPrecision(Callback):
     __test__ = False
     order = -55
-    def before_fit(self): assert first_param(self.model).dtype == self.mixed_precision.dtype    # ours: half since to_fp16()
+    def before_fit(self):
+        assert first_param(self.model).dtype == self.mixed_precision.dtype    # ours: half since to_fp16()
     def before_batch(self): test_eq(self.x.dtype, torch.float32)
-    def after_pred(self): test_eq(self.pred.dtype, torch.float32)                  # ours: the model's output hook casts it
+    def after_pred(self):
+        test_eq(self.pred.dtype, torch.float32)                  # ours: the model's output hook casts it
     def after_loss(self): self.tst_loss = self.learn.loss_grad.detach().clone()
     def before_step(self):
         self.learn.has_overflown = grad_overflow(self.mixed_precision.model_pgs)
@@ -108,7 +115,8 @@ class TestAfterMixedPrecision(Callback):
     order = 65
     def __init__(self, eps=1e-3): self.eps, self.checked = eps, 0
     def before_fit(self): test_eq(first_param(self.model).dtype, self.mixed_precision.dtype)
-    def after_fit(self): test_eq(first_param(self.model).dtype, self.mixed_precision.dtype)  # ours: half until to_fp32()
+    def after_fit(self):
+        test_eq(first_param(self.model).dtype, self.mixed_precision.dtype)  # ours: half until to_fp32()
     def before_batch(self): test_eq(self.x.dtype, torch.float32)                   # ours: cast inside the model
     def after_pred(self): test_eq(self.pred.dtype, torch.float32)
     def before_backward(self):
@@ -124,7 +132,8 @@ class TestAfterMixedPrecision(Callback):
         if self.has_overflown: return
         tbmp, mp = self.test_before_mixed_precision, self.mixed_precision
         # Test master params have been copied to model
-        test_close(sum([[p.data for p in pg] for pg in mp.master_pgs], []), [p.data.float() for p in self.model.parameters()], eps=self.eps)
+        test_close(sum([[p.data for p in pg] for pg in mp.master_pgs], []),
+                   [p.data.float() for p in self.model.parameters()], eps=self.eps)
         # Test update has been done properly
         for p, g, op in zip(self.model.parameters(), tbmp.grads, tbmp.old_params):
             test_close(p.data.float(), op.float() - self.lr * g.float() / mp.loss_scale, eps=self.eps)
@@ -142,7 +151,8 @@ def fastai_cell_learner(precision, mom=0., **kw):
     learn.model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
     learn.opt_func = partial(SGD, mom=mom)
     learn.splitter = lambda m: [list(m[0].parameters()), list(m[1].parameters())]
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    learn.remove_cbs(
+        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
     return learn.to_fp16(**kw) if precision == 'fp16' else learn.to_bf16(**kw)
 
 class CountCancels(Callback):
@@ -153,7 +163,8 @@ class CountCancels(Callback):
 
 @pytest.mark.parametrize("precision", ['fp16', 'bf16'])
 def test_fastai_fp16_cell_dynamic_scale(precision):
-    # fastai's NonNativeMixedPrecision starts its dynamic scale at 2**24: ours is told the same, so the first steps overflow
+    # fastai's NonNativeMixedPrecision starts its dynamic scale at 2**24: ours is told the same, so the first steps
+    # overflow
     torch.manual_seed(0)
     # bf16 has fp32's range: it does not overflow at 2**24, so its scale starts below the cap (and stays)
     kw = dict(loss_scale=2.**24) if precision == 'fp16' else dict(loss_scale=2.**20, dynamic=True)
@@ -212,7 +223,8 @@ def test_a_step_after_the_fit_moves_the_half_model(precision):
     assert not all(torch.equal(a, p.detach()) for a, p in zip(before, learn.model.parameters()))
     for p, m in zip(learn.model.parameters(), masters): test_eq(p.detach(), m.detach().to(p.dtype))
 
-# ---------------------------------------------------------------- 18a_callback.training: one callback, two Learners in turn
+# ---------------------------------------------------------------- 18a_callback.training: one callback, two Learners in
+# turn
 
 class GetGrads(Callback):
     run_valid, order = False, GradientAccumulation.order + 1
@@ -222,7 +234,8 @@ def _test_acc(bs, n, cbs=None, cuda=False):
     with no_random(99):
         db = synth_dbunch(bs=bs, n_train=n, n_valid=n, cuda=cuda)
         learn = fastai_synth_learner(data=db, cbs=[GetGrads] + L(cbs))
-        learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+        learn.remove_cbs(
+            [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
         learn.fit(1, lr=0.01)
         train, valid = learn.recorder.values[-1]
         return train, valid, learn.get_grads.grads, learn
@@ -269,7 +282,8 @@ def test_bn_freeze_keeps_running_statistics_in_mixed_precision():
     def run(precision, bn_freeze):
         torch.manual_seed(0)
         body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
-        learn = synth_learner(nn.Sequential(body, nn.Linear(16, 1)), train_bn=False, splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
+        learn = synth_learner(nn.Sequential(body, nn.Linear(16, 1)), train_bn=False,
+                              splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
         if precision: learn.to_fp16(loss_scale=2.**8)
         learn.freeze()
         learn.fit(1, cbs=BnFreeze() if bn_freeze else [])
@@ -293,14 +307,16 @@ def test_reduce_lr_on_plateau_reads_the_unscaled_loss():
     ref, learn = synth_learner(), synth_learner().to_fp16(loss_scale=2.**10)
     lrs = []
     for l in (ref, learn):
-        l.fit(4, 1e-2, cbs=ReduceLROnPlateau(monitor='valid_loss', min_delta=10., patience=1)); lrs.append(l.opt.hypers[-1]['lr'])
+        l.fit(4, 1e-2, cbs=ReduceLROnPlateau(monitor='valid_loss', min_delta=10.,
+                                             patience=1)); lrs.append(l.opt.hypers[-1]['lr'])
     assert lrs[0] == lrs[1] < 1e-2                                   # the same decisions as in fp32
 
 # ---------------------------------------------------------------- 14_callback.schedule
 
 @pytest.mark.parametrize("fit", ['fit_one_cycle', 'fit_flat_cos', 'fit_sgdr'])
 def test_schedules_set_the_same_hypers_as_in_fp32(fit):
-    ref, learn = synth_learner(opt_func=partial(SGD, mom=0.9)), synth_learner(opt_func=partial(SGD, mom=0.9)).to_fp16(loss_scale=2.**8)
+    ref, learn = synth_learner(
+        opt_func=partial(SGD, mom=0.9)), synth_learner(opt_func=partial(SGD, mom=0.9)).to_fp16(loss_scale=2.**8)
     seen = [[], []]
     for l, s in zip((ref, learn), seen):
         rec = RecordHypers(s)
@@ -312,7 +328,8 @@ def test_schedules_set_the_same_hypers_as_in_fp32(fit):
 class RecordHypers(Callback):
     order = MixedPrecision.order + 1
     def __init__(self, seen): self.seen = seen
-    def before_step(self): self.seen.append((round(self.opt.hypers[-1]['lr'], 12), round(self.opt.hypers[-1]['mom'], 12)))
+    def before_step(self):
+        self.seen.append((round(self.opt.hypers[-1]['lr'], 12), round(self.opt.hypers[-1]['mom'], 12)))
 
 # ---------------------------------------------------------------- 18b_callback.preds
 

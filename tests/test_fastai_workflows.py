@@ -2,7 +2,8 @@
 import warnings
 import numpy as np, pandas as pd
 import pytest, torch
-pytestmark = pytest.mark.usefixtures("decide")       # every test with the skip decided on the host and on the device (fastai's Adam/SGD fused)
+# every test with the skip decided on the host and on the device (fastai's Adam/SGD fused)
+pytestmark = pytest.mark.usefixtures("decide")
 from torch import nn
 from fastai.learner import Learner, load_learner
 from fastai.optimizer import SGD, Adam
@@ -27,16 +28,20 @@ def same(a, b): return len(a) == len(b) and all(torch.equal(x, y) for x, y in zi
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_checkpoint_resume_is_bit_identical(tmp_path, flat):
-    full = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8, max_noskip=3, flat_master=flat)
+    full = synth_learner(opt_func=Adam, lr=1e-2,
+                         path=tmp_path).to_fp16(loss_scale=2.**8, max_noskip=3, flat_master=flat)
     full.fit(2)
-    part = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8, max_noskip=3, flat_master=flat)
+    part = synth_learner(opt_func=Adam, lr=1e-2,
+                         path=tmp_path).to_fp16(loss_scale=2.**8, max_noskip=3, flat_master=flat)
     part.fit(1)
     part.save('mid', with_opt=True)
-    resumed = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path, seed=123).to_fp16(loss_scale=2.**8, max_noskip=3, flat_master=flat)
+    resumed = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path,
+                            seed=123).to_fp16(loss_scale=2.**8, max_noskip=3, flat_master=flat)
     resumed.load('mid', with_opt=True)
     assert resumed.mixed_precision.scaler.state_dict() == part.mixed_precision.scaler.state_dict()
     resumed.fit(1)
-    assert same(params(resumed), params(full)) and same([m.detach() for m in masters_of(resumed)], [m.detach() for m in masters_of(full)])
+    assert same(params(resumed), params(full)) and same([m.detach() for m in masters_of(resumed)],
+                                                        [m.detach() for m in masters_of(full)])
     assert resumed.mixed_precision.scaler.state_dict() == full.mixed_precision.scaler.state_dict()
 
 def test_checkpoint_holds_fp32_masters_and_loads_weights_only(tmp_path):
@@ -55,7 +60,8 @@ def test_fp32_and_fp16_checkpoints_load_both_ways(tmp_path):
     fp32.fit(1); fp32.save('f32', with_opt=True)
     half = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path, seed=5).to_fp16()
     with warnings.catch_warnings():
-        warnings.filterwarnings('error', message='Could not load')     # fastai turns optimizer-load errors into warnings
+        # fastai turns optimizer-load errors into warnings
+        warnings.filterwarnings('error', message='Could not load')
         half.load('f32', with_opt=True)
     assert same([m.detach() for m in masters_of(half)], params(fp32))
     assert 'grad_avg' in half.opt.state[half.opt.param_lists[0][0]]
@@ -85,7 +91,8 @@ def digits_df():
 @pytest.fixture(scope='module')
 def tabular(tmp_path_factory):
     df = digits_df()
-    dls = TabularDataLoaders.from_df(df, path=tmp_path_factory.mktemp('tab'), procs=[Categorify], cat_names=['quad'], cont_names=[f'p{i}' for i in range(64)],
+    dls = TabularDataLoaders.from_df(df, path=tmp_path_factory.mktemp('tab'), procs=[Categorify], cat_names=['quad'],
+                                     cont_names=[f'p{i}' for i in range(64)],
                                      y_names='y', y_block=CategoryBlock, bs=64, valid_idx=list(range(1500, 1797)))
     return df, dls
 
@@ -109,16 +116,21 @@ def test_tabular_train_inference_interpretation_and_export(tabular):
     # plain fastai loads it: mixedprec is never imported in the serving process, and the file holds no masters
     import subprocess, sys
     probe = ("import sys; from fastai.learner import load_learner; l = load_learner(sys.argv[1]); "
-             "print(sorted({str(p.dtype) for p in l.model.parameters()}), any(m.startswith('mixedprec') for m in sys.modules))")
-    out = subprocess.run([sys.executable, '-c', probe, str(learn.path/'export.pkl')], capture_output=True, text=True, timeout=300)
+             "print(sorted({str(p.dtype) for p in l.model.parameters()}), any(m.startswith('mixedprec') for m in "
+             "sys.modules))")
+    out = subprocess.run([sys.executable, '-c', probe, str(learn.path/'export.pkl')], capture_output=True, text=True,
+                         timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "['torch.float32'] False", out.stderr[-2000:]
     learn.export('kept.pkl', keep_mixed_precision=True)
     assert (learn.path/'export.pkl').stat().st_size < (learn.path/'kept.pkl').stat().st_size
     learn.add_cb(ChannelsLast())
-    learn.export('kept_cl.pkl', keep_mixed_precision=True)                # fastai's load_learner leaves by to_contiguous(to_fp32=True)
+    # fastai's load_learner leaves by to_contiguous(to_fp32=True)
+    learn.export('kept_cl.pkl', keep_mixed_precision=True)
     for f in ('kept.pkl', 'kept_cl.pkl'):
         back = load_learner(learn.path/f)
-        assert not any(isinstance(c, MixedPrecision) for c in back.cbs) and all(p.dtype == torch.float32 for p in back.model.parameters()), f
+        assert not any(isinstance(c,
+                                  MixedPrecision) for c in back.cbs) and all(
+                                      p.dtype == torch.float32 for p in back.model.parameters()), f
         assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), back.model.parameters()))
     assert loaded.predict(df.iloc[0])[2].dtype == torch.float32
     assert loaded.get_preds(dl=loaded.dls.test_dl(df.iloc[:10]))[0].dtype == torch.float32
@@ -162,7 +174,8 @@ def test_cutmix_on_tiny_images():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 2, (32,), generator=g)
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=Adam, lr=1e-2).to_bf16()
     with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=CutMix())
     assert learn.mixed_precision.scaler.n_steps == 2 and model[0].weight.dtype == torch.bfloat16
@@ -171,7 +184,8 @@ class TextModel(nn.Module):
     "Embedding, LayerNorm and an LSTM"
     def __init__(self):
         super().__init__()
-        self.emb, self.norm, self.lstm, self.head = nn.Embedding(50, 16), nn.LayerNorm(16), nn.LSTM(16, 16, batch_first=True), nn.Linear(16, 2)
+        self.emb, self.norm, self.lstm, self.head = nn.Embedding(
+            50, 16), nn.LayerNorm(16), nn.LSTM(16, 16, batch_first=True), nn.Linear(16, 2)
     def forward(self, ids):
         out, _ = self.lstm(self.norm(self.emb(ids)))
         return self.head(out[:, -1])
@@ -220,19 +234,23 @@ def test_model_without_float_params_warns():
     class Ids(nn.Module):
         def __init__(self): super().__init__(); self.register_buffer('table', torch.arange(3))
         def forward(self, x): return x
-    with pytest.warns(UserWarning, match='nothing in the model is converted .it has no float params or buffers., so mixed precision changes nothing'):
+    with pytest.warns(UserWarning, match='nothing in the model is converted .it has no float params or buffers., so '
+                                         'mixed precision changes nothing'):
         learn = synth_learner(model=nn.Sequential(Ids(), nn.Flatten())).to_fp16()
-    assert not learn.model._forward_pre_hooks and learn.model[0].table.dtype == torch.int64      # no cast hooks left, the ids untouched
+    # no cast hooks left, the ids untouched
+    assert not learn.model._forward_pre_hooks and learn.model[0].table.dtype == torch.int64
 
 def test_tta_on_a_tiny_image_learner():
     from fastai.vision.all import DataBlock, ImageBlock, CategoryBlock, PILImage, RandomSplitter, Flip
     g = np.random.default_rng(0)
     imgs = (g.random((48, 16, 16, 3)) * 255).astype(np.uint8)
     labels = [str(i % 2) for i in range(48)]
-    dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=lambda i: PILImage.create(imgs[i]), get_y=lambda i: labels[i],
+    dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=lambda i: PILImage.create(imgs[i]),
+                       get_y=lambda i: labels[i],
                        splitter=RandomSplitter(seed=0), batch_tfms=[Flip()])
     dls = dblock.dataloaders(list(range(48)), bs=8)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy).to_fp16(loss_scale=2.**8)
     with learn.no_bar(), learn.no_logging():
         learn.fit(1)
@@ -255,10 +273,12 @@ def test_optim_wrapper_checkpoint_keeps_torch_state(tmp_path):
     fresh.fit(1); learn.fit(1)
     assert same(params(fresh), params(learn))
     assert fresh.mixed_precision.scaler.state_dict() == learn.mixed_precision.scaler.state_dict()
-    plain = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path, seed=4)   # plain fastai fp32 loads it (torch ignores the scaler's key)
+    # plain fastai fp32 loads it (torch ignores the scaler's key)
+    plain = synth_learner(opt_func=opt_func, lr=1e-2, path=tmp_path, seed=4)
     with warnings.catch_warnings():
         warnings.filterwarnings('error', message='Could not load')
         plain.load('ow', with_opt=True)
     saved = torch.load(f, weights_only=True)['model']
-    assert all(torch.equal(plain.model.state_dict()[k], v) for k, v in saved.items()) and saved['0.weight'].dtype == torch.float32
+    assert all(torch.equal(plain.model.state_dict()[k], v) for k,
+               v in saved.items()) and saved['0.weight'].dtype == torch.float32
     assert len(plain.opt.opt.state) == 6 and all('exp_avg' in st for st in plain.opt.opt.state.values())

@@ -33,7 +33,10 @@ def trained_fp16(n_out):
     model = half_net(n_out).half()
     opt = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True, verbose=False)
     for _ in range(2):
-        opt.zero_grad(); opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean() * (1e6 if _ == 0 else 1)); opt.step()
+        opt.zero_grad(); opt.backward(model(torch.randn(8,
+                                                        4).half(
+                                                            )).float(
+                                                                ).pow(2).mean() * (1e6 if _ == 0 else 1)); opt.step()
     return model, opt
 
 @pytest.mark.parametrize("src,dst", [(1, 2), (2, 1)])
@@ -70,7 +73,8 @@ def test_fastai_load_of_another_models_checkpoint_changes_nothing(tmp_path):
     fastai_learner(2, tmp_path).save('other', with_opt=True)
     learn = fastai_learner(1, tmp_path)
     mp = learn.mixed_precision
-    state = lambda: snapshot([m for m in masters_of(learn)], [p for p in learn.model.parameters()], mp.scaler.state_dict(), learn.opt.state_dict())
+    state = lambda: snapshot([m for m in masters_of(learn)], [p for p in learn.model.parameters()],
+                             mp.scaler.state_dict(), learn.opt.state_dict())
     before = state()
     with pytest.raises(RuntimeError, match='size mismatch'): learn.load('other', with_opt=True)
     assert same(before, state())
@@ -93,11 +97,13 @@ class BoomInStep:
 
 def _rmsprop_boom(params, lr, **kw):
     from fastai.optimizer import Optimizer, rms_prop_step, average_sqr_grad, weight_decay
-    return Optimizer(params, [weight_decay, average_sqr_grad, rms_prop_step, BoomInStep(at=20)], lr=lr, sqr_mom=0.99, eps=1e-8, wd=0., mom=0.)
+    return Optimizer(params, [weight_decay, average_sqr_grad, rms_prop_step, BoomInStep(at=20)], lr=lr, sqr_mom=0.99,
+                     eps=1e-8, wd=0., mom=0.)
 
 OPTS = {'fused adam': (Adam, {}), 'rmsprop': (RMSProp, {}), 'flat adam': (Adam, {'flat_master': True})}
 
-@pytest.mark.parametrize("event", ['before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch', 'inside the step'])
+@pytest.mark.parametrize("event", ['before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch',
+                                   'inside the step'])
 @pytest.mark.parametrize("opt", list(OPTS))
 def test_an_interrupt_anywhere_in_a_step_leaves_the_half_weights_equal_to_the_masters(event, opt):
     opt_func, kw = OPTS[opt]
@@ -111,7 +117,8 @@ def test_an_interrupt_anywhere_in_a_step_leaves_the_half_weights_equal_to_the_ma
         if calls[0] == 3: raise KeyboardInterrupt
     cbs = [] if event == 'inside the step' else [Record(1, **{event: boom})]
     with pytest.raises(KeyboardInterrupt): learn.fit(1, cbs=cbs)
-    for p, m in zip(learn.model.parameters(), masters_of(learn)): assert torch.equal(p.detach(), m.detach().to(p.dtype)), (event, opt)
+    for p, m in zip(learn.model.parameters(), masters_of(learn)):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype)), (event, opt)
     if event == 'inside the step': return
     learn.fit(1)                                                   # fit works next
     masters = [m.detach().clone() for m in masters_of(learn)]

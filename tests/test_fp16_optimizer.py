@@ -32,7 +32,8 @@ def test_seed_examples_run():
     optimizer = FP16_Optimizer(optimizer, static_loss_scale=128.0)
     loss = model(torch.randn(3, D_in).half()).float().sum()
     optimizer.backward(loss); optimizer.step()
-    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3), dynamic_loss_scale=True, dynamic_loss_args={'scale_window': 500})
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3), dynamic_loss_scale=True,
+                               dynamic_loss_args={'scale_window': 500})
     assert optimizer.scaler.max_noskip == 500 and optimizer.loss_scale == 2.**16
 
 def test_masters_are_fp32_and_model_follows():
@@ -52,10 +53,12 @@ def test_fp32_model_matches_plain_torch_with_skip_as_noop(impl):
     for i, (x, y) in enumerate(data):
         if i == 3: continue
         ref_opt.zero_grad(); nn.functional.mse_loss(ref(x), y).backward(); ref_opt.step()
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3), dynamic_loss_scale=True,
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+                         dynamic_loss_scale=True,
                          dynamic_loss_args=dict(init_scale=2.**10), verbose=False)
     run(model, opt, data, inject_at=3)
-    for a, b in zip(ref.parameters(), model.parameters()): same_or_close(a.detach(), b.detach(), impl, rtol=1e-5, atol=1e-7)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        same_or_close(a.detach(), b.detach(), impl, rtol=1e-5, atol=1e-7)
     assert [r.skipped for r in opt.history] == [False, False, False, True, False, False] and opt.loss_scale == 2.**9
 
 def test_half_model_scaled_equals_unscaled_control_with_skip():
@@ -94,11 +97,14 @@ def test_clip_master_grads_returns_norm_or_minus_one():
 
 def test_state_dict_round_trip_continues_identically(tmp_path):
     data = batches(8)
-    a = half_mlp(); a_opt = FP16_Optimizer(torch.optim.Adam(a.parameters(), lr=1e-2), dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**8, scale_window=2), verbose=False)
+    a = half_mlp(); a_opt = FP16_Optimizer(torch.optim.Adam(a.parameters(), lr=1e-2), dynamic_loss_scale=True,
+                                           dynamic_loss_args=dict(init_scale=2.**8, scale_window=2), verbose=False)
     run(a, a_opt, data[:4])
     torch.save({'model': a.state_dict(), 'opt': a_opt.state_dict()}, tmp_path/'ck.pt')
     run(a, a_opt, data[4:])
-    b = half_mlp(seed=7); b_opt = FP16_Optimizer(torch.optim.Adam(b.parameters(), lr=1e-2), dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**8, scale_window=2), verbose=False)
+    b = half_mlp(seed=7); b_opt = FP16_Optimizer(torch.optim.Adam(b.parameters(), lr=1e-2), dynamic_loss_scale=True,
+                                                 dynamic_loss_args=dict(init_scale=2.**8, scale_window=2),
+                                                     verbose=False)
     ck = torch.load(tmp_path/'ck.pt', weights_only=True)
     b.load_state_dict(ck['model']); b_opt.load_state_dict(ck['opt'])
     run(b, b_opt, data[4:])
@@ -111,7 +117,8 @@ def test_add_param_group_after_first_step_matches_reference():
     data = batches(4)
     def go(add_late):
         model = half_mlp()
-        opt = FP16_Optimizer(torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9), static_loss_scale=16., verbose=False)
+        opt = FP16_Optimizer(torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9), static_loss_scale=16.,
+                             verbose=False)
         if not add_late:
             opt.add_param_group({'params': model[2].parameters(), 'lr': 0.01})
             for p in model[2].parameters(): p.requires_grad_(False)
@@ -135,11 +142,13 @@ def test_gradient_accumulation_with_update_master_grads_false():
     assert opt.scaler.n_steps == 1
     ref = half_mlp()
     for x, y in data: (nn.functional.mse_loss(ref(x.half()).float(), y) / 4 * 32.).backward()
-    for m, p in zip((m for g in opt.param_groups for m in g['params']), ref.parameters()): assert torch.equal(m.grad, p.grad.float() / 32.)
+    for m, p in zip((m for g in opt.param_groups for m in g['params']), ref.parameters()):
+        assert torch.equal(m.grad, p.grad.float() / 32.)
 
 def test_closure_reruns_while_overflowing():
     model = half_mlp()
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**30, max_scale=2.**30), verbose=False)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         dynamic_loss_args=dict(init_scale=2.**30, max_scale=2.**30), verbose=False)
     x, y = batches(1)[0]
     calls = []
     def closure():
@@ -151,27 +160,37 @@ def test_closure_reruns_while_overflowing():
 def test_bad_arguments():
     model = half_mlp()
     with pytest.raises(TypeError, match='torch.optim.Optimizer'): FP16_Optimizer(model)
-    with pytest.raises(TypeError, match='unknown dynamic_loss_args'): FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_scale=True, dynamic_loss_args={'delayed_shift': 2})
-    with pytest.raises(ValueError, match='dynamic_loss_scale=True'): FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_args={'init_scale': 4.})
+    with pytest.raises(TypeError, match='unknown dynamic_loss_args'):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_scale=True,
+                       dynamic_loss_args={'delayed_shift': 2})
+    with pytest.raises(ValueError, match='dynamic_loss_scale=True'):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.), dynamic_loss_args={'init_scale': 4.})
 
 
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
-                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), lambda ps: torch.optim.Adam(ps, lr=1e-2)])
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
+                                                             weight_decay=1e-3),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                                      lambda ps: torch.optim.Adam(ps, lr=1e-2)])
 def test_fused_step_matches_the_wrapped_optimizer(make, monkeypatch, decide):
     data = batches(6)
     runs, real = [], engine.fused_opt_step
     for use_fused in (False, True):
         model = half_mlp()
-        opt = FP16_Optimizer(make(list(model.parameters())), dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**8), verbose=False,
+        opt = FP16_Optimizer(make(list(model.parameters())), dynamic_loss_scale=True,
+                             dynamic_loss_args=dict(init_scale=2.**8), verbose=False,
                              impl=None if use_fused else 'ref')
         calls = []
         monkeypatch.setattr(engine, 'fused_opt_step', lambda *a, **kw: calls.append(1) or real(*a, **kw))
         run(model, opt, data, inject_at=2)
-        assert len(calls) == (0 if not use_fused else 5 if decide == 'host' else 6)    # on the device the overflowed step runs, as a no-op
+        # on the device the overflowed step runs, as a no-op
+        assert len(calls) == (0 if not use_fused else 5 if decide == 'host' else 6)
         runs.append((model, opt))
     (m1, o1), (m2, o2) = runs
     for a, b in zip(m1.parameters(), m2.parameters()): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
-    for a, b in zip(o1.param_groups[0]['params'], o2.param_groups[0]['params']): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(o1.param_groups[0]['params'], o2.param_groups[0]['params']):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     s1, s2 = o1.optimizer.state_dict(), o2.optimizer.state_dict()
-    assert s1['state'].keys() == s2['state'].keys() and all(s1['state'][k].keys() == s2['state'][k].keys() for k in s1['state'])
+    assert s1[
+        'state'].keys(
+            ) == s2['state'].keys() and all(s1['state'][k].keys() == s2['state'][k].keys() for k in s1['state'])
     for p, m, _ in o2.masters.pairs: assert torch.equal(p.detach(), m.detach().half())

@@ -42,7 +42,8 @@ def test_fully_shard_then_amp_initialize_is_refused_before_anything_changes(grou
     with pytest.raises(TypeError, match=r"amp.initialize: .*FSDP2.*MixedPrecisionPolicy.*shard=True"):
         amp.initialize(model, opt, opt_level='O2', verbosity=0)
     assert [p.dtype for p in model.parameters()] == dtypes, "the model is unchanged"
-    amp.initialize(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), opt_level='O2', verbosity=0)   # amp still works
+    # amp still works
+    amp.initialize(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), opt_level='O2', verbosity=0)
 
 def test_fp16_optimizer_over_a_fully_shard_model_is_refused(group):
     from mixedprec.fp16_optimizer import FP16_Optimizer
@@ -64,6 +65,7 @@ def test_fastai_to_fp16_over_a_fully_shard_model_and_the_other_order_are_refused
     learn = synth_learner()
     sharded(learn.model)
     with pytest.raises(TypeError, match=r"to_fp16/to_bf16: .*FSDP2"): learn.to_fp16()
-    learn = synth_learner(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))).to_fp16()   # (with batchnorm kept fp32, FSDP2 refuses the mixed dtypes itself)
+    # (with batchnorm kept fp32, FSDP2 refuses the mixed dtypes itself)
+    learn = synth_learner(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))).to_fp16()
     sharded(learn.model)
     with pytest.raises(TypeError, match=r"fit: the model was wrapped by `fully_shard` after to_fp16"): learn.fit(1)

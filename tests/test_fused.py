@@ -17,8 +17,10 @@ def lists(sizes, dtype, device, bad=None, seed=0):
         t.view(-1)[{'first': 0, 'last': -1, 'random': random.Random(seed + 1).randrange(t.numel())}[where]] = value
     return ts
 
-SIZES = {'one': [1], 'three': [3], 'chunk-1': [CHUNK - 1], 'chunk': [CHUNK], 'chunk+1': [CHUNK + 1], 'chunks': [3 * CHUNK + 5],
-         'seven mixed': [1, 3, CHUNK - 1, 17, CHUNK + 1, 5, 1000], 'two hundred': [random.Random(1).randrange(1, 300) for _ in range(200)]}
+SIZES = {'one': [1], 'three': [3], 'chunk-1': [CHUNK - 1], 'chunk': [CHUNK], 'chunk+1': [CHUNK + 1],
+         'chunks': [3 * CHUNK + 5],
+         'seven mixed': [1, 3, CHUNK - 1, 17, CHUNK + 1, 5, 1000],
+             'two hundred': [random.Random(1).randrange(1, 300) for _ in range(200)]}
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sizes", list(SIZES))
@@ -73,8 +75,10 @@ def streaming():
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("dst_dtype", DTYPES)
 def test_streamed_outputs_are_what_normal_stores_write(streaming, src_dtype, dst_dtype):
-    # Each output starts at another element past an aligned address (0-32 elements: every head an AVX-512 or AVX2 register
-    # leaves), and spans a chunk boundary; what lies before it is untouched. A non-finite value is found in the head and in the body.
+    # Each output starts at another element past an aligned address (0-32 elements: every head an AVX-512 or AVX2
+    # register
+    # leaves), and spans a chunk boundary; what lies before it is untouched. A non-finite value is found in the head and
+    # in the body.
     for offset in range(33):
         n = CHUNK + 3 * offset + 5
         src = lists([n], src_dtype, 'cpu', seed=offset)
@@ -94,7 +98,8 @@ def test_streamed_outputs_are_what_normal_stores_write(streaming, src_dtype, dst
             assert torch.equal(held, results[0][1]), offset
 
 def test_large_outputs_are_streamed_by_default_and_exact():
-    # Twice the last-level cache or more: streamed at the default threshold (32 MiB of L3 streams from 64 MiB on), with the same result
+    # Twice the last-level cache or more: streamed at the default threshold (32 MiB of L3 streams from 64 MiB on), with
+    # the same result
     assert ops.stream_min_bytes() == 2 * ops.last_level_cache_bytes() >= 2 * 2**20
     kernels, why = ops._fused()
     if kernels is None: pytest.skip(why)
@@ -102,7 +107,8 @@ def test_large_outputs_are_streamed_by_default_and_exact():
     n = ops.stream_min_bytes() // 4 + 4099                       # fp32 outputs just past the threshold, in two tensors
     src = [torch.randn(n // 2).half(), torch.randn(n - n // 2).half()]
     ref, fused = [torch.empty(t.numel()) for t in src], [torch.empty(t.numel()) for t in src]
-    assert ops.scale_check_(src, ref, 0.5, impl='ref').item() == ops.scale_check_(src, fused, 0.5, impl='fused').item() == False
+    assert ops.scale_check_(src, ref, 0.5,
+                            impl='ref').item() == ops.scale_check_(src, fused, 0.5, impl='fused').item() == False
     assert all(torch.equal(a, b) for a, b in zip(ref, fused))
 
 @pytest.mark.parametrize("state", ['fp32', 'bf16'])
@@ -118,7 +124,8 @@ def test_streamed_model_copy_of_a_step_is_what_normal_stores_write(streaming, st
         seeds = None if state == 'fp32' else [list(range(i, i + 2)) for i in range(len(sizes))]
         for i in range(3):
             grads = [(torch.randn(n, generator=g) * 1024).half() for n in sizes]
-            ops.adam_step_(grads, params, m, v, [h[o:] for h, o in zip(held, offsets)], torch.tensor(False), torch.zeros(()), 1/1024,
+            ops.adam_step_(grads, params, m, v, [h[o:] for h, o in zip(held, offsets)], torch.tensor(False),
+                           torch.zeros(()), 1/1024,
                            1e-2, state_seeds=seeds, impl=impl)
         return params + m + v + held
     for a, b in zip(run('ref'), run('fused')): assert torch.equal(a, b)
@@ -139,23 +146,28 @@ def _sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device='cpu', 
     sizes = [7, CHUNK + 3, 300]
     params = [torch.randn(n, generator=g).to(device) for n in sizes]
     bufs = [torch.zeros(n, device=device) for n in sizes]
-    out = [p.half() for p in params]                   # the model copy holds its masters' rounding, as after every write
+    # the model copy holds its masters' rounding, as after every write
+    out = [p.half() for p in params]
     for i in range(steps):
         grads = [(torch.randn(n, generator=g) * 256).to(grad_dtype).to(device) for n in sizes]
-        ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == skip_at, device=device), 1/256, 0.1, momentum, dampening, wd, nesterov,
+        ops.sgd_step_(grads, params, bufs, out, torch.tensor(i == skip_at, device=device), 1/256, 0.1, momentum,
+                      dampening, wd, nesterov,
                       first_run=i == 0, decoupled=decoupled, impl=impl)
     return params, bufs, out
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
-@pytest.mark.parametrize("momentum,nesterov,wd,dampening,decoupled", [(0., False, 0., 0., False), (0.9, False, 1e-2, 0., False), (0.9, True, 1e-2, 0., False),
+@pytest.mark.parametrize("momentum,nesterov,wd,dampening,decoupled",
+                         [(0., False, 0., 0., False), (0.9, False, 1e-2, 0., False), (0.9, True, 1e-2, 0., False),
                                                                      (0.5, False, 0., 0.1, False), (0.9, False, 1e-2, 0., True), (0., False, 0.1, 0., True)])
 def test_sgd_step_bit_exact_with_reference(device, grad_dtype, momentum, nesterov, wd, dampening, decoupled):
-    ref, fused = (_sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device, decoupled=decoupled) for impl in ('ref', 'fused'))
+    ref, fused = (_sgd_run(impl, grad_dtype, momentum, nesterov, wd, dampening, device,
+                           decoupled=decoupled) for impl in ('ref', 'fused'))
     for a, b in zip(ref, fused):
         for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=0, atol=0)
 
-@pytest.mark.parametrize("momentum,nesterov,wd,dampening", [(0., False, 0., 0.), (0.9, False, 1e-2, 0.), (0.9, True, 1e-2, 0.), (0.5, False, 1e-3, 0.1)])
+@pytest.mark.parametrize("momentum,nesterov,wd,dampening", [(0., False, 0., 0.), (0.9, False, 1e-2, 0.),
+                                                            (0.9, True, 1e-2, 0.), (0.5, False, 1e-3, 0.1)])
 def test_sgd_step_matches_torch_sgd_with_skip_as_noop(momentum, nesterov, wd, dampening):
     g = torch.Generator().manual_seed(3)
     master = torch.randn(500, generator=g)
@@ -165,7 +177,8 @@ def test_sgd_step_matches_torch_sgd_with_skip_as_noop(momentum, nesterov, wd, da
     for i in range(30):
         g16 = (torch.randn(500, generator=g) * 64).half()
         skip = i == 7
-        ops.sgd_step_([g16], [master], [buf], [out], torch.tensor(skip), 1/64, 0.1, momentum, dampening, wd, nesterov, first_run=first, impl='fused')
+        ops.sgd_step_([g16], [master], [buf], [out], torch.tensor(skip), 1/64, 0.1, momentum, dampening, wd, nesterov,
+                      first_run=first, impl='fused')
         if not skip: ref.grad = g16.float() / 64; opt.step(); first = False
     torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)
     assert torch.equal(out, master.half())
@@ -178,7 +191,8 @@ def _adam_run(impl, grad_dtype, decoupled, wd, device='cpu', steps=12, skip_at=4
     out, step = [p.bfloat16() for p in params], torch.zeros((), device=device)
     for i in range(steps):
         grads = [(torch.randn(n, generator=g) * 1024).to(grad_dtype).to(device) for n in sizes]
-        ops.adam_step_(grads, params, m, v, out, torch.tensor(i == skip_at, device=device), step, 1/1024, 1e-2, 0.9, 0.999, 1e-8, wd, decoupled, impl=impl)
+        ops.adam_step_(grads, params, m, v, out, torch.tensor(i == skip_at, device=device), step, 1/1024, 1e-2, 0.9,
+                       0.999, 1e-8, wd, decoupled, impl=impl)
     return params, m, v, out, [step]
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,7 +204,8 @@ def test_adam_step_bit_exact_with_reference(device, grad_dtype, decoupled, wd):
         for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert ref[-1][0].item() == 11.
 
-@pytest.mark.parametrize("cls,decoupled,wd", [(torch.optim.AdamW, True, 0.1), (torch.optim.Adam, False, 1e-2), (torch.optim.Adam, False, 0.)])
+@pytest.mark.parametrize("cls,decoupled,wd", [(torch.optim.AdamW, True, 0.1), (torch.optim.Adam, False, 1e-2),
+                                              (torch.optim.Adam, False, 0.)])
 def test_adam_step_matches_torch_over_many_steps(cls, decoupled, wd):
     g = torch.Generator().manual_seed(2)
     for n in (22, 1024, 278011):
@@ -200,7 +215,8 @@ def test_adam_step_matches_torch_over_many_steps(cls, decoupled, wd):
         m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(())
         for i in range(50):
             g16 = torch.randn(n, generator=g).half()
-            ops.adam_step_([g16], [master], [m], [v], [], torch.tensor(i == 9), step, 1., 1e-2, 0.6, 0.9, 3e-6, wd, decoupled, impl='fused')
+            ops.adam_step_([g16], [master], [m], [v], [], torch.tensor(i == 9), step, 1., 1e-2, 0.6, 0.9, 3e-6, wd,
+                           decoupled, impl='fused')
             if i != 9: ref.grad = g16.float(); opt.step()
         torch.testing.assert_close(master, ref.detach(), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(m, opt.state[ref]['exp_avg'], rtol=1e-4, atol=1e-6)
@@ -218,17 +234,22 @@ def test_adam_per_param_step_counts(device):
         out = [p.half() for p in params]
         for i in range(4):
             grads = [torch.randn(n, generator=g).half().to(device) for n in sizes]
-            ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1, device=device), steps, 1., 1e-2, 0.9, 0.99, 1e-8, 0.1, True, impl=impl)
+            ops.adam_step_(grads, params, m, v, out, torch.tensor(i == 1, device=device), steps, 1., 1e-2, 0.9, 0.99,
+                           1e-8, 0.1, True, impl=impl)
         return params + m + v + out + steps
     ref, fused = run('ref'), run('fused')
     for a, b in zip(ref, fused): torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert [s.item() for s in fused[-3:]] == [3., 8., 5.]
-    args = lambda n: ([torch.ones(2)] * n, [torch.ones(2) for _ in range(n)], [torch.zeros(2) for _ in range(n)], [torch.zeros(2) for _ in range(n)], [])
-    with pytest.raises(ValueError, match='same length'): ops.adam_step_(*args(1), torch.tensor(False), [], 1., 0.1, impl='fused')
+    args = lambda n: ([torch.ones(2)] * n, [torch.ones(2) for _ in range(n)], [torch.zeros(2) for _ in range(n)],
+                      [torch.zeros(2) for _ in range(n)], [])
+    with pytest.raises(ValueError, match='same length'):
+        ops.adam_step_(*args(1), torch.tensor(False), [], 1., 0.1, impl='fused')
     shared = torch.zeros(())
-    with pytest.raises(ValueError, match='one per param'): ops.adam_step_(*args(2), torch.tensor(False), [shared, shared], 1., 0.1, impl='fused')
+    with pytest.raises(ValueError, match='one per param'):
+        ops.adam_step_(*args(2), torch.tensor(False), [shared, shared], 1., 0.1, impl='fused')
     for impl in ('ref', 'fused'):
-        with pytest.raises(ValueError, match='1-element fp32'): ops.adam_step_(*args(1), torch.tensor(False), [torch.zeros((), dtype=torch.float64)], 1., 0.1, impl=impl)
+        with pytest.raises(ValueError, match='1-element fp32'):
+            ops.adam_step_(*args(1), torch.tensor(False), [torch.zeros((), dtype=torch.float64)], 1., 0.1, impl=impl)
     ops.adam_step_(*args(2), torch.tensor(False), shared, 1., 0.1, impl='fused')
     assert shared.item() == 1.                              # one shared count advances once per call
 
@@ -238,9 +259,12 @@ def test_a_tensor_scale_is_read_like_a_number():
     for impl in ('ref', 'fused'):
         ops.scale_check_(src, a, 1 / 3, impl=impl); ops.scale_check_(src, b, torch.tensor(1 / 3), impl=impl)
         for x, y in zip(a, b): assert torch.equal(x, y)
-    for impl in ('ref', 'fused'):                          # the reference checks a tensor scale itself, the kernels' binding for them
-        with pytest.raises(ValueError, match='1-element fp32'): ops.scale_check_(src, a, torch.tensor([1., 2.]), impl=impl)
-        with pytest.raises(ValueError, match='1-element fp32'): ops.scale_check_(src, a, torch.tensor(1., dtype=torch.float64), impl=impl)
+    # the reference checks a tensor scale itself, the kernels' binding for them
+    for impl in ('ref', 'fused'):
+        with pytest.raises(ValueError, match='1-element fp32'):
+            ops.scale_check_(src, a, torch.tensor([1., 2.]), impl=impl)
+        with pytest.raises(ValueError, match='1-element fp32'):
+            ops.scale_check_(src, a, torch.tensor(1., dtype=torch.float64), impl=impl)
 
 def test_flagged_step_changes_nothing():
     p, m, v, step = torch.randn(100), torch.randn(100).abs(), torch.randn(100).abs(), torch.tensor(3.)
@@ -256,7 +280,8 @@ def test_impl_rules(monkeypatch):
     monkeypatch.setattr(ops, '_warned', set())
     with pytest.raises(RuntimeError, match="fused kernels cannot be used: RuntimeError: no compiler found"):
         ops.scale_check_([t], [t], 1., impl='fused')
-    with pytest.warns(UserWarning, match='reference ops.*no compiler found'): assert not ops.scale_check_([t], [t], 1.).item()
+    with pytest.warns(UserWarning, match='reference ops.*no compiler found'):
+        assert not ops.scale_check_([t], [t], 1.).item()
     with warnings.catch_warnings():
         warnings.simplefilter('error'); ops.l2norm([t])                        # warned once only
     assert ops.backend(t) == 'ref'
@@ -266,38 +291,46 @@ def test_impl_rules(monkeypatch):
 def test_sources_ship_with_the_package():
     src = importlib.resources.files('mixedprec') / 'csrc'
     names = {p.name for p in src.iterdir()}
-    assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'multi_tensor.h', 'multi_tensor_apply.cuh', 'scale_kernels.h', 'scale_kernels.cu', 'l2norm_kernel.h',
+    assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'multi_tensor.h', 'multi_tensor_apply.cuh', 'scale_kernels.h',
+            'scale_kernels.cu', 'l2norm_kernel.h',
             'l2norm_kernel.cu', 'optim_kernels.h', 'optim_kernels.cu', 'bf16_bits.h', 'messages.h'} <= names
     import tomllib, pathlib
     cfg = tomllib.loads((pathlib.Path(__file__).parent.parent / 'pyproject.toml').read_text())
     assert 'csrc/*' in cfg['tool']['setuptools']['package-data']['mixedprec']
 
 def test_kernel_sources_include_atens_headers_not_the_whole_cpp_api():
-    "The first compile is most of a newcomer's first run: `<torch/extension.h>` and pybind11 took two thirds of it (39 s against 11 s on a 2-core EPYC), so the shipped sources include ATen's own headers and Python's C API"
+    ("The first compile is most of a newcomer's first run: `<torch/extension.h>` and pybind11 took two thirds of it "
+     "(39 s against 11 s on a 2-core EPYC), so the shipped sources include ATen's own headers and Python's C API")
     import re
     from pathlib import Path
-    heavy = re.compile(r'^\s*(#\s*include\s*<(torch/(extension|torch|all|python)\.h|pybind11/[^>]*)>|PYBIND11_MODULE\b)', re.M)
+    heavy = re.compile(
+        r'^\s*(#\s*include\s*<(torch/(extension|torch|all|python)\.h|pybind11/[^>]*)>|PYBIND11_MODULE\b)', re.M)
     sources = sorted((Path(ops.__file__).parent / 'csrc').iterdir())
     assert any(f.suffix == '.cpp' for f in sources)
     for f in sources:
         m = heavy.search(f.read_text())
-        assert m is None, f"{f.name} uses {m.group(0).strip()}: include ATen's own headers (ATen/core/Tensor.h, ATen/ops/*.h) instead"
+        assert m is None, (f"{f.name} uses {m.group(0).strip()}: include ATen's own headers (ATen/core/Tensor.h, "
+                           "ATen/ops/*.h) instead")
 
 @pytest.mark.skipif(ops.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")
 def test_cuda_sources_compile_without_a_gpu():
-    # a syntax or type error in a .cu file fails here, GPU or not; the build is cached after the first run. The CPU build is
+    # a syntax or type error in a .cu file fails here, GPU or not; the build is cached after the first run. The CPU
+    # build is
     # loaded first: both come through /proc/self/fd/N, and glibc's dlopen would hand back the first for a reused N
     ops.backend(torch.zeros(1))
     ext = build_cuda()                              # `make test` started it in the background (tests/builds.py)
     assert ext.has_cuda()
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError): ext.scale_check([torch.ones(1, device='cuda')], [torch.ones(1, device='cuda')], 1.)
+        with pytest.raises(RuntimeError):
+            ext.scale_check([torch.ones(1, device='cuda')], [torch.ones(1, device='cuda')], 1.)
 
 @pytest.mark.cuda
 def test_cuda_path_is_taken_and_adam_skips_on_device():
     t = torch.ones(3, device='cuda')
     assert ops.backend(t) == 'cuda'
-    p, m, v, step = torch.randn(10, device='cuda'), torch.zeros(10, device='cuda'), torch.zeros(10, device='cuda'), torch.zeros((), device='cuda')
+    p, m, v, step = torch.randn(
+        10, device='cuda'), torch.zeros(10,
+                                        device='cuda'), torch.zeros(10, device='cuda'), torch.zeros((), device='cuda')
     found = ops.scale_check_([torch.tensor([float('inf')], device='cuda')], [torch.zeros(1, device='cuda')], 1.)
     ops.adam_step_([torch.randn(10, device='cuda').half()], [p], [m], [v], [], found, step, 1., 0.1, impl='fused')
     assert step.item() == 0. and not m.any()
@@ -307,10 +340,13 @@ def test_bad_input_raises_a_value_error_on_each_device(device):
     # the kernels' binding checks its inputs and raises with the numbers in the message; on one GPU machine a message
     # formatted by an ostream of the extension's crashed the process, so the messages are built without one (messages.h)
     t = lambda *shape, **k: torch.ones(*shape, device=device, **k)
-    with pytest.raises(ValueError, match='tensor pair 0 is not dense'): ops.scale_check_([torch.randn(4, 6, device=device).t()], [t(6, 4)], 1., impl='fused')
+    with pytest.raises(ValueError, match='tensor pair 0 is not dense'):
+        ops.scale_check_([torch.randn(4, 6, device=device).t()], [t(6, 4)], 1., impl='fused')
     with pytest.raises(ValueError, match='tensor 0 has 2 and 3'): ops.scale_check_([t(2)], [t(3)], 1., impl='fused')
-    with pytest.raises(ValueError, match=f"step count 0 must be a 1-element fp32 tensor on its param's device.*got Double"):
-        ops.adam_step_([t(2)], [t(2)], [t(2)], [t(2)], [], torch.tensor(False), [t((), dtype=torch.float64)], 1., 0.1, impl='fused')
+    with pytest.raises(ValueError, match="step count 0 must be a 1-element fp32 tensor on its param's device.*got "
+                                         "Double"):
+        ops.adam_step_([t(2)], [t(2)], [t(2)], [t(2)], [], torch.tensor(False), [t((), dtype=torch.float64)], 1., 0.1,
+                       impl='fused')
     with pytest.raises(ValueError, match='fp32 master params, tensor 0 is Half'):
         ops.sgd_step_([t(2)], [t(2, dtype=torch.half)], [], [], torch.tensor(False), 1., 0.1, impl='fused')
 
@@ -340,11 +376,15 @@ def test_a_step_takes_edits_of_the_half_copy_through_data_as_masters(device, kin
     for impl in ('ref', 'fused'):
         ms, os_ = [m.clone() for m in masters], [o.clone() for o in out]
         if kind == 'sgd':
-            if state != 'fp32': kw2 = {**kw, 'state_seeds': [s[:1] for s in kw['state_seeds']], **({'state_scales': kw['state_scales'][:1]} if 'state_scales' in kw else {})}
+            if state != 'fp32':
+                kw2 = {**kw, 'state_seeds': [s[:1] for s in kw['state_seeds']],
+                       **({'state_scales': kw['state_scales'][:1]} if 'state_scales' in kw else {})}
             else: kw2 = kw
-            ops.sgd_step_(grads, ms, st[0], os_, torch.tensor(False, device=device), 1., 0., 0.9, 0., 0., False, first_run=True, impl=impl, **kw2)
+            ops.sgd_step_(grads, ms, st[0], os_, torch.tensor(False, device=device), 1., 0., 0.9, 0., 0., False,
+                          first_run=True, impl=impl, **kw2)
         else:
-            ops.adam_step_(grads, ms, st[0], st[1], os_, torch.tensor(False, device=device), [torch.zeros((), device=device) for _ in sizes],
+            ops.adam_step_(grads, ms, st[0], st[1], os_, torch.tensor(False, device=device),
+                           [torch.zeros((), device=device) for _ in sizes],
                            1., 0., impl=impl, **kw)
         for m, o, e in zip(ms, os_, expected):
             assert torch.equal(m, e), impl

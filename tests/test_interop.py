@@ -37,7 +37,8 @@ def two_layer():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: torch.optim.RMSprop(ps, lr=1e-3)])
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                  lambda ps: torch.optim.RMSprop(ps, lr=1e-3)])
 @pytest.mark.parametrize("front", ['fp16', 'amp'])
 def test_step_hooks_run_once_per_real_step_and_schedulers_see_the_step(front, make):
     model = two_layer()
@@ -51,12 +52,14 @@ def test_step_hooks_run_once_per_real_step_and_schedulers_see_the_step(front, ma
         inner = opt.optimizer
     sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.9)
     calls = []
-    inner.register_step_pre_hook(lambda o, a, k: calls.append('pre')); inner.register_step_post_hook(lambda o, a, k: calls.append('post'))
+    inner.register_step_pre_hook(
+        lambda o, a, k: calls.append('pre')); inner.register_step_post_hook(lambda o, a, k: calls.append('post'))
     with warnings.catch_warnings():
         warnings.simplefilter('error')                         # no "lr_scheduler.step() before optimizer.step()"
         for i in range(4):
             x = torch.randn(8, 4)
-            loss = model(x.half() if front == 'fp16' else x).float().pow(2).mean() * (1e6 if i == 1 else 1)   # step 1 overflows
+            # step 1 overflows
+            loss = model(x.half() if front == 'fp16' else x).float().pow(2).mean() * (1e6 if i == 1 else 1)
             if front == 'amp':
                 with amp.scale_loss(loss, opt) as s: s.backward()
             else: opt.backward(loss)
@@ -72,7 +75,8 @@ def test_amp_o1_models_copy_and_pickle_as_models():
     with torch.no_grad():
         for p in ema.parameters(): p.zero_()
     x = torch.randn(3, 4)
-    assert torch.equal(ema(x), torch.zeros(3, 2)) and not torch.equal(model(x), torch.zeros(3, 2))   # the copy runs its own weights
+    # the copy runs its own weights
+    assert torch.equal(ema(x), torch.zeros(3, 2)) and not torch.equal(model(x), torch.zeros(3, 2))
     assert ema(x).dtype == torch.float32
     buf = io.BytesIO(); torch.save(model, buf); buf.seek(0)
     back = torch.load(buf, weights_only=False)
@@ -81,12 +85,17 @@ def test_amp_o1_models_copy_and_pickle_as_models():
 def test_keep_fp32_takes_a_type_or_a_tuple_and_keeps_batchnorm():
     class Net(nn.Module):
         def __init__(self):
-            super().__init__(); self.lin, self.ln, self.bn = nn.Linear(8, 8), nn.LayerNorm(8), nn.BatchNorm1d(8); self.out = nn.Linear(8, 1)
+            super(
+                ).__init__(); self.lin, self.ln, self.bn = nn.Linear(8,
+                                                                     8), nn.LayerNorm(
+                                                                         8), nn.BatchNorm1d(
+                                                                             8); self.out = nn.Linear(8, 1)
         def forward(self, x): return self.out(self.bn(self.ln(self.lin(x))))
     for keep in (nn.LayerNorm, (nn.LayerNorm,)):
         learn = synth_learner(Net()).to_fp16(keep_fp32=keep)
         m = learn.model
-        assert (m.lin.weight.dtype, m.ln.weight.dtype, m.bn.weight.dtype) == (torch.float16, torch.float32, torch.float32)
+        assert (m.lin.weight.dtype, m.ln.weight.dtype,
+                m.bn.weight.dtype) == (torch.float16, torch.float32, torch.float32)
         learn.fit(1)
     learn = synth_learner(Net()).to_fp16(keep_batchnorm=False)
     assert learn.model.bn.weight.dtype == torch.float16
@@ -102,12 +111,15 @@ def test_lr_find_leaves_the_history_as_it_was():
     assert steps == list(range(1, len(steps) + 1))
 
 def test_gradscaler_names_and_a_cap_below_the_default_start():
-    mp = synth_learner().to_fp16(init_scale=2.**10, growth_interval=50, growth_factor=4., backoff_factor=0.25).mixed_precision
+    mp = synth_learner().to_fp16(init_scale=2.**10, growth_interval=50, growth_factor=4.,
+                                 backoff_factor=0.25).mixed_precision
     sc = mp.scaler
     assert (sc.scale, sc.max_noskip, sc.factor) == (2.**10, 50, 4.)
-    with pytest.raises(TypeError, match='backoff_factor=0.5 is not 1/growth factor'): synth_learner().to_fp16(growth_factor=4., backoff_factor=0.5)
+    with pytest.raises(TypeError, match='backoff_factor=0.5 is not 1/growth factor'):
+        synth_learner().to_fp16(growth_factor=4., backoff_factor=0.5)
     assert synth_learner().to_fp16(max_scale=1024).mixed_precision.loss_scale == 1024.
-    opt = FP16_Optimizer(torch.optim.SGD(two_layer().half().parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False,
+    opt = FP16_Optimizer(torch.optim.SGD(two_layer().half().parameters(), lr=0.1), dynamic_loss_scale=True,
+                         verbose=False,
                          dynamic_loss_args=dict(init_scale=8., growth_interval=3))
     assert (opt.scaler.scale, opt.scaler.max_noskip) == (8., 3)
 
@@ -127,13 +139,16 @@ def tiny_cnn_learner(**kw):
     from fastai.learner import Learner
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
-    dls = DataLoaders(DataLoader(TensorDataset(x[:48], y[:48]), bs=16), DataLoader(TensorDataset(x[48:], y[48:]), bs=16))
+    dls = DataLoaders(DataLoader(TensorDataset(x[:48], y[:48]), bs=16),
+                      DataLoader(TensorDataset(x[48:], y[48:]), bs=16))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
     from fastai.learner import Learner
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2, **kw)
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    learn.remove_cbs(
+        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
     return learn
 
 @pytest.mark.parametrize("order", ['to_bf16 first', 'to_channelslast first'])
@@ -149,8 +164,10 @@ def test_channels_last_with_bf16_trains_like_nchw(order, flat):
     learn.fit(2)
     conv = learn.model[0].weight
     assert conv.is_contiguous(memory_format=torch.channels_last)
-    for p, m, _ in learn.mixed_precision.masters.pairs: assert m.stride() == p.stride() and torch.equal(p.detach(), m.detach().to(p.dtype))
-    for a, b in zip(masters_of(ref), masters_of(learn)): torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+    for p, m, _ in learn.mixed_precision.masters.pairs:
+        assert m.stride() == p.stride() and torch.equal(p.detach(), m.detach().to(p.dtype))
+    for a, b in zip(masters_of(ref), masters_of(learn)):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
     sd = learn.opt.state_dict()                                 # checkpoints keep the logical (NCHW) order
     learn.to_fp32()
     assert all(torch.isfinite(p).all() for p in learn.model.parameters())

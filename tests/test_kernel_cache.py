@@ -26,7 +26,8 @@ print('RESULT' + json.dumps(res))
 '''
 
 def probe(cache, *args, **env):
-    "Run the probe in a fresh process with `MIXEDPREC_CACHE=cache`; its result (backend, warnings, mapped mixedprec libraries) and stderr"
+    ("Run the probe in a fresh process with `MIXEDPREC_CACHE=cache`; its result (backend, warnings, mapped mixedprec "
+     "libraries) and stderr")
     e = {**os.environ, 'MIXEDPREC_CACHE': str(cache), **{k: str(v) for k, v in env.items()}}
     e.pop('MIXEDPREC_DISABLE_FUSED', None)
     p = subprocess.run([sys.executable, '-c', PROBE, *args], env=e, capture_output=True, text=True, timeout=900)
@@ -38,15 +39,19 @@ def builds(cache):
     "The complete builds in `cache`: (key folder, library) pairs"
     res = []
     for root, dirs, files in os.walk(cache):
-        res += [(root, os.path.join(root, f)) for f in files if f.endswith('.so') and os.path.exists(os.path.join(root, 'manifest.json'))]
+        res += [(root, os.path.join(root,
+                                    f)) for f in files if f.endswith(
+                                        '.so') and os.path.exists(os.path.join(root, 'manifest.json'))]
     return res
 
 @pytest.fixture(scope='module')
 def good_build():
     "The default cache's build for this machine (built once if missing): its key folder"
     ext = ops.build_extension()
-    mapped = {l.split()[-1] for l in open('/proc/self/maps') if l.rstrip().endswith(f'{ext.__name__}.so')}   # the one loaded (through a descriptor)
-    found = [root for root, so in builds(ops.default_cache()) if so in mapped]    # not the newest: other sources' builds may be newer
+    # the one loaded (through a descriptor)
+    mapped = {l.split()[-1] for l in open('/proc/self/maps') if l.rstrip().endswith(f'{ext.__name__}.so')}
+    # not the newest: other sources' builds may be newer
+    found = [root for root, so in builds(ops.default_cache()) if so in mapped]
     assert len(found) == 1, (found, mapped)
     return found[0]
 
@@ -66,8 +71,11 @@ def test_two_processes_build_an_empty_cache_at_once_and_a_damaged_build_is_rebui
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads: t.start()
     for t in threads: t.join()
-    for res, err in out:                                            # the process that lost the race runs its own build, since removed
-        assert res['backend'] == 'cpp' and res['maps'] and all(m.startswith(str(cache)) or m == '(deleted)' for m in res['maps']), res
+    # the process that lost the race runs its own build, since removed
+    for res, err in out:
+        assert res[
+            'backend'] == 'cpp' and res[
+                'maps'] and all(m.startswith(str(cache)) or m == '(deleted)' for m in res['maps']), res
         assert 'compiling the fused kernels' in err
     assert any(loaded_from(res, cache) for res, _ in out)
     done = builds(cache)
@@ -112,7 +120,8 @@ def test_no_compiler_falls_back_with_a_warning_that_says_what_to_do(tmp_path):
     res, _ = probe(tmp_path / 'empty', CXX='/bin/false', MIXEDPREC_REQUIRE_FUSED=1)
     assert 'MIXEDPREC_REQUIRE_FUSED' in res['error'] and 'install a C++ compiler' in res['error']
 
-@pytest.mark.parametrize("fault", ['world-writable folder', 'another owner', 'library writable by others', 'cannot be created'])
+@pytest.mark.parametrize("fault", ['world-writable folder', 'another owner', 'library writable by others',
+                                   'cannot be created'])
 def test_an_unsafe_cache_is_refused_and_training_goes_on(good_build, tmp_path, fault):
     cache = tmp_path / 'cache'
     if fault == 'cannot be created':
@@ -128,7 +137,8 @@ def test_an_unsafe_cache_is_refused_and_training_goes_on(good_build, tmp_path, f
                 for n in [root] + [os.path.join(root, f) for f in files]: os.chown(n, 65534, 65534)
     res, _ = probe(cache)
     assert not loaded_from(res, cache), res['maps']
-    assert res['backend'] == 'cpp' and loaded_from(res, ops.default_cache())      # the kernels from the user's own cache
+    # the kernels from the user's own cache
+    assert res['backend'] == 'cpp' and loaded_from(res, ops.default_cache())
     said = [w for w in res['warnings'] if 'was not used' in w]
     assert len(said) == 1 and str(cache) in said[0] and 'MIXEDPREC_CACHE' in said[0], res['warnings']
     why = {'world-writable folder': 'writable by its group and others', 'another owner': 'owned by uid 65534',
@@ -180,20 +190,23 @@ def test_the_library_loaded_is_the_one_checked_even_if_swapped_in_between(good_b
     subprocess.run(['gcc', '-shared', '-fPIC', f'-DMARKER="{marker}"', '-o', str(planted), str(src)], check=True)
     e = {**os.environ, 'MIXEDPREC_CACHE': str(tmp_path / 'cache')}
     e.pop('MIXEDPREC_DISABLE_FUSED', None)
-    p = subprocess.run([sys.executable, '-c', SWAP_BETWEEN_CHECK_AND_LOAD, str(planted)], env=e, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, '-c', SWAP_BETWEEN_CHECK_AND_LOAD, str(planted)], env=e, capture_output=True,
+                       text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not marker.exists(), "the planted library ran"
     assert '"backend": "cpp"' in p.stdout                             # the checked library was loaded and works
 
 def test_a_folder_above_the_cache_that_others_can_write_is_refused(good_build, tmp_path):
     shared = tmp_path / 'shared'
-    shared.mkdir(); os.chmod(shared, 0o777)                            # not sticky: anyone may rename the cache inside it
+    # not sticky: anyone may rename the cache inside it
+    shared.mkdir(); os.chmod(shared, 0o777)
     cache = shared / 'cache'
     copy_build(good_build, cache)
     res, _ = probe(cache)
     assert not loaded_from(res, cache) and res['backend'] == 'cpp'
     said = [w for w in res['warnings'] if 'was not used' in w]
-    assert len(said) == 1 and f'{shared}, a folder above the kernel cache, is writable by others' in said[0], res['warnings']
+    assert len(
+        said) == 1 and f'{shared}, a folder above the kernel cache, is writable by others' in said[0], res['warnings']
     os.chmod(shared, 0o1777)
     if os.getuid() == 0:                                               # root's and sticky, as /tmp: fine
         assert ops.unsafe_above(cache) is None
@@ -223,22 +236,26 @@ def test_a_private_fallback_build_is_removed_at_exit(good_build, tmp_path):
     so = next(os.path.join(good_build, f) for f in os.listdir(good_build) if f.endswith('.so'))
     (tmp_path / 'home').write_text('')                                 # no cache folder can be made: HOME is a file
     (tmp_path / 'tmp').mkdir()
-    e = {**os.environ, 'MIXEDPREC_CACHE': str(tmp_path / 'home' / 'cache'), 'HOME': str(tmp_path / 'home'), 'TMPDIR': str(tmp_path / 'tmp')}
+    e = {**os.environ, 'MIXEDPREC_CACHE': str(tmp_path / 'home' / 'cache'), 'HOME': str(tmp_path / 'home'),
+         'TMPDIR': str(tmp_path / 'tmp')}
     e.pop('MIXEDPREC_DISABLE_FUSED', None)
     p = subprocess.run([sys.executable, '-c', PRIVATE_BUILD, so], env=e, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "BACKEND cpp PRIVATE ['mixedprec-" in p.stdout, p.stdout     # built privately while the process ran
     assert not [d for d in os.listdir(tmp_path / 'tmp') if d.startswith('mixedprec-')]   # and removed at its exit
 
-# ---------------------------------------------------------------- as a user who is not root (the tests run as root here)
+# ---------------------------------------------------------------- as a user who is not root (the tests run as root
+# here)
 
 NOBODY = 65534
 
 @pytest.fixture
 def nobody_home(good_build):
-    "A folder of the unprivileged user `nobody` (outside root's private test folders), with its own default cache holding a good build; removed after"
+    ("A folder of the unprivileged user `nobody` (outside root's private test folders), with its own default cache "
+     "holding a good build; removed after")
     import tempfile
-    if os.getuid() != 0 or shutil.which('setpriv') is None: pytest.skip("needs root and setpriv to run a probe as another user")
+    if os.getuid() != 0 or shutil.which('setpriv') is None:
+        pytest.skip("needs root and setpriv to run a probe as another user")
     base = tempfile.mkdtemp(prefix='mixedprec-nobody-', dir='/tmp')
     home = os.path.join(base, 'home')
     rel = os.path.relpath(good_build, ops.default_cache())
@@ -253,10 +270,12 @@ def probe_as_nobody(cache, home):
     "The probe, run as `nobody` with `MIXEDPREC_CACHE=cache` and its own HOME"
     e = {**os.environ, 'MIXEDPREC_CACHE': str(cache), 'HOME': home}
     e.pop('MIXEDPREC_DISABLE_FUSED', None)
-    p = subprocess.run(['setpriv', f'--reuid={NOBODY}', f'--regid={NOBODY}', '--clear-groups', sys.executable, '-c', PROBE],
+    p = subprocess.run(['setpriv', f'--reuid={NOBODY}', f'--regid={NOBODY}', '--clear-groups', sys.executable, '-c',
+                        PROBE],
                        env=e, capture_output=True, text=True, timeout=600, cwd='/')
     if 'RESULT' not in p.stdout and ('Permission denied' in p.stderr or 'No module named' in p.stderr):
-        pytest.skip(f"nobody cannot run this Python or read its packages here (a checkout or venv under a private home, such as "
+        pytest.skip("nobody cannot run this Python or read its packages here (a checkout or venv under a private "
+                    "home, such as "
                     f"root's, mode 700): {p.stderr.strip()[-300:]}")
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(next(l for l in p.stdout.splitlines() if l.startswith('RESULT'))[len('RESULT'):])
@@ -273,8 +292,11 @@ def test_as_another_user_a_cache_root_owns_is_refused(good_build, nobody_home):
 def test_as_another_user_a_read_only_cache_is_passed_over(nobody_home):
     base, home = nobody_home
     cache = os.path.join(base, 'read-only-cache')
-    os.makedirs(cache); os.chown(cache, NOBODY, NOBODY); os.chmod(cache, 0o500)    # nobody's own, but it cannot write there
+    # nobody's own, but it cannot write there
+    os.makedirs(cache); os.chown(cache, NOBODY, NOBODY); os.chmod(cache, 0o500)
     res = probe_as_nobody(cache, home)
     assert res['backend'] == 'cpp' and loaded_from(res, home), res['maps']
     said = [w for w in res['warnings'] if 'was not used' in w]
-    assert len(said) == 1 and cache in said[0] and ('cannot be created' in said[0] or 'not writable' in said[0]), res['warnings']
+    assert len(
+        said) == 1 and cache in said[
+            0] and ('cannot be created' in said[0] or 'not writable' in said[0]), res['warnings']

@@ -15,7 +15,8 @@ from test_fastai_workflows import params as weights
 STATES = ['bf16', '8bit']
 
 def lean_learner(state, **kwargs):
-    "Body and head in two param groups, split bf16 masters with `state`; 2400 body weights: blocks of 256 and a ragged one"
+    ("Body and head in two param groups, split bf16 masters with `state`; 2400 body weights: blocks of 256 and a "
+     "ragged one")
     return group_learner(width=300, opt_func=Adam, lr=1e-2, **kwargs).to_bf16(masters='split', state=state)
 
 def fastai_opt(learn): return learn.opt.opt if hasattr(learn.opt, 'opt') else learn.opt
@@ -23,7 +24,8 @@ def fastai_opt(learn): return learn.opt.opt if hasattr(learn.opt, 'opt') else le
 def opt_state(learn):
     "Every state tensor of the optimizer, param by param in its groups' order (codes, scales, bf16 or fp32 moments)"
     opt = fastai_opt(learn)
-    return [v.clone() for ps in opt.param_lists for p in ps for k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
+    return [v.clone() for ps in opt.param_lists for p in ps for k,
+            v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
 
 def lean_kinds(learn):
     "The dtypes of the moments the optimizer holds, over params that have state"
@@ -33,7 +35,8 @@ LEAN = {'bf16': {torch.bfloat16}, '8bit': {torch.int8, torch.uint8}, 'fp32': {to
 
 @pytest.mark.parametrize("state", STATES)
 def test_lr_find_leaves_no_trace_in_lean_state(state):
-    "lr_find saves the model and optimizer, explores, and loads them back: the run after it is bit for bit the run without it"
+    ("lr_find saves the model and optimizer, explores, and loads them back: the run after it is bit for bit the run "
+     "without it")
     with_find, without = lean_learner(state), lean_learner(state)
     for learn in (with_find, without): learn.fit(1)
     before = (weights(with_find), opt_state(with_find))
@@ -45,12 +48,14 @@ def test_lr_find_leaves_no_trace_in_lean_state(state):
 
 @pytest.mark.parametrize("state", STATES)
 def test_fine_tune_gives_newly_unfrozen_params_lean_state_and_trains_as_fp32_state(state):
-    "Frozen body params have no state; when fine_tune unfreezes them they gain it in the lean form, and the run ends where fp32 state's does"
+    ("Frozen body params have no state; when fine_tune unfreezes them they gain it in the lean form, and the run "
+     "ends where fp32 state's does")
     losses = {}
     for st in ('fp32', state):
         learn = lean_learner(st)
         learn.freeze()
-        body = [m.detach().clone() for m in learn.model[0][0].parameters()]             # (fastai's freeze leaves batchnorm training)
+        # (fastai's freeze leaves batchnorm training)
+        body = [m.detach().clone() for m in learn.model[0][0].parameters()]
         learn.fit(2)
         assert_same([p.detach() for p in learn.model[0][0].parameters()], body)        # frozen: unmoved
         assert not any(fastai_opt(learn).state[p] for p in learn.model[0][0].parameters())   # and without state
@@ -64,7 +69,8 @@ def test_fine_tune_gives_newly_unfrozen_params_lean_state_and_trains_as_fp32_sta
 
 @pytest.mark.parametrize("state", STATES)
 def test_one_cycle_schedule_and_gradient_accumulation_with_lean_state_train_as_fp32_state(state):
-    "fit_one_cycle schedules lr and Adam's beta1 (fastai's mom) every step; GradientAccumulation steps every 4th batch: both reach the fused step's hyper-parameters"
+    ("fit_one_cycle schedules lr and Adam's beta1 (fastai's mom) every step; GradientAccumulation steps every 4th "
+     "batch: both reach the fused step's hyper-parameters")
     for kw in ({}, {'cbs': [GradientAccumulation(n_acc=4 * 32)]}):
         losses = {}
         for st in ('fp32', state):
@@ -76,7 +82,8 @@ def test_one_cycle_schedule_and_gradient_accumulation_with_lean_state_train_as_f
 
 @pytest.mark.parametrize("state", STATES)
 def test_a_copied_learner_trains_on_as_the_original(state):
-    "copy.deepcopy of a Learner mid-training carries the lean state, its scales and rounding seeds: both then train bit for bit alike"
+    ("copy.deepcopy of a Learner mid-training carries the lean state, its scales and rounding seeds: both then train "
+     "bit for bit alike")
     learn = lean_learner(state)
     learn.fit(2)
     twin = copy.deepcopy(learn)

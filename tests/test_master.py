@@ -11,18 +11,21 @@ from conftest import same_or_close
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_convert_keeps_every_batchnorm_fp32(dtype):
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False)), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4),
+                          nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False)), nn.Linear(4, 2))
     convert_model(model, dtype)
     assert [p.dtype for p in model.parameters()] == [dtype]*2 + [torch.float32]*2 + [dtype]*4
     bn = model[2][1]
-    assert (bn.running_mean.dtype, bn.running_var.dtype, bn.num_batches_tracked.dtype) == (torch.float32, torch.float32, torch.int64)
+    assert (bn.running_mean.dtype, bn.running_var.dtype,
+            bn.num_batches_tracked.dtype) == (torch.float32, torch.float32, torch.int64)
     model.train(); model(torch.randn(5, 3).to(dtype)).float().sum().backward()
 
 def test_keep_fp32_is_configurable_and_casts_io():
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     conv = convert_model(model, keep_fp32=(nn.LayerNorm, ))
     assert model[1].weight.dtype == torch.float32
-    conv.undo(); conv = convert_model(model, keep_fp32=[nn.Linear])    # a kept module that needs fp32 inputs gets cast hooks
+    # a kept module that needs fp32 inputs gets cast hooks
+    conv.undo(); conv = convert_model(model, keep_fp32=[nn.Linear])
     assert model[0].weight.dtype == torch.float32
     out = model(torch.randn(2, 3).half())
     assert out.dtype == torch.half
@@ -63,7 +66,8 @@ def test_none_grads_are_skipped_and_master_grads_start_at_zero(flat):
     model[1](torch.randn(2, 3).half()).float().sum().backward()      # model[0] gets no grads
     assert not mp.grads_to_masters(0.5).item()
     if flat:
-        assert torch.count_nonzero(mp.pairs[0][2]) == 0 and torch.equal(mp.pairs[2][2], model[1].weight.grad.float() * 0.5)
+        assert torch.count_nonzero(
+            mp.pairs[0][2]) == 0 and torch.equal(mp.pairs[2][2], model[1].weight.grad.float() * 0.5)
     else:
         assert mp.pairs[0][1].grad is None and torch.equal(mp.pairs[2][1].grad, model[1].weight.grad.float() * 0.5)
 
@@ -73,7 +77,8 @@ def test_flat_split_by_key_and_state_round_trip():
     model(torch.randn(5, 3)).sum().backward(); opt.step()
     moms = [opt.state[p]['momentum_buffer'].clone() for p in model.parameters()]
     conv = convert_model(model)
-    mp = MasterParams([list(model.parameters())], conv.masters, flat=True, key=lambda p: p.dim())   # weights and biases apart
+    # weights and biases apart
+    mp = MasterParams([list(model.parameters())], conv.masters, flat=True, key=lambda p: p.dim())
     assert len(mp.groups[0]) == 2
     mp.move_state_to_masters(opt.state)
     assert all(m in opt.state for m in mp.groups[0])
@@ -113,7 +118,8 @@ def test_unscale_nonfinite_norm_is_overflow():
     conv = convert_model(model)
     mp = MasterParams([list(model.parameters())], conv.masters)
     model.weight.grad = torch.full((1, 2), 60000., dtype=torch.half); model.bias.grad = torch.zeros(1, dtype=torch.half)
-    sc = LossScaler(loss_scale=2.**-120, min_scale=2.**-130)    # unscaling by 2**120 leaves finite fp32 values whose squares overflow
+    # unscaling by 2**120 leaves finite fp32 values whose squares overflow
+    sc = LossScaler(loss_scale=2.**-120, min_scale=2.**-130)
     engine = StepEngine(torch.optim.SGD(mp.master_params, lr=0.), mp, sc, clip=1.)
     engine.unscale()
     assert engine.must_skip()
@@ -130,12 +136,16 @@ class Custom:
     def to(self, dtype): return Custom(self.t.to(dtype))
 
 def test_cast_floats_keeps_types_and_never_casts_integers():
-    b = [Point(torch.ones(2), torch.arange(2)), Sub(m=torch.ones(2, dtype=torch.bool), f=torch.ones(1)), DC(torch.ones(1)),
+    b = [Point(torch.ones(2), torch.arange(2)), Sub(m=torch.ones(2, dtype=torch.bool), f=torch.ones(1)),
+         DC(torch.ones(1)),
          Custom(torch.ones(1)), np.ones(2), 'text', None, (torch.ones(1, dtype=torch.uint8),)]
     out = cast_floats(b, torch.half)
     assert type(out) is list and type(out[0]) is Point and type(out[1]) is Sub and type(out[2]) is DC
-    assert (out[0].x.dtype, out[0].y.dtype, out[1]['m'].dtype, out[1]['f'].dtype, out[2].a.dtype, out[2].n) == (torch.half, torch.int64, torch.bool, torch.half, torch.half, 3)
-    assert out[3].t.dtype == torch.half and out[4] is b[4] and out[5] == 'text' and out[6] is None and out[7][0].dtype == torch.uint8
+    assert (out[0].x.dtype, out[0].y.dtype, out[1]['m'].dtype, out[1]['f'].dtype, out[2].a.dtype,
+            out[2].n) == (torch.half, torch.int64, torch.bool, torch.half, torch.half, 3)
+    assert out[
+        3].t.dtype == torch.half and out[
+            4] is b[4] and out[5] == 'text' and out[6] is None and out[7][0].dtype == torch.uint8
     back = to_fp32({'a': out[0].x, 'b': torch.ones(1, dtype=torch.float64)})
     assert back['a'].dtype == torch.float32 and back['b'].dtype == torch.float64
 

@@ -33,15 +33,19 @@ def fp16_optimizer_setup(dtype, **kw):
         model = model.to(dtype)
         for m in model.modules():
             if isinstance(m, nn.BatchNorm1d): m.float()
-        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), static_loss_scale=2.**10, verbose=False, **kw)
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), static_loss_scale=2.**10,
+                             verbose=False, **kw)
         return model, opt, opt.backward, opt.clip_master_grads
     return make
 
-SETUPS = {'amp O2 fp16': amp_setup(), 'amp O2 bf16': amp_setup(half_dtype='bf16'), 'amp O2 bf16, split masters': amp_setup(half_dtype='bf16', masters='split'),
-          'FP16_Optimizer fp16': fp16_optimizer_setup(torch.float16), 'FP16_Optimizer bf16, split masters': fp16_optimizer_setup(torch.bfloat16, masters='split')}
+SETUPS = {'amp O2 fp16': amp_setup(), 'amp O2 bf16': amp_setup(half_dtype='bf16'),
+          'amp O2 bf16, split masters': amp_setup(half_dtype='bf16', masters='split'),
+          'FP16_Optimizer fp16': fp16_optimizer_setup(torch.float16),
+              'FP16_Optimizer bf16, split masters': fp16_optimizer_setup(torch.bfloat16, masters='split')}
 
 def run(setup, clip, steps=12):
-    "Train the MLP; `clip`: None, 'model' (torch's clip over `model.parameters()`) or 'masters' (the front end's own); the weights and the norms"
+    ("Train the MLP; `clip`: None, 'model' (torch's clip over `model.parameters()`) or 'masters' (the front end's "
+     "own); the weights and the norms")
     model = mlp()
     half = setup is not None
     if half: model, opt, backward, clip_masters = SETUPS[setup](model)
@@ -63,8 +67,10 @@ def test_torchs_clip_over_the_model_params_clips_the_masters_as_in_fp32(setup):
     unclipped, _ = run(None, None)
     mixed, norms = run(setup, 'model')
     own, own_norms = run(setup, 'masters')
-    assert min(norms) > 0.05                                                   # it clipped every step (before: nothing, and 0. returned)
-    torch.testing.assert_close(norms, own_norms, rtol=1e-5, atol=0)            # the norm of the unscaled master grads, as the front end's clip gives
+    # it clipped every step (before: nothing, and 0. returned)
+    assert min(norms) > 0.05
+    # the norm of the unscaled master grads, as the front end's clip gives
+    torch.testing.assert_close(norms, own_norms, rtol=1e-5, atol=0)
     for a, b in zip(mixed, own): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norms, fp32_norms, rtol=0.03, atol=0)           # and as fp32 training's
     err = max((a - b).abs().max().item() for a, b in zip(mixed, fp32))
@@ -81,10 +87,12 @@ def test_a_half_params_grad_reads_as_its_masters_unscaled_grad_until_the_step(se
     nn.functional.mse_loss(ref(x), y).backward()
     for p, r in zip(model.parameters(), ref.parameters()):
         assert p.grad.dtype == p.dtype and p.grad.shape == p.shape
-        if p.dtype == torch.float32: continue                                   # BatchNorm: its own master, a plain grad
+        if p.dtype == torch.float32:
+            continue                                   # BatchNorm: its own master, a plain grad
         assert isinstance(p.grad, MasterGrad) and p.grad.master_grad.dtype == torch.float32
         torch.testing.assert_close(p.grad.float(), r.grad, rtol=0.05, atol=2e-3)   # unscaled (the loss scale is 1024)
-        torch.testing.assert_close(p.grad.norm(), r.grad.norm(), rtol=0.05, atol=5e-3)   # bf16 noise on a bias before BatchNorm, whose true grad is 0
+        # bf16 noise on a bias before BatchNorm, whose true grad is 0
+        torch.testing.assert_close(p.grad.norm(), r.grad.norm(), rtol=0.05, atol=5e-3)
         assert p.grad.detach().master_grad is p.grad.master_grad and p.grad.data.master_grad is p.grad.master_grad
     w = next(model.parameters())
     w.grad.mul_(0.)                                                              # in place: reaches the master's grad
@@ -92,17 +100,23 @@ def test_a_half_params_grad_reads_as_its_masters_unscaled_grad_until_the_step(se
     torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
     assert all(p.grad.float().abs().max() <= 1e-4 for p in model.parameters())
     opt.step()
-    assert all(p.grad is None for p in model.parameters() if p.dtype != torch.float32)    # after the step, as before: no grads
+    # after the step, as before: no grads
+    assert all(p.grad is None for p in model.parameters() if p.dtype != torch.float32)
     assert 'MasterGrad' not in repr([p.grad for p in model.parameters()])
 
 def test_a_gan_whose_generator_backward_reaches_the_discriminator_trains_as_in_fp32():
-    "The DCGAN loop: the generator's loss is backpropagated through the discriminator, whose params then hold grads that "
-    "`netD.zero_grad()` drops at the next iteration. The lent grads end at the step, so that backward adds nothing to them"
+    ("The DCGAN loop: the generator's loss is backpropagated through the discriminator, whose params then hold grads "
+     "that ")
+    ("`netD.zero_grad()` drops at the next iteration. The lent grads end at the step, so that backward adds nothing "
+     "to them")
     def gan(mixed):
         torch.manual_seed(0)
-        G, D = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6)), nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        G, D = nn.Sequential(nn.Linear(4, 16), nn.ReLU(),
+                             nn.Linear(16, 6)), nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
         optG, optD = torch.optim.Adam(G.parameters(), lr=1e-3), torch.optim.Adam(D.parameters(), lr=1e-3)
-        if mixed: [G, D], [optG, optD] = amp.initialize([G, D], [optG, optD], opt_level='O2', half_dtype='bf16', num_losses=2, verbosity=0)
+        if mixed:
+            [G, D], [optG, optD] = amp.initialize([G, D], [optG, optD], opt_level='O2', half_dtype='bf16',
+                                                  num_losses=2, verbosity=0)
         def backward(loss, opt, i):
             if not mixed: return loss.backward()
             with amp.scale_loss(loss, opt, loss_id=i) as scaled: scaled.backward()
@@ -133,7 +147,8 @@ def test_a_backward_into_grads_lent_but_not_stepped_is_refused():
     opt.step()
 
 def test_a_fastai_callback_after_mixedprec_clips_through_the_model_as_clip_does():
-    "A user's callback ordered after MixedPrecision, clipping `learn.model`'s params in `before_step` (GradientClip's code, at "
+    ("A user's callback ordered after MixedPrecision, clipping `learn.model`'s params in `before_step` "
+     "(GradientClip's code, at ")
     "the point where the grads are unscaled), trains as `to_fp16(clip=...)`"
     clip = lambda learn: torch.nn.utils.clip_grad_norm_(learn.model.parameters(), 0.05)
     norms = []
@@ -151,7 +166,8 @@ def test_a_fastai_callback_after_mixedprec_clips_through_the_model_as_clip_does(
     for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 def test_bf16_masters_fp32_grads_still_live_from_the_unscale_to_the_step_only():
-    "Split masters keep no fp32 copy of the weights, and their fp32 grads exist only while a step is pending: the stand-ins keep none alive"
+    ("Split masters keep no fp32 copy of the weights, and their fp32 grads exist only while a step is pending: the "
+     "stand-ins keep none alive")
     model, opt, backward, _ = SETUPS['amp O2 bf16, split masters'](mlp())
     for x, y in batches(2):
         backward(nn.functional.mse_loss(model(x), y))

@@ -17,7 +17,8 @@ from mixedprec.master import master_value
 from helpers import synth_learner, masters_of, Record, mlp
 
 def relu_bn_mlp(seed=0):
-    "An MLP whose BatchNorm follows a ReLU: no bias right before a BatchNorm, whose grad is rounding noise that Adam would blow up"
+    ("An MLP whose BatchNorm follows a ReLU: no bias right before a BatchNorm, whose grad is rounding noise that "
+     "Adam would blow up")
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 1))
 
@@ -36,7 +37,8 @@ def held(learn):
 def close(a, b, tol):
     return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
 
-# ---------------------------------------------------------------- what users do to the model, against the same run in fp32
+# ---------------------------------------------------------------- what users do to the model, against the same run in
+# fp32
 
 class UnfreezeAt1(Record):
     def __init__(self): super().__init__(-1)
@@ -52,7 +54,8 @@ ACTIONS = {
     'fit, freeze, reset_opt':  lambda l: (l.fit(1), l.freeze(), l.fit(2, reset_opt=True)),
     'requires_grad_ between fits': lambda l: (l.fit(1), l.model[0].requires_grad_(False), l.fit(1)),
     'freeze, unfreeze in fit': lambda l: (l.freeze(), l.fit(1), l.fit(2, cbs=UnfreezeAt1())),
-    'clamp before each batch': lambda l: l.fit(2, cbs=Record(-1, before_batch=lambda l: _clamp(l) if l.training else None)),
+    'clamp before each batch': lambda l: l.fit(2, cbs=Record(-1,
+                                                             before_batch=lambda l: _clamp(l) if l.training else None)),
     're-init between fits':    lambda l: (l.fit(1), _reinit(l), l.fit(1)),
     'load_state_dict mid-fit': lambda l: (l.fit(1), l.model.load_state_dict(relu_bn_mlp(7).state_dict()), l.fit(1)),
     're-init through .data between fits': lambda l: (l.fit(1), l.model[3].weight.data.fill_(0.25), l.fit(1)),
@@ -65,17 +68,20 @@ def _reinit(learn):
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("action", list(ACTIONS))
 def test_user_actions_train_as_in_fp32(action, flat, precision):
-    "Each action on the model, in fp32 and in mixed precision: the same requires_grad, and the same weights up to half precision's rounding"
+    ("Each action on the model, in fp32 and in mixed precision: the same requires_grad, and the same weights up to "
+     "half precision's rounding")
     res = {}
     for name in ("fp32", precision):
         learn = synth_learner(model=relu_bn_mlp(), opt_func=Adam, lr=1e-2, splitter=two_groups)
         if name == "fp16": learn.to_fp16(loss_scale=2.**8, flat_master=flat)
         elif name == "bf16": learn.to_bf16(flat_master=flat)
         ACTIONS[action](learn)
-        res[name] = ([p.requires_grad for p in learn.model.parameters()], weights(learn), [m.detach().clone() for m in held(learn)])
+        res[name] = ([p.requires_grad for p in learn.model.parameters()], weights(learn),
+                     [m.detach().clone() for m in held(learn)])
     assert res["fp32"][0] == res[precision][0]
     tol = 2e-2 if precision == "fp16" else 6e-2
-    assert close(res["fp32"][1], res[precision][1], tol), [(a - b).abs().max().item() for a, b in zip(res["fp32"][1], res[precision][1])]
+    assert close(res["fp32"][1], res[precision][1], tol), [(a - b).abs().max().item() for a,
+                                                           b in zip(res["fp32"][1], res[precision][1])]
     assert close(res["fp32"][2], res[precision][2], tol)
 
 
@@ -87,7 +93,8 @@ def test_freeze_reaches_the_model_at_once_and_a_new_optimizer_keeps_it(flat):
     before = weights(learn)
     learn.create_opt(); learn.fit(2)
     after = weights(learn)
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and not torch.equal(before[-1], after[-1])
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1],
+                                                            after[1]) and not torch.equal(before[-1], after[-1])
 
 
 # ---------------------------------------------------------------- clearing grads as the optimizer would
@@ -109,7 +116,8 @@ def test_a_branch_without_a_grad_moves_as_in_fp32(precision):
         if name == "fp16": learn.to_fp16(loss_scale=2.**8)
         elif name == "bf16": learn.to_bf16()
         seen = []
-        learn.fit(1, cbs=Record(1, after_step=lambda l: seen.append(held(l)[2].detach().clone()) if l.training else None))
+        learn.fit(1, cbs=Record(1,
+                                after_step=lambda l: seen.append(held(l)[2].detach().clone()) if l.training else None))
         moves[name] = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
     assert moves["fp32"] == moves[precision] and all(moves["fp32"])
 
@@ -121,7 +129,8 @@ def test_fp16_optimizer_drops_grads_as_torch_does():
     for _ in range(4):
         opt.zero_grad(); opt.backward(model(x).float().sum()); opt.step()
     m_branch = opt.param_groups[0]['params'][2]
-    assert m_branch.grad is None                   # torch's zero_grad sets None: the branch is left out on its off batches
+    # torch's zero_grad sets None: the branch is left out on its off batches
+    assert m_branch.grad is None
 
 
 # ---------------------------------------------------------------- in-place edits of the model reach the masters
@@ -140,7 +149,8 @@ def test_load_state_dict_into_the_model_mid_training_is_kept_exactly():
     other = synth_learner(seed=7)
     learn.fit(1)
     learn.model.load_state_dict(other.model.state_dict())
-    assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), other.model.parameters()))   # exact fp32, not the halves
+    # exact fp32, not the halves
+    assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), other.model.parameters()))
     learn.fit(1, lr=0.)                            # a step at lr 0 keeps the loaded weights
     assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), other.model.parameters()))
 
@@ -211,7 +221,9 @@ def test_adagrad_state_made_on_half_params_moves_as_fp32():
     torch.manual_seed(0)
     model = mlp().half()
     opt = FP16_Optimizer(torch.optim.Adagrad(model.parameters(), lr=1e-2), static_loss_scale=8., verbose=False)
-    assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    assert all(
+        v.dtype == torch.float32 for st in opt.state.values(
+            ) for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
     x = torch.randn(32, 8).half()
     for _ in range(3): opt.zero_grad(); opt.backward(model(x).float().pow(2).mean()); opt.step()
     assert not opt.overflow and all(torch.isfinite(p).all() for p in model.parameters())
@@ -219,7 +231,9 @@ def test_adagrad_state_made_on_half_params_moves_as_fp32():
 
 def test_adagrad_in_fastai_optim_wrapper_trains():
     def adagrad(params, lr): return OptimWrapper(params, torch.optim.Adagrad, lr=lr)
-    ref, half = synth_learner(model=relu_bn_mlp(), opt_func=adagrad, lr=1e-2), synth_learner(model=relu_bn_mlp(), opt_func=adagrad, lr=1e-2).to_fp16(loss_scale=2.**8)
+    ref, half = synth_learner(
+        model=relu_bn_mlp(), opt_func=adagrad,
+            lr=1e-2), synth_learner(model=relu_bn_mlp(), opt_func=adagrad, lr=1e-2).to_fp16(loss_scale=2.**8)
     ref.fit(1); half.fit(1)
     assert half.mixed_precision.scaler.n_skipped == 0
     assert close(weights(ref), weights(half), 2e-2)
@@ -227,14 +241,17 @@ def test_adagrad_in_fastai_optim_wrapper_trains():
 
 # ---------------------------------------------------------------- copies and pickles train on
 
-SETUPS = {'fp16': lambda l: l.to_fp16(loss_scale=2.**8), 'fp16 flat': lambda l: l.to_fp16(loss_scale=2.**8, flat_master=True),
+SETUPS = {'fp16': lambda l: l.to_fp16(loss_scale=2.**8),
+          'fp16 flat': lambda l: l.to_fp16(loss_scale=2.**8, flat_master=True),
           'bf16 split': lambda l: l.to_bf16(masters='split'), 'bf16 none': lambda l: l.to_bf16(masters='none'),
-          'bf16 split, 8-bit state': lambda l: l.to_bf16(masters='split', state='8bit'), 'fp16, bf16 state': lambda l: l.to_fp16(state='bf16')}
+          'bf16 split, 8-bit state': lambda l: l.to_bf16(masters='split', state='8bit'),
+              'fp16, bf16 state': lambda l: l.to_fp16(state='bf16')}
 
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copied_learner_trains_on_as_the_original(how, setup):
-    "A copy made mid-training (bf16 masters without an fp32 copy too: the copy's conversion makes them anew, apart from the optimizer's copies) trains on bit for bit as the original"
+    ("A copy made mid-training (bf16 masters without an fp32 copy too: the copy's conversion makes them anew, apart "
+     "from the optimizer's copies) trains on bit for bit as the original")
     learn = SETUPS[setup](synth_learner(opt_func=Adam, lr=1e-2))
     learn.logger = noop                            # (synth_learner's lambda does not pickle)
     learn.fit(1)
@@ -260,7 +277,8 @@ def test_one_callback_instance_moves_to_a_second_learner_with_the_first_ones_mas
     first = synth_learner(opt_func=Adam, lr=1e-2, cbs=mp)
     first.fit(1)
     masters = [m.detach().clone() for m in masters_of(first)]
-    second, ref = synth_learner(opt_func=Adam, lr=1e-2, cbs=mp), synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
+    second, ref = synth_learner(opt_func=Adam, lr=1e-2,
+                                cbs=mp), synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
     assert _is_fp32(first) and all(torch.equal(p.detach(), m) for p, m in zip(first.model.parameters(), masters))
     mp.scaler.load_state_dict(ref.mixed_precision.scaler.state_dict())     # the same scale as a fresh callback
     second.fit(1); ref.fit(1)
@@ -271,7 +289,9 @@ def test_one_callback_instance_moves_to_a_second_learner_with_the_first_ones_mas
 # ---------------------------------------------------------------- fastai's own ways out return to fp32
 
 def _is_fp32(learn):
-    return all(p.dtype == torch.float32 for p in learn.model.parameters()) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
+    return all(
+        p.dtype == torch.float32 for p in learn.model.parameters(
+            )) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
 
 @pytest.mark.parametrize("way", ["to_contiguous", "remove_cb_class", "to_non_native_fp32", "to_fp32"])
 def test_fastais_exits_leave_mixed_precision(way):
@@ -303,7 +323,8 @@ def test_sparse_grads_get_mixedprecs_message():
     with pytest.raises(TypeError, match="sparse=False"): opt.backward(model(torch.randint(0, 10, (4, 3))).float().sum())
 
 
-# ---------------------------------------------------------------- skip health: a high share of skipped steps is never silent
+# ---------------------------------------------------------------- skip health: a high share of skipped steps is never
+# silent
 
 def _poison_every(n_of_5):
     "A callback that puts an inf into the model's grads on `n_of_5` of every 5 training batches"
@@ -317,9 +338,12 @@ def _poison_every(n_of_5):
 
 def test_overflows_on_and_off_at_the_floor_raise():
     learn = synth_learner(opt_func=SGD, lr=0.01).to_fp16(loss_scale=1., min_scale=1., skip_window=20)
-    with pytest.raises(ScalingError, match=r"80% of the last 20 steps at the minimum loss scale 1 \(on and off"): learn.fit(10, cbs=_poison_every(4))
-    sc = learn.mixed_precision.scaler                                   # it stopped as soon as the window was full, counted
-    first_clean = next(r.step for r in sc.history if not r.skipped)     # from the first clean step (the scale's search is not judged)
+    with pytest.raises(ScalingError, match=r"80% of the last 20 steps at the minimum loss scale 1 \(on and off"):
+        learn.fit(10, cbs=_poison_every(4))
+    # it stopped as soon as the window was full, counted
+    sc = learn.mixed_precision.scaler
+    # from the first clean step (the scale's search is not judged)
+    first_clean = next(r.step for r in sc.history if not r.skipped)
     assert sc.n_steps - first_clean + 1 <= 21
 
 
@@ -379,13 +403,15 @@ def test_ranger_resumes_exactly_after_save_and_load(tmp_path, flat):
 
 
 def test_a_copied_channels_last_learner_with_flat_masters_trains_on_as_the_original():
-    "Flat masters laid out as channels_last params: a copy's optimizer state and masters are split by each param's layout, not by a plain reshape"
+    ("Flat masters laid out as channels_last params: a copy's optimizer state and masters are split by each param's "
+     "layout, not by a plain reshape")
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
     from torch.utils.data import TensorDataset
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 3, 4, 4, generator=g), torch.randn(64, 1, generator=g)
-    dls = DataLoaders(DataLoader(TensorDataset(x[:48], y[:48]), bs=16), DataLoader(TensorDataset(x[48:], y[48:]), bs=16))
+    dls = DataLoaders(DataLoader(TensorDataset(x[:48], y[:48]), bs=16),
+                      DataLoader(TensorDataset(x[48:], y[48:]), bs=16))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 1))
     learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, cbs=ChannelsLast())
@@ -399,10 +425,12 @@ def test_a_copied_channels_last_learner_with_flat_masters_trains_on_as_the_origi
     assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(masters_of(learn), masters_of(twin)))
 
-# ---------------------------------------------------------------- fastai's step: the engine steps in `before_step`, the optimizer is not patched
+# ---------------------------------------------------------------- fastai's step: the engine steps in `before_step`, the
+# optimizer is not patched
 
 class GradLog(Record):
-    "After MixedPrecision: record, at each `before_step`, the grads the optimizer will step (unscaled masters), cancel the steps listed, and record the weights after each step"
+    ("After MixedPrecision: record, at each `before_step`, the grads the optimizer will step (unscaled masters), "
+     "cancel the steps listed, and record the weights after each step")
     def __init__(self, cancel=()):
         super().__init__(1); self.seen, self.after, self.cancel = [], [], set(cancel)
     def before_step(self):
@@ -414,7 +442,8 @@ from fastai.callback.core import CancelStepException
 
 @pytest.mark.parametrize("precision", ['fp16', 'bf16'])
 def test_later_callbacks_see_unscaled_grads_once_and_can_cancel_the_step(precision):
-    # a grad-logging callback ordered after MixedPrecision sees, once per batch, the grads the optimizer steps: unscaled, as in fp32;
+    # a grad-logging callback ordered after MixedPrecision sees, once per batch, the grads the optimizer steps:
+    # unscaled, as in fp32;
     # one that cancels a step cancels it in mixed precision too (the grads are dropped, the weights stay)
     ref, half = synth_learner(relu_bn_mlp(), opt_func=SGD), synth_learner(relu_bn_mlp(), opt_func=SGD)
     half = half.to_fp16(loss_scale=2.**8) if precision == 'fp16' else half.to_bf16()
@@ -424,13 +453,18 @@ def test_later_callbacks_see_unscaled_grads_once_and_can_cancel_the_step(precisi
     tol = 3e-2 if precision == 'bf16' else 3e-3
     assert close(logs[1].seen[0], logs[0].seen[0], tol)          # unscaled (a scale of 2**8 would be far off)
     for log in logs:
-        assert all(torch.equal(a, b) for a, b in zip(log.after[1], log.after[2])) and all(torch.equal(a, b) for a, b in zip(log.after[2], log.after[3]))
+        assert all(
+            torch.equal(
+                a, b) for a, b in zip(
+                    log.after[1], log.after[2])) and all(torch.equal(a, b) for a, b in zip(log.after[2], log.after[3]))
         assert not all(torch.equal(a, b) for a, b in zip(log.after[3], log.after[4]))
     assert close(weights(half), weights(ref), tol)
 
 def test_no_optimizer_method_is_patched():
-    # the engine steps from the callback's `before_step` and cancels fastai's own step; `learn.opt` is a `MixedPrecisionOpt` over fastai's
-    # optimizer (for the state dict in the model's layout), which keeps its class's methods throughout, and is `learn.opt` again after `to_fp32`
+    # the engine steps from the callback's `before_step` and cancels fastai's own step; `learn.opt` is a
+    # `MixedPrecisionOpt` over fastai's
+    # optimizer (for the state dict in the model's layout), which keeps its class's methods throughout, and is
+    # `learn.opt` again after `to_fp32`
     learn = synth_learner().to_fp16()
     raw = learn.opt.opt
     methods = ('step', 'zero_grad', 'state_dict', 'load_state_dict')
@@ -455,8 +489,10 @@ def _wgan(opt_func, seed=0):
     torch.manual_seed(seed)
     gen = nn.Sequential(nn.Linear(10, 3 * 8 * 8), nn.Unflatten(1, (3, 8, 8)), nn.Tanh())
     crit = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 1))
-    learn = GANLearner.wgan(DataLoaders(DataLoader(Noise(), bs=8), DataLoader(Noise(), bs=8)), gen, crit, opt_func=opt_func, lr=1e-2)
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    learn = GANLearner.wgan(DataLoaders(DataLoader(Noise(), bs=8), DataLoader(Noise(), bs=8)), gen, crit,
+                            opt_func=opt_func, lr=1e-2)
+    learn.remove_cbs(
+        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
     return learn
 
 @pytest.mark.parametrize("opt", ['RMSProp', 'Adam'])      # fastai's own step (RMSProp), the fused kernels (Adam)
@@ -471,7 +507,9 @@ def test_a_wgan_keeps_its_clamp_in_half_precision_as_in_fp32(opt):
         if precision: getattr(learn, f'to_{precision}')(**({'loss_scale': 2.**8} if precision == 'fp16' else {}))
         learn.fit(2)
         crit = learn.model.critic
-        masters = [learn.mixed_precision.conversion.masters.get(p, p) for p in crit.parameters()] if precision else list(crit.parameters())
+        masters = [learn.mixed_precision.conversion.masters.get(p,
+                                                                p) for p in crit.parameters(
+                                                                    )] if precision else list(crit.parameters())
         return max(m.detach().abs().max().item() for m in masters), learn
     ref, _ = run(None)
     assert ref < 0.2
@@ -489,12 +527,14 @@ def plain_mlp():
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_every_module_kept_in_fp32_trains_exactly_as_fp32(precision):
-    # Nothing to convert: the callback does nothing (no cast hooks) and fastai's optimizer steps the fp32 params itself; this used
+    # Nothing to convert: the callback does nothing (no cast hooks) and fastai's optimizer steps the fp32 params itself;
+    # this used
     # to fail the first backward with "params the optimizer does not hold"
     ref = synth_learner(plain_mlp(), opt_func=Adam, lr=1e-2)
     ref.fit(2)
     learn = synth_learner(plain_mlp(), opt_func=Adam, lr=1e-2)
-    with pytest.warns(UserWarning, match=r"nothing in the model is converted .*Linear.*mixed precision changes nothing"):
+    with pytest.warns(UserWarning,
+                      match=r"nothing in the model is converted .*Linear.*mixed precision changes nothing"):
         learn = getattr(learn, f'to_{precision}')(keep_fp32=nn.Linear)
     learn.fit(2)
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
@@ -506,7 +546,8 @@ def test_every_module_kept_in_fp32_trains_exactly_as_fp32(precision):
 def orthogonal_mlp():
     from torch.nn.utils import parametrizations
     model = plain_mlp()
-    parametrizations.orthogonal(model[0], orthogonal_map='householder')   # Householder products: no half kernel on the CPU
+    # Householder products: no half kernel on the CPU
+    parametrizations.orthogonal(model[0], orthogonal_map='householder')
     return model
 
 def test_an_op_without_a_half_kernel_names_the_module_to_keep_in_fp32_and_that_fix_trains():
@@ -515,12 +556,15 @@ def test_an_op_without_a_half_kernel_names_the_module_to_keep_in_fp32_and_that_f
     note = ' '.join(getattr(caught.value, '__notes__', []))
     assert "no bf16 kernel for this op" in note and "learn.to_bf16(keep_fp32=_Orthogonal)" in note, note
     from torch.nn.utils.parametrizations import _Orthogonal
-    learn = synth_learner(orthogonal_mlp(), opt_func=Adam, lr=1e-2).to_bf16(keep_fp32=_Orthogonal)   # the advice, as written
+    # the advice, as written
+    learn = synth_learner(orthogonal_mlp(), opt_func=Adam, lr=1e-2).to_bf16(keep_fp32=_Orthogonal)
     learn.fit(2)
-    assert learn.model[0].parametrizations.weight.original.dtype == torch.bfloat16 and learn.mixed_precision.masters is not None
+    assert learn.model[
+        0].parametrizations.weight.original.dtype == torch.bfloat16 and learn.mixed_precision.masters is not None
     first, last = learn.recorder.values[0][0], learn.recorder.values[-1][0]
     assert last < first and torch.isfinite(torch.tensor(last))
-    w = learn.model[0].weight.float()                                     # the parametrization computed in fp32, on the half weight
+    # the parametrization computed in fp32, on the half weight
+    w = learn.model[0].weight.float()
     assert torch.allclose(w.T @ w, torch.eye(8), atol=1e-2)
 
 
@@ -530,10 +574,12 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from mixedprec.convert import fp32_copy
 
 def _amp_run(dtype, **kw):
-    "A model through amp O2, and a function that trains it 12 steps on fixed batches, calling `after_step(i)` after each"
+    ("A model through amp O2, and a function that trains it 12 steps on fixed batches, calling `after_step(i)` after "
+     "each")
     torch.manual_seed(0)
     model, x = mlp(), torch.randn(16, 32, 8)
-    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level='O2', cast_model_type=dtype, verbosity=0, **kw)
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level='O2',
+                                cast_model_type=dtype, verbosity=0, **kw)
     def train(after_step):
         for i in range(12):
             with amp.scale_loss(model(x[i]).float().pow(2).mean(), opt) as scaled: scaled.backward()
@@ -550,12 +596,14 @@ RUNS = {'amp O2 fp16': lambda: _amp_run(torch.float16), 'amp O2 bf16': lambda: _
         'fastai fp16 flat': lambda: _fastai_run(lambda l: l.to_fp16(loss_scale=2.**8, flat_master=True)),
         'fastai bf16 split': lambda: _fastai_run(lambda l: l.to_bf16(masters='split'))}
 
-def _fp32_values(model): return {k: v.detach().float().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+def _fp32_values(model):
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("run", RUNS)
 def test_an_ema_copy_averaged_in_place_saves_and_computes_its_average(run, how):
-    "torch's `AveragedModel` (a deep copy, averaged in place in the params' dtype): its `state_dict()` is what it computes with, and follows an fp32 EMA of the masters; it saved the copy-time weights before"
+    ("torch's `AveragedModel` (a deep copy, averaged in place in the params' dtype): its `state_dict()` is what it "
+     "computes with, and follows an fp32 EMA of the masters; it saved the copy-time weights before")
     model, train = RUNS[run]()
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     if how == "pickle": ema.module = pickle.loads(pickle.dumps(ema.module))
@@ -572,7 +620,9 @@ def test_an_ema_copy_averaged_in_place_saves_and_computes_its_average(run, how):
 
 @pytest.mark.parametrize("run", [r for r in RUNS if 'split' not in r])
 def test_an_ema_written_into_a_copys_state_dict_is_fp32_and_computed_with(run):
-    "timm's `ModelEmaV2`/`V3` way: lerp the copy's `state_dict()` values toward the model's in place. Those values are the copy's fp32 masters, so the EMA is exactly an fp32 one, and the copy computes with its rounding (it computed with its copy-time weights before)"
+    ("timm's `ModelEmaV2`/`V3` way: lerp the copy's `state_dict()` values toward the model's in place. Those values "
+     "are the copy's fp32 masters, so the EMA is exactly an fp32 one, and the copy computes with its rounding (it "
+     "computed with its copy-time weights before)")
     model, train = RUNS[run]()
     ema, shadow = copy.deepcopy(model), _fp32_values(model)
     def after_step(i):
@@ -584,13 +634,16 @@ def test_an_ema_written_into_a_copys_state_dict_is_fp32_and_computed_with(run):
     x = torch.randn(4, 8)
     fresh = mlp(); fresh.load_state_dict(shadow); fresh.eval(); ema.eval()
     out = ema(x)
-    assert all(torch.equal(ema.state_dict()[k], v) for k, v in shadow.items())         # bit for bit an fp32 EMA with decay 0.999
-    for k, p in ema.named_parameters(): assert torch.equal(p, shadow[k].to(p.dtype)), k  # and the params are its rounding
+    # bit for bit an fp32 EMA with decay 0.999
+    assert all(torch.equal(ema.state_dict()[k], v) for k, v in shadow.items())
+    for k, p in ema.named_parameters():
+        assert torch.equal(p, shadow[k].to(p.dtype)), k  # and the params are its rounding
     torch.testing.assert_close(out, fresh(x), rtol=3e-2, atol=3e-2)
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_a_write_into_the_training_models_state_dict_reaches_the_next_forward_and_step(precision):
-    "In plain torch a `state_dict()` value shares the param's storage; here it is the param's master: an in-place write to it is the model's weight at once, as loading the same values is"
+    ("In plain torch a `state_dict()` value shares the param's storage; here it is the param's master: an in-place "
+     "write to it is the model's weight at once, as loading the same values is")
     def half_learner():
         learn = synth_learner(relu_bn_mlp(), opt_func=Adam, lr=1e-2)
         return learn.to_fp16(loss_scale=2.**8) if precision == 'fp16' else learn.to_bf16()
@@ -612,8 +665,11 @@ def test_fp32_copy_holds_the_masters_without_hooks_and_leaves_the_model_training
     masters = _fp32_values(model)
     cp = fp32_copy(model)
     assert all(v.dtype == torch.float32 for v in cp.state_dict().values() if v.is_floating_point())
-    assert all(torch.equal(cp.state_dict()[k], v) for k, v in masters.items())            # the masters, not the half weights
-    assert not hasattr(cp, '_mixedprec_conversion') and not any(m._forward_pre_hooks or m._forward_hooks for m in cp.modules())
+    # the masters, not the half weights
+    assert all(torch.equal(cp.state_dict()[k], v) for k, v in masters.items())
+    assert not hasattr(cp,
+                       '_mixedprec_conversion') and not any(
+                           m._forward_pre_hooks or m._forward_hooks for m in cp.modules())
     cp.eval(); assert cp(torch.randn(2, 8)).dtype == torch.float32
     assert all(torch.equal(model.state_dict()[k], v) for k, v in masters.items())          # the model is as it was
     assert any(p.dtype != torch.float32 for p in model.parameters())
@@ -632,19 +688,24 @@ def test_a_converted_model_cast_to_fp32_names_fp32_copy():
 def test_a_copy_of_a_converted_model_in_a_new_learner_is_refused_naming_fp32_copy_which_trains():
     learn = synth_learner(opt_func=Adam, lr=1e-2).to_bf16()
     learn.fit(1)
-    with pytest.raises(ValueError, match=r"fp32_copy\(model\)"): synth_learner(model=copy.deepcopy(learn.model)).to_bf16()
+    with pytest.raises(ValueError, match=r"fp32_copy\(model\)"):
+        synth_learner(model=copy.deepcopy(learn.model)).to_bf16()
     again = synth_learner(model=fp32_copy(learn.model), opt_func=Adam, lr=1e-2).to_bf16()
-    assert all(torch.equal(a, b) for a, b in zip(masters_of(again), masters_of(learn)))      # it starts from the masters, not their rounding
+    # it starts from the masters, not their rounding
+    assert all(torch.equal(a, b) for a, b in zip(masters_of(again), masters_of(learn)))
     start = weights(again)
     again.fit(1)
-    assert again.recorder.values[-1][0] < learn.recorder.values[0][0] and not all(torch.equal(a, b) for a, b in zip(start, weights(again)))
+    assert again.recorder.values[
+        -1][0] < learn.recorder.values[0][0] and not all(torch.equal(a, b) for a, b in zip(start, weights(again)))
 
 def test_load_state_dict_with_assign_is_refused_before_anything_changes():
-    "`assign=True` would swap in the checkpoint's fp32 tensors as new params, which the optimizer does not hold: refused, and the model trains on as its twin"
+    ("`assign=True` would swap in the checkpoint's fp32 tensors as new params, which the optimizer does not hold: "
+     "refused, and the model trains on as its twin")
     learn, twin = synth_learner(opt_func=Adam, lr=1e-2).to_bf16(), synth_learner(opt_func=Adam, lr=1e-2).to_bf16()
     for l in (learn, twin): l.fit(1)
     params, sd = list(learn.model.parameters()), {k: v * 2 for k, v in learn.model.state_dict().items()}
-    with pytest.raises(RuntimeError, match="assign=True.*Nothing was loaded"): learn.model.load_state_dict(sd, assign=True)
+    with pytest.raises(RuntimeError, match="assign=True.*Nothing was loaded"):
+        learn.model.load_state_dict(sd, assign=True)
     assert all(a is b for a, b in zip(params, learn.model.parameters()))
     for l in (learn, twin): l.fit(1)
     assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
@@ -666,18 +727,21 @@ def test_a_change_through_data_between_fits_is_taken():
     assert torch.equal(masters_of(learn)[1], torch.zeros(16)) and not learn.model[0].bias.any()
 
 def _clamped_run(front, precision, impl, steps=4, c=0.05):
-    "SGD with momentum on an MLP whose first layer is clamped through `.data` after every step (a WGAN critic's clip), then a step at lr=0: the first layer's params and their masters"
+    ("SGD with momentum on an MLP whose first layer is clamped through `.data` after every step (a WGAN critic's "
+     "clip), then a step at lr=0: the first layer's params and their masters")
     torch.manual_seed(0)
     model, x = mlp(), torch.randn(32, 8)
     y = x.sum(1, keepdim=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(precision)
     if front == 'amp' and dtype is not None:
-        model, opt = amp.initialize(model, opt, opt_level='O2', cast_model_type=dtype, loss_scale=2.**8 if dtype == torch.float16 else 1.,
+        model, opt = amp.initialize(model, opt, opt_level='O2', cast_model_type=dtype,
+                                    loss_scale=2.**8 if dtype == torch.float16 else 1.,
                                     verbosity=0, impl=impl)
     elif front == 'fp16_optimizer' and dtype is not None:
         model = model.to(dtype)
-        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), static_loss_scale=2.**8, verbose=False, impl=impl)
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), static_loss_scale=2.**8,
+                             verbose=False, impl=impl)
     for i in range(steps + 1):
         if i == steps:
             for g in opt.param_groups: g['lr'] = 0.

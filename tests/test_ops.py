@@ -34,7 +34,8 @@ def test_scale_check_writes_into_leaf_params():
 
 def test_l2norm_matches_clip_grad_norm():
     ts = [torch.randn(n) for n in (1, 10, 333)]
-    assert torch.equal(ops.l2norm(ts, impl='ref'), torch.nn.utils.get_total_norm(ts, 2.))     # bit for bit on fp32 master grads
+    # bit for bit on fp32 master grads
+    assert torch.equal(ops.l2norm(ts, impl='ref'), torch.nn.utils.get_total_norm(ts, 2.))
     ts.append(torch.randn(7).half())                                                # half tensors are reduced in fp32
     torch.testing.assert_close(ops.l2norm(ts), torch.cat([t.float() for t in ts]).norm())
     total, each = ops.l2norm(ts, per_tensor=True)

@@ -21,22 +21,29 @@ print('trained', mixedprec.__version__, ops.backend(torch.zeros(1)), mixedprec._
 
 def test_the_built_wheel_installs_into_a_clean_venv_and_trains(tmp_path):
     wheels = tmp_path / 'wheels'
-    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(wheels), str(ROOT)],
+    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w',
+                        str(wheels), str(ROOT)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     wheel, = wheels.glob('mixedprec-*.whl')
     names = zipfile.ZipFile(wheel).namelist()
-    assert {'mixedprec/csrc/mixedprec.cpp', 'mixedprec/csrc/cpu_kernels.cpp'} <= set(names), "the kernel sources ship in the wheel"
-    assert any(n.endswith('.dist-info/licenses/LICENSE') or n.endswith('.dist-info/LICENSE') for n in names), "the license ships"
+    assert {'mixedprec/csrc/mixedprec.cpp',
+            'mixedprec/csrc/cpu_kernels.cpp'} <= set(names), "the kernel sources ship in the wheel"
+    assert any(
+        n.endswith(
+            '.dist-info/licenses/LICENSE') or n.endswith('.dist-info/LICENSE') for n in names), "the license ships"
     venv = tmp_path / 'venv'
     subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True, timeout=300)
     py = venv / 'bin' / 'python'
-    r = subprocess.run([str(py), '-m', 'pip', 'install', '-q', '--no-deps', '--no-index', str(wheel)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([str(py), '-m', 'pip', 'install', '-q', '--no-deps', '--no-index', str(wheel)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     # the dependencies (torch, fastai: gigabytes) come from this environment's site-packages, after the clean venv's own
-    purelib = subprocess.run([str(py), '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'], capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run([str(py), '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'],
+                             capture_output=True, text=True, check=True).stdout.strip()
     Path(purelib, 'deps_from_test_env.pth').write_text(sysconfig.get_paths()['purelib'] + '\n')
     env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH',)}
-    r = subprocess.run([str(py), '-W', 'ignore::FutureWarning', '-c', TRAIN], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run([str(py), '-W', 'ignore::FutureWarning', '-c', TRAIN], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert 'trained' in r.stdout and str(venv) in r.stdout, r.stdout

@@ -54,7 +54,8 @@ def test_hopeless_at_floor():
     sc.update(True); assert 'minimum loss scale' in sc.hopeless()
 
 @pytest.mark.parametrize("kw,msg", [(dict(loss_scale=0.), 'loss_scale'), (dict(loss_scale=float('inf')), 'loss_scale'),
-    (dict(loss_scale=-1.), 'loss_scale'), (dict(max_scale=10., loss_scale=100.), 'max_scale'), (dict(min_scale=0.), 'min_scale'),
+    (dict(loss_scale=-1.), 'loss_scale'), (dict(max_scale=10., loss_scale=100.), 'max_scale'),
+        (dict(min_scale=0.), 'min_scale'),
     (dict(min_scale=10., loss_scale=2.), 'min_scale'), (dict(max_noskip=0), 'max_noskip'), (dict(factor=1.), 'factor'),
     (dict(max_bad_loss=0), 'max_bad_loss')])
 def test_bad_settings_raise(kw, msg):
@@ -96,7 +97,8 @@ from hypothesis import given, settings, strategies as st
 def test_scaler_follows_the_design_rules_for_any_sequence(flags, noskip, start, cap_exp):
     "A direct model of nbs/DESIGN.md's rules agrees with LossScaler on every prefix of any step sequence"
     max_scale, min_scale = start * 2.**cap_exp, 1.
-    sc = LossScaler(loss_scale=start, max_noskip=noskip, max_scale=max_scale, min_scale=min_scale, max_overflow_at_min=10**6, max_bad_loss=10**6)
+    sc = LossScaler(loss_scale=start, max_noskip=noskip, max_scale=max_scale, min_scale=min_scale,
+                    max_overflow_at_min=10**6, max_bad_loss=10**6)
     scale, clean = start, 0
     for f in flags:
         skipped = sc.update(f != 'clean', reason='nonfinite_loss' if f == 'bad_loss' else 'overflow')
@@ -110,16 +112,21 @@ def test_scaler_follows_the_design_rules_for_any_sequence(flags, noskip, start, 
 from mixedprec.scaler import CODES
 
 @settings(max_examples=150, deadline=None)
-@given(codes=st.lists(st.sampled_from([0, 0, 0, 1, 2, 3]), max_size=40), noskip=st.integers(1, 4), dynamic=st.booleans(),
+@given(codes=st.lists(st.sampled_from([0, 0, 0, 1, 2, 3]), max_size=40), noskip=st.integers(1, 4),
+       dynamic=st.booleans(),
        start=st.sampled_from([1., 3., 2.**16]), factor=st.sampled_from([2., 1.5, 3.]), cap_exp=st.integers(0, 3))
 def test_the_tensor_rules_follow_a_direct_model_for_any_sequence(codes, noskip, dynamic, start, factor, cap_exp):
-    "`advance` (the one rule engine, tensor ops) against a direct Python model of nbs/DESIGN.md's rules: scale, the scale each step reads, counters, history"
+    ("`advance` (the one rule engine, tensor ops) against a direct Python model of nbs/DESIGN.md's rules: scale, the "
+     "scale each step reads, counters, history")
     max_scale, min_scale = start * factor ** cap_exp, 1.
-    sc = LossScaler(loss_scale=start, dynamic=dynamic, max_noskip=noskip, max_scale=max_scale, factor=factor, max_overflow_at_min=10**6, max_bad_loss=10**6)
+    sc = LossScaler(loss_scale=start, dynamic=dynamic, max_noskip=noskip, max_scale=max_scale, factor=factor,
+                    max_overflow_at_min=10**6, max_bad_loss=10**6)
     scale, clean, history = start, 0, []
     for i, c in enumerate(codes):
         s, inv = sc.tensors('cpu')                       # the scale this step reads
-        assert s.item() == float(torch.tensor(scale, dtype=torch.float32)) and inv.item() == float(torch.tensor(1 / scale, dtype=torch.float32))
+        assert s.item() == float(torch.tensor(scale,
+                                              dtype=torch.float32)) and inv.item(
+                                                  ) == float(torch.tensor(1 / scale, dtype=torch.float32))
         found = sc.advance(torch.tensor(c), grad_norm=torch.tensor(1.5))
         history.append((i + 1, scale, c != 0, CODES[c] if c else None, 1.5 if c in (0, 3) else None))
         if c in (1, 3):
@@ -138,7 +145,8 @@ def test_hopeless_is_raised_when_the_host_takes_the_step_in():
     for _ in range(2):
         sc.tensors('cpu'); sc.advance(torch.tensor(1), name_params=names)
     sc.tensors('cpu')
-    with pytest.raises(ScalingError, match=r"minimum loss scale.*0\.weight \(inf\)"): sc.advance(torch.tensor(1), name_params=names)
+    with pytest.raises(ScalingError, match=r"minimum loss scale.*0\.weight \(inf\)"):
+        sc.advance(torch.tensor(1), name_params=names)
     assert sc.history[-1].params == ('0.weight (inf)',) and sc.n_skipped == 3
 
 def test_a_host_change_restarts_the_tensors():
@@ -155,7 +163,9 @@ def test_a_host_change_restarts_the_tensors():
 def test_construction_and_a_loaded_state_follow_one_rule_set():
     # LossScaler.check_settings serves both: what a loaded state may not hold, a new scaler may not be built with
     with pytest.raises(ValueError, match='factor must be finite and > 1'): LossScaler(factor=float('inf'))
-    with pytest.raises(ValueError, match=r'min_scale \(4.0\) is above max_scale \(2.0\)'): LossScaler(loss_scale=1., dynamic=False, min_scale=4., max_scale=2.)
+    with pytest.raises(ValueError, match=r'min_scale \(4.0\) is above max_scale \(2.0\)'):
+        LossScaler(loss_scale=1., dynamic=False, min_scale=4., max_scale=2.)
     sc = LossScaler(2.**8)
     for bad in (dict(factor=float('inf')), dict(min_scale=4., max_scale=2.)):
-        with pytest.raises(ValueError, match='out of range.*nothing was loaded'): sc.load_state_dict({**sc.state_dict(), **bad})
+        with pytest.raises(ValueError, match='out of range.*nothing was loaded'):
+            sc.load_state_dict({**sc.state_dict(), **bad})

@@ -37,7 +37,8 @@ def test_overlapping_blocks_in_two_threads_leave_the_defaults_as_they_were():
     assert (ops.current_impl(), current_decide(), ops.DEFAULT_IMPL) == ('auto', 'cuda', 'auto')
 
 def test_a_fit_in_a_settings_block_runs_the_reference_while_another_thread_runs_the_kernels():
-    # the model in the block steps with the reference ops; a step in another thread meanwhile picks the kernels (the default)
+    # the model in the block steps with the reference ops; a step in another thread meanwhile picks the kernels (the
+    # default)
     if ops.backend(torch.zeros(1)) == 'ref': pytest.skip("no fused kernels here")
     inside, done, seen = threading.Event(), threading.Event(), {}
     def in_block():
@@ -68,24 +69,28 @@ def test_switches_take_the_usual_spellings(monkeypatch, value, on):
 
 def test_a_switch_with_another_value_is_refused_by_name(monkeypatch):
     monkeypatch.setenv('MIXEDPREC_DISABLE_FUSED', 'ture')
-    with pytest.raises(ValueError, match=r"MIXEDPREC_DISABLE_FUSED='ture' is not a switch: set it to one of 1, true, yes, on"):
+    with pytest.raises(ValueError, match=r"MIXEDPREC_DISABLE_FUSED='ture' is not a switch: set it to one of 1, true, "
+                                         r"yes, on"):
         ops.env_flag('MIXEDPREC_DISABLE_FUSED')
 
 def test_require_fused_true_is_honoured(monkeypatch):
     monkeypatch.setattr(ops, '_fused', lambda: (None, 'no compiler (a stand-in)'))
     monkeypatch.setenv('MIXEDPREC_REQUIRE_FUSED', 'true')
-    with pytest.raises(RuntimeError, match='MIXEDPREC_REQUIRE_FUSED'): ops.scale_check_([torch.ones(2)], [torch.zeros(2)], 1.)
+    with pytest.raises(RuntimeError, match='MIXEDPREC_REQUIRE_FUSED'):
+        ops.scale_check_([torch.ones(2)], [torch.zeros(2)], 1.)
 
 def test_disable_fused_true_turns_the_kernels_off_in_a_fresh_process():
     code = "import torch; from mixedprec import ops; print('BACKEND', ops.backend(torch.zeros(1)))"
-    p = subprocess.run([sys.executable, '-c', code], env={**os.environ, 'MIXEDPREC_DISABLE_FUSED': 'true'}, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, '-c', code], env={**os.environ, 'MIXEDPREC_DISABLE_FUSED': 'true'},
+                       capture_output=True, text=True, timeout=300)
     assert 'BACKEND ref' in p.stdout, p.stderr[-2000:]
 
 AVX2_ONLY = frozenset({'sse4_2', 'avx', 'avx2', 'fma', 'f16c'})
 
 def test_an_isa_the_cpu_lacks_is_refused_naming_what_is_missing(monkeypatch):
     monkeypatch.setenv('MIXEDPREC_ISA', 'avx512')
-    with pytest.raises(ValueError, match=r"MIXEDPREC_ISA='avx512', but this CPU lacks avx512bw, avx512dq, avx512f, avx512vl \(it has avx, avx2, f16c, fma\)"):
+    with pytest.raises(ValueError, match=r"MIXEDPREC_ISA='avx512', but this CPU lacks avx512bw, avx512dq, avx512f, "
+                                         r"avx512vl \(it has avx, avx2, f16c, fma\)"):
         ops.cpu_isa(AVX2_ONLY)
     monkeypatch.setenv('MIXEDPREC_ISA', 'avx2')
     assert ops.cpu_isa(AVX2_ONLY)[0] == 'avx2'
@@ -94,16 +99,19 @@ def test_an_isa_the_cpu_lacks_is_refused_naming_what_is_missing(monkeypatch):
 
 def test_a_misspelt_isa_is_refused_not_built_portable(monkeypatch):
     monkeypatch.setenv('MIXEDPREC_ISA', 'avx-512')
-    with pytest.raises(ValueError, match=r"MIXEDPREC_ISA='avx-512' is not one of avx512, avx2, portable"): ops.cpu_isa(AVX2_ONLY)
+    with pytest.raises(ValueError, match=r"MIXEDPREC_ISA='avx-512' is not one of avx512, avx2, portable"):
+        ops.cpu_isa(AVX2_ONLY)
 
 def test_a_bad_isa_setting_is_an_error_in_a_fresh_process_not_a_quiet_fallback(tmp_path):
     code = ("import torch; from mixedprec import ops\n"
             "try: ops.scale_check_([torch.ones(2)], [torch.zeros(2)], 1.); print('RAN')\n"
             "except ValueError as e: print('REFUSED', e)")
-    p = subprocess.run([sys.executable, '-c', code], env={**os.environ, 'MIXEDPREC_ISA': 'avx-512', 'MIXEDPREC_CACHE': str(tmp_path)},
+    p = subprocess.run([sys.executable, '-c', code], env={**os.environ, 'MIXEDPREC_ISA': 'avx-512',
+                                                          'MIXEDPREC_CACHE': str(tmp_path)},
                        capture_output=True, text=True, timeout=300)
     assert "REFUSED MIXEDPREC_ISA='avx-512'" in p.stdout, (p.stdout, p.stderr[-2000:])
-    assert not list(tmp_path.rglob('*.so')) and not list(tmp_path.rglob('.building-*'))   # nothing was built, nothing left behind
+    # nothing was built, nothing left behind
+    assert not list(tmp_path.rglob('*.so')) and not list(tmp_path.rglob('.building-*'))
 
 # ---------------------------------------------------------------- set-up is all or nothing
 
@@ -124,7 +132,8 @@ def test_to_fp16_fused_without_kernels_changes_nothing_and_a_retry_works(no_kern
 
 def test_amp_initialize_fused_without_kernels_changes_nothing_and_a_retry_works(no_kernels):
     model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match="impl='fused'"): amp.initialize(model, opt, opt_level='O2', impl='fused', verbosity=0)
+    with pytest.raises(RuntimeError, match="impl='fused'"):
+        amp.initialize(model, opt, opt_level='O2', impl='fused', verbosity=0)
     assert all(p.dtype == torch.float32 for p in model.parameters()) and not hasattr(opt, '_mixedprec_engine')
     model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)   # not "already passed to amp.initialize"
     with amp.scale_loss(model(torch.randn(8, 8)).float().pow(2).mean(), opt) as s: s.backward()
@@ -161,7 +170,9 @@ def test_a_compile_says_every_few_seconds_how_long_it_has_run(monkeypatch, capsy
 def test_no_cuda_message_on_a_machine_without_a_gpu():
     if torch.cuda.is_available() or ops.find_cuda_home() is None: pytest.skip("needs a CUDA toolkit and no GPU")
     env = {**os.environ, 'CUDA_HOME': ops.find_cuda_home()}
-    plain = subprocess.run([sys.executable, '-c', 'import torch.utils.cpp_extension'], env=env, capture_output=True, text=True, timeout=300)
+    plain = subprocess.run([sys.executable, '-c', 'import torch.utils.cpp_extension'], env=env, capture_output=True,
+                           text=True, timeout=300)
     assert 'No CUDA runtime is found' in plain.stderr                  # torch's own import says it
-    ours = subprocess.run([sys.executable, '-c', 'from mixedprec import ops; ops._cpp_extension()'], env=env, capture_output=True, text=True, timeout=300)
+    ours = subprocess.run([sys.executable, '-c', 'from mixedprec import ops; ops._cpp_extension()'], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert ours.returncode == 0 and 'No CUDA runtime' not in ours.stderr, ours.stderr

@@ -27,22 +27,28 @@ def test_decoding_an_encoding_is_within_a_sixteenth_and_exact_on_the_codes(signe
     x = spread(5000, 1, signed=signed)
     codes, scales = quantize8_ref(x, None, signed)
     assert codes.dtype == (torch.int8 if signed else torch.uint8) and scales.shape == (-(-5000 // Q_BLOCK),)
-    assert all(float(s).is_integer() or (s > 0 and torch.log2(s).item().is_integer()) for s in scales)    # powers of two
+    # powers of two
+    assert all(float(s).is_integer() or (s > 0 and torch.log2(s).item().is_integer()) for s in scales)
     y = dequantize8_ref(codes, scales)
     block_scale = scales.repeat_interleave(Q_BLOCK)[:5000]
     normal = x.abs() >= block_scale * 2.0 ** (-14 if signed else -30)          # the code's normal range
     assert ((y - x).abs() <= x.abs() / 16)[normal].all()                          # 3 mantissa bits, rounded to nearest
-    assert ((y - x).abs() <= block_scale * 2.0 ** (-18 if signed else -34)).logical_or(normal).all()   # gradual underflow
+    # gradual underflow
+    assert ((y - x).abs() <= block_scale * 2.0 ** (-18 if signed else -34)).logical_or(normal).all()
     assert (y.abs() <= block_scale).all() and (torch.sign(y) * torch.sign(x) >= 0).all()
-    codes2, scales2 = quantize8_ref(y, 5, signed)         # a decoded value is a code: any rounding keeps it, but for the smallest when the
-    kept = y.abs() >= scales2.repeat_interleave(Q_BLOCK)[:5000] * 2.0 ** (-14 if signed else -30)   # block's largest rounded up to the scale,
-    assert torch.equal(dequantize8_ref(codes2, scales2)[kept], y[kept]) and kept.float().mean() > 0.5   # and its scale doubles
+    # a decoded value is a code: any rounding keeps it, but for the smallest when the
+    codes2, scales2 = quantize8_ref(y, 5, signed)
+    # block's largest rounded up to the scale,
+    kept = y.abs() >= scales2.repeat_interleave(Q_BLOCK)[:5000] * 2.0 ** (-14 if signed else -30)
+    # and its scale doubles
+    assert torch.equal(dequantize8_ref(codes2, scales2)[kept], y[kept]) and kept.float().mean() > 0.5
 
 def test_a_positive_second_moment_never_decodes_to_zero():
     v = torch.tensor([1.0, 1e-12, 1e-30, 0.0] + [1e-3] * 300)
     for seed in (None, 1, 2):
         y = dequantize8_ref(*quantize8_ref(v, seed, signed=False))
-        assert (y[v > 0] > 0).all() and y[3] == 0          # so no denominator sqrt(v) + eps falls to eps where the moment is not 0
+        # so no denominator sqrt(v) + eps falls to eps where the moment is not 0
+        assert (y[v > 0] > 0).all() and y[3] == 0
 
 def test_zero_and_diverged_blocks():
     z, s = quantize8_ref(torch.zeros(300), 1)
@@ -51,13 +57,16 @@ def test_zero_and_diverged_blocks():
     assert s.eq(0).all()
     x = torch.ones(600); x[300] = float('inf')
     y = dequantize8_ref(*quantize8_ref(x, 1))
-    assert y[256:512].isnan().all() and y[:256].eq(1).all() and y[512:].eq(1).all()   # a diverged block stays loud; the others are kept
+    # a diverged block stays loud; the others are kept
+    assert y[256:512].isnan().all() and y[:256].eq(1).all() and y[512:].eq(1).all()
 
 def test_stochastic_rounding_is_unbiased_and_reproducible():
     x = spread(2048, 2, decades=3)
     draws = torch.stack([dequantize8_ref(*quantize8_ref(x, seed)) for seed in range(400)])
-    ulp = x.abs() / 8                                                             # a code step is at most an eighth of the value
-    assert ((draws.mean(0) - x).abs() <= 4 * ulp / 400 ** 0.5 + 1e-12).float().mean() > 0.99   # within 4 standard errors
+    # a code step is at most an eighth of the value
+    ulp = x.abs() / 8
+    # within 4 standard errors
+    assert ((draws.mean(0) - x).abs() <= 4 * ulp / 400 ** 0.5 + 1e-12).float().mean() > 0.99
     assert_same(quantize8_ref(x, 7), quantize8_ref(x, 7))
     assert not torch.equal(quantize8_ref(x, 7)[0], quantize8_ref(x, 8)[0])
 
@@ -70,7 +79,8 @@ def test_codes_are_numbered_in_memory_order_as_the_kernels_read_them():
 
 # The kernels
 
-SIZES = [[1, 3, 255, 256, 257], [1023, 1024, 1025], [(1 << 16) + 5, 2048 + 1]]   # the scale block (256), the CPU kernels' block (1024) and chunk (65536)
+# the scale block (256), the CPU kernels' block (1024) and chunk (65536)
+SIZES = [[1, 3, 255, 256, 257], [1023, 1024, 1025], [(1 << 16) + 5, 2048 + 1]]
 
 def lists(sizes, store, seed, channels_last=False):
     "Masters (fp32 with a half copy, or bf16 split or rounded), 8-bit moments with their scales, and (half) grads"
@@ -88,8 +98,10 @@ def lists(sizes, store, seed, channels_last=False):
             for p, m in zip(params, masters):
                 hi, lo = ops.split_bf16_ref(m); p.copy_(hi); kw['lows'].append(lo.contiguous(memory_format=fmt))
         else: kw['seeds'] = [77 + i for i in range(len(sizes))]
-    m, v = [quantize8_ref(spread(n, seed + i, 0.1).reshape(shape(n)).contiguous(memory_format=fmt), None) for i, n in enumerate(sizes)], \
-           [quantize8_ref(spread(n, seed + 50 + i, 0.01, False).reshape(shape(n)).contiguous(memory_format=fmt), None, False) for i, n in enumerate(sizes)]
+    m, v = [quantize8_ref(spread(n, seed + i, 0.1).reshape(shape(n)).contiguous(memory_format=fmt), None) for i,
+            n in enumerate(sizes)], \
+           [quantize8_ref(spread(n, seed + 50 + i, 0.01, False).reshape(shape(n)).contiguous(memory_format=fmt), None,
+                          False) for i, n in enumerate(sizes)]
     grads = [[rnd(n, 512.).half() for n in sizes] for _ in range(3)]
     return params, out, kw, [c for c, _ in m], [s for _, s in m], [c for c, _ in v], [s for _, s in v], grads
 
@@ -102,31 +114,38 @@ def test_cpu_kernels_equal_the_reference_bit_for_bit(sizes, store, kind, channel
         params, out, kw, m, msc, v, vsc, grads = lists(SIZES[sizes], store, seed=3, channels_last=channels_last)
         steps = [torch.tensor([float(k)]) for k in range(len(params))]
         for i, g in enumerate(grads):
-            found = torch.tensor(i == 1)                                       # the middle step is skipped: nothing changes
+            # the middle step is skipped: nothing changes
+            found = torch.tensor(i == 1)
             seeds = [(1000 * i + k, 2000 * i + k) for k in range(len(params))]
             if kind == 'sgd':
-                ops.sgd_step_(g, params, m, out, found, 1 / 512, 0.1, 0.9, 0., 1e-2, False, first_run=i == 0, state_seeds=[s[:1] for s in seeds],
+                ops.sgd_step_(g, params, m, out, found, 1 / 512, 0.1, 0.9, 0., 1e-2, False, first_run=i == 0,
+                              state_seeds=[s[:1] for s in seeds],
                               state_scales=[msc], impl=impl, **kw)
             else:
-                ops.adam_step_(g, params, m, v, out, found, steps, 1 / 512, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, state_seeds=seeds,
+                ops.adam_step_(g, params, m, v, out, found, steps, 1 / 512, 1e-2, 0.9, 0.999, 1e-8, 0.1, True,
+                               state_seeds=seeds,
                                state_scales=[msc, vsc], impl=impl, **kw)
         runs.append([*params, *out, *kw.get('lows', []), *m, *msc, *v, *vsc, *steps])
     assert_same(*runs)
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cpu_kernels_equal_the_reference_on_fuzzed_sizes(seed):
-    "Sizes drawn around the edges that matter: a scale block, the CPU kernels' 1024-element buffers and 65536-element chunks"
+    ("Sizes drawn around the edges that matter: a scale block, the CPU kernels' 1024-element buffers and "
+     "65536-element chunks")
     import random
     r = random.Random(seed)
-    sizes = [r.choice([r.randint(1, 700), 1024 * r.randint(1, 4) + r.randint(-300, 300), (1 << 16) + r.randint(-600, 600)]) for _ in range(8)]
+    sizes = [r.choice([r.randint(1, 700), 1024 * r.randint(1, 4) + r.randint(-300, 300),
+                       (1 << 16) + r.randint(-600, 600)]) for _ in range(8)]
     runs = []
     for impl in ('ref', 'fused'):
-        params, out, kw, m, msc, v, vsc, grads = lists(sizes, r.choice(['fp32', 'split', 'none']) if impl == 'ref' else store, seed=seed)
+        params, out, kw, m, msc, v, vsc, grads = lists(
+            sizes, r.choice(['fp32', 'split', 'none']) if impl == 'ref' else store, seed=seed)
         store = 'split' if 'lows' in kw else 'none' if 'seeds' in kw else 'fp32'
         steps = [torch.tensor([float(k)]) for k in range(len(params))]
         for i, g in enumerate(grads[:2]):
             ops.adam_step_(g, params, m, v, out, torch.tensor(False), steps, 1 / 512, 1e-2, 0.9, 0.999, 1e-8, 0.1, True,
-                           state_seeds=[(7 * i + k, 11 * i + k) for k in range(len(params))], state_scales=[msc, vsc], impl=impl, **kw)
+                           state_seeds=[(7 * i + k, 11 * i + k) for k in range(len(params))], state_scales=[msc, vsc],
+                               impl=impl, **kw)
         runs.append([*params, *out, *kw.get('lows', []), *m, *msc, *v, *vsc])
     assert_same(*runs)
 
@@ -135,47 +154,56 @@ def test_a_skipped_step_changes_no_state():
     before = [t.clone() for t in [*params, *kw['lows'], *m, *msc, *v, *vsc]]
     steps = [torch.tensor([3.]) for _ in params]
     for impl in ('ref', 'fused'):
-        ops.adam_step_(grads[0], params, m, v, out, torch.tensor(True), steps, 1., 1e-2, state_seeds=[(1, 2), (3, 4)], state_scales=[msc, vsc],
+        ops.adam_step_(grads[0], params, m, v, out, torch.tensor(True), steps, 1., 1e-2, state_seeds=[(1, 2), (3, 4)],
+                       state_scales=[msc, vsc],
                        impl=impl, **kw)
     assert_same(before, [*params, *kw['lows'], *m, *msc, *v, *vsc]) and all(s.item() == 3. for s in steps)
 
 @pytest.mark.parametrize("impl", ['ref', 'fused'])
 def test_stochastic_rounding_keeps_a_slow_average_moving(impl):
-    "An EMA at beta=0.999, as Adam's second moment: each step is 0.1% of the value, far below a code step (6-12%); rounded to nearest it never moves off its start, rounded stochastically it tracks fp32"
+    ("An EMA at beta=0.999, as Adam's second moment: each step is 0.1% of the value, far below a code step (6-12%); "
+     "rounded to nearest it never moves off its start, rounded stochastically it tracks fp32")
     n, steps, beta = 4096, 600, 0.999
     start = torch.full((n,), 1.0)
     codes, scales = quantize8_ref(start, None)
     p, g = [torch.zeros(n)], [torch.full((n,), 2.0)]
     ema_32, rn = start.clone(), quantize8_ref(start, None)
     for t in range(steps):
-        ops.sgd_step_(g, p, [codes], [], torch.tensor(False), 1., 0., beta, beta, 0., False, state_seeds=[(_mix(t),)], state_scales=[[scales]],
+        ops.sgd_step_(g, p, [codes], [], torch.tensor(False), 1., 0., beta, beta, 0., False, state_seeds=[(_mix(t),)],
+                      state_scales=[[scales]],
                       impl=impl)   # seeds mixed as the engine mixes them
         ema_32 = ema_32 * beta + (1 - beta) * 2.0
         rn = quantize8_ref(dequantize8_ref(*rn) * beta + (1 - beta) * 2.0, None)
     exact = 2.0 - beta ** steps
     assert ema_32.mean().item() == pytest.approx(exact, abs=1e-4)
-    assert abs(dequantize8_ref(codes, scales).mean().item() - exact) < 0.015      # unbiased: the mean over elements follows fp32 (to 5 standard errors)
+    # unbiased: the mean over elements follows fp32 (to 5 standard errors)
+    assert abs(dequantize8_ref(codes, scales).mean().item() - exact) < 0.015
     assert dequantize8_ref(*rn).mean().item() == 1.0                              # round-to-nearest stagnates
 
 def test_bad_8bit_input_says_what_to_do():
     params, out, kw, m, msc, v, vsc, grads = lists([300], 'fp32', seed=6)
-    step = lambda **k: ops.adam_step_(grads[0], params, k.get('m', m), k.get('v', v), out, torch.tensor(False), [torch.tensor([0.])], 1., 1e-2,
-                                      state_seeds=[(1, 2)], impl=k['impl'], **({'state_scales': k['sc']} if 'sc' in k else {}))
+    step = lambda **k: ops.adam_step_(grads[0], params, k.get('m', m), k.get('v', v), out, torch.tensor(False),
+                                      [torch.tensor([0.])], 1., 1e-2,
+                                      state_seeds=[(1, 2)], impl=k['impl'],
+                                          **({'state_scales': k['sc']} if 'sc' in k else {}))
     for impl in ('ref', 'fused'):
         with pytest.raises(ValueError, match="state_scales"): step(impl=impl)
         with pytest.raises(ValueError, match="per 256 elements"): step(impl=impl, sc=[msc, [torch.zeros(1)]])
-        with pytest.raises(ValueError, match="int8 first moments, uint8 second moments"): step(impl=impl, v=[c.view(torch.int8) for c in v], sc=[msc, vsc])
+        with pytest.raises(ValueError, match="int8 first moments, uint8 second moments"):
+            step(impl=impl, v=[c.view(torch.int8) for c in v], sc=[msc, vsc])
 
 # The front ends
 
-@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9)], ids=['adamw', 'sgd'])
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9)],
+                         ids=['adamw', 'sgd'])
 def test_fp16_optimizer_keeps_8bit_state_in_a_quarter_of_the_bytes_and_trains_as_with_fp32_state(opt_cls):
     lean, opt, _ = train_fp16_optimizer('8bit', opt_cls)
     full, full_opt, _ = train_fp16_optimizer('fp32', opt_cls)
     assert {t.dtype for t in state_tensors(opt)} <= {torch.int8, torch.uint8, torch.float32}
     per_elem = lambda o, dt: sum(t.nbytes for t in state_tensors(o) if t.dtype in dt)
     codes, all_full = per_elem(opt, (torch.int8, torch.uint8)), per_elem(full_opt, (torch.float32,))
-    assert codes * 4 == all_full and per_elem(opt, (torch.float32,)) <= codes * 4 / 256 + 8 * len(opt.state) * 4   # + a scale per 256, per block started
+    # + a scale per 256, per block started
+    assert codes * 4 == all_full and per_elem(opt, (torch.float32,)) <= codes * 4 / 256 + 8 * len(opt.state) * 4
     assert lean == pytest.approx(full, rel=0.1)
 
 def test_fp16_optimizer_8bit_state_resumes_bit_exact(tmp_path):
@@ -188,7 +216,8 @@ def test_fp16_optimizer_8bit_state_resumes_bit_exact(tmp_path):
 def test_amp_keeps_8bit_state(opt_level):
     (full, full_opt), (lean, opt) = train_amp('fp32', opt_level), train_amp('8bit', opt_level)
     assert {t.dtype for t in state_tensors(full_opt)} == {torch.float32}
-    assert {t.dtype for t in state_tensors(opt)} == {torch.int8, torch.uint8, torch.float32}      # codes of each moment, and their scales
+    # codes of each moment, and their scales
+    assert {t.dtype for t in state_tensors(opt)} == {torch.int8, torch.uint8, torch.float32}
     assert lean == pytest.approx(full, rel=0.1)
 
 @pytest.mark.parametrize("opt_func", [Adam, partial(SGD, mom=0.9)], ids=['adam', 'sgd'])
@@ -203,17 +232,23 @@ def test_fastai_8bit_state_trains_saves_loads_and_leaves_as_fp32(opt_func, tmp_p
     learn.save('lean')
     sd = torch.load(tmp_path / 'models' / 'lean.pth', weights_only=False)
     saved = [s for s in sd['opt']['state'] if any(k.endswith(SCALES) for k in s)]
-    assert saved and all(s['grad_avg'].dtype == torch.int8 and s['grad_avg' + SCALES].dtype == torch.float32 for s in saved)   # the codes and scales
+    # the codes and scales
+    assert saved and all(
+        s['grad_avg'].dtype == torch.int8 and s['grad_avg' + SCALES].dtype == torch.float32 for s in saved)
     other = synth_learner(opt_func=opt_func, **kw).to_bf16(masters='split', state='8bit')
     other.load('lean')
     other.fit(1); learn.fit(1)
     assert_same(list(other.model.parameters()), list(learn.model.parameters()))       # resumed bit for bit
-    fp32 = synth_learner(opt_func=opt_func, **kw).to_bf16(masters='split')              # the same file into fp32 state: decoded
+    # the same file into fp32 state: decoded
+    fp32 = synth_learner(opt_func=opt_func, **kw).to_bf16(masters='split')
     fp32.load('lean')
     fp32.fit(1)
     assert {t.dtype for t in state_tensors(fp32.opt)} == {torch.float32}
-    learn.to_fp32()                                                                      # fastai's own step reads fp32 moments again
-    assert {t.dtype for t in state_tensors(learn.opt)} == {torch.float32} and not any(k.endswith(SCALES) for s in learn.opt.state.values() for k in s)
+    # fastai's own step reads fp32 moments again
+    learn.to_fp32()
+    assert {
+        t.dtype for t in state_tensors(
+            learn.opt)} == {torch.float32} and not any(k.endswith(SCALES) for s in learn.opt.state.values() for k in s)
     learn.fit(1)
     assert learn.recorder.values[-1][0] < losses['8bit'] * 2
 
@@ -223,8 +258,10 @@ def test_a_damaged_8bit_checkpoint_is_refused_before_anything_changes(tmp_path):
     learn.save('ok')
     sd = torch.load(tmp_path / 'models' / 'ok.pth', weights_only=False)
     before = [p.clone() for p in learn.model.parameters()]
-    for damage, match in [(lambda s: s.update({'grad_avg' + SCALES: s['grad_avg' + SCALES][:0]}), "one per 256: the file is damaged"),
-                          (lambda s: s.update({'grad_avg' + SCALES: s['grad_avg' + SCALES] * float('nan')}), "inf or NaN"),
+    for damage, match in [(lambda s: s.update({'grad_avg' + SCALES: s['grad_avg' + SCALES][:0]}),
+                           "one per 256: the file is damaged"),
+                          (lambda s: s.update({'grad_avg' + SCALES: s['grad_avg' + SCALES] * float('nan')}),
+                           "inf or NaN"),
                           (lambda s: s.pop('grad_avg' + SCALES), "floating point")]:
         bad = torch.load(tmp_path / 'models' / 'ok.pth', weights_only=False)
         damage(next(s for s in bad['opt']['state'] if 'grad_avg' + SCALES in s))
@@ -234,7 +271,8 @@ def test_a_damaged_8bit_checkpoint_is_refused_before_anything_changes(tmp_path):
     learn.fit(1)                                                                          # and it trains on
 
 def test_8bit_state_follows_a_channels_last_model():
-    "A Learner that trained, then is laid out channels-last (fastai's ChannelsLast): its 8-bit state is decoded, laid out as the param, and encoded again in the new layout's blocks"
+    ("A Learner that trained, then is laid out channels-last (fastai's ChannelsLast): its 8-bit state is decoded, "
+     "laid out as the param, and encoded again in the new layout's blocks")
     from fastai.vision.all import Learner
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
@@ -242,22 +280,29 @@ def test_8bit_state_follows_a_channels_last_model():
     torch.manual_seed(0)
     x, y = torch.randn(64, 3, 8, 8), torch.randint(0, 2, (64,))
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
-    model = nn.Sequential(nn.Conv2d(3, 300, 3, padding=1), nn.BatchNorm2d(300), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(300, 2))
-    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=Adam, cbs=[]); learn.logger = lambda *a, **k: None
+    model = nn.Sequential(nn.Conv2d(3, 300, 3, padding=1), nn.BatchNorm2d(300), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(300, 2))
+    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=Adam,
+                    cbs=[]); learn.logger = lambda *a, **k: None
     learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
     learn.to_bf16(masters='split', state='8bit'); learn.fit(1, 1e-2)
     learn.to_channelslast(); learn.fit(1, 1e-2)
     w = model[0].weight
     st = learn.opt.opt.state[next(m for m in learn.opt.opt.state if m.shape == w.shape)]
-    assert w.is_contiguous(memory_format=torch.channels_last) and st['grad_avg'].dtype == torch.int8 and st['grad_avg'].stride() == w.stride()
+    assert w.is_contiguous(
+        memory_format=torch.channels_last) and st[
+            'grad_avg'].dtype == torch.int8 and st['grad_avg'].stride() == w.stride()
     assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] * 1.5
 
 def test_8bit_state_over_a_long_run_stays_with_fp32_masters_and_fp32_state():
-    "Drift: 600 AdamW steps of a small regression, split masters + 8-bit state against fp32 masters + fp32 state, both on bf16 weights"
+    ("Drift: 600 AdamW steps of a small regression, split masters + 8-bit state against fp32 masters + fp32 state, "
+     "both on bf16 weights")
     def run(store, state):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).bfloat16()
-        opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01), masters=store, state=state, verbose=False)
+        model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                              nn.Linear(256, 1)).bfloat16()
+        opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01), masters=store,
+                             state=state, verbose=False)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(2048, 16, generator=g); y = torch.sin(x @ torch.randn(16, 1, generator=g))
         for i in range(600):
@@ -269,11 +314,13 @@ def test_8bit_state_over_a_long_run_stays_with_fp32_masters_and_fp32_state():
 
 @pytest.mark.parametrize("impl", ['fused', 'ref'])
 def test_an_8bit_checkpoint_loads_into_amp_with_fp32_state_decoded(impl):
-    "torch's load casts every state tensor to its param's dtype (int8 codes would become floats like -45.0); the engine puts them back, decoded where it keeps fp32 state, also where the optimizer's own step runs (impl='ref')"
+    ("torch's load casts every state tensor to its param's dtype (int8 codes would become floats like -45.0); the "
+     "engine puts them back, decoded where it keeps fp32 state, also where the optimizer's own step runs (impl='ref')")
     def make(state):
         torch.manual_seed(0)
         model = mlp(); opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', verbosity=0, state=state, impl=impl if state == 'fp32' else None)
+        return amp.initialize(model, opt, opt_level='O2', half_dtype='bf16', verbosity=0, state=state,
+                              impl=impl if state == 'fp32' else None)
     x, y = data()
     model, opt = make('8bit')
     for _ in range(5):
@@ -286,7 +333,9 @@ def test_an_8bit_checkpoint_loads_into_amp_with_fp32_state_decoded(impl):
     masters = amp.master_params(other)
     for i, m in enumerate(masters):
         st = other.state[m]
-        assert st['exp_avg'].dtype == torch.float32 and torch.equal(st['exp_avg'], saved[i]) and not any(k.endswith(SCALES) for k in st)
+        assert st['exp_avg'].dtype == torch.float32 and torch.equal(st['exp_avg'],
+                                                                    saved[
+                                                                        i]) and not any(k.endswith(SCALES) for k in st)
     with amp.scale_loss(nn.functional.mse_loss(other_model(x[:64]), y[:64]), other) as s: s.backward()
     other.step()
     assert all(torch.isfinite(m).all() for m in amp.master_params(other))
