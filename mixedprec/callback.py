@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'fastai_export', 'fastai_save', 'fastai_load',
-           'fastai_freeze_to', 'MixedPrecision', 'MixedPrecisionOpt', 'MixedPrecisionOptimWrapper']
+           'fastai_freeze_to', 'FastaiMasters', 'MixedPrecision', 'MixedPrecisionOpt', 'MixedPrecisionOptimWrapper']
 
 # %% ../nbs/15_callback.ipynb #f6ab0a82
 import warnings
@@ -71,8 +71,174 @@ def _all_finite(o, limit:float=float('inf')) -> bool:
     if isinstance(o, dict): return all(_all_finite(x, limit) for x in o.values())
     return True
 
+# %% ../nbs/15_callback.ipynb #fmasters1
+class FastaiMasters:
+    ("Where the callback keeps fastai's optimizer on the fp32 masters: swapped in at a fit and out when it leaves, "
+     "moved with the model's device, carried through copies and pickles, saved and loaded with the scaler")
+    def leave(self):
+        ("Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state "
+         "kept (sharded: gathered, on every rank)")
+        if self.masters is not None and self.masters.shards is not None: self.engine.unshard_()
+        self.release_opt()
+        if self.conversion is not None: self.conversion.undo()
+        self.conversion = None
+
+    masters = property(lambda self: self.engine.masters if self.engine is not None else None,
+                       doc="The masters' layout in the optimizer (while it holds them)")
+
+    def attach_opt(self):
+        ("Swap the fp32 masters into `learn.opt` in place of the half model params, carrying the optimizer state "
+         "across; a step engine over them")
+        # `learn.opt` is this callback's `MixedPrecisionOpt` while attached
+        wrapped, opt = self.learn.opt, _raw_opt(self.learn)
+        if self.engine is not None and self.engine.optimizer is not opt:
+            self.engine.masters.sync_requires_grad()   # a freeze on the old optimizer reaches the model
+        self._copied_masters_to_model(opt)
+        held = [p for g in opt.param_lists for p in g]
+        shard = getattr(self, 'shard', False) and world_size() > 1
+        if shard and self.flat_master and not isinstance(opt, Optimizer):
+            raise ValueError("sharded flat masters need fastai's own optimizer, whose state_dict is per param; "
+                             f"{type(opt).__name__}'s is by position "
+                             "over the flat masters, which differ with the world size: pass flat_master=False, or a "
+                             "fastai opt_func (Adam, SGD, ...)")
+        if self.engine is not None and self.engine.optimizer is opt and {
+            id(p) for p in held} == {id(p) for p in self.masters.master_params}:
+            if (self.masters.shards is not None) == shard: return self._wrap(wrapped, opt)
+            if not shard:
+                raise RuntimeError("the masters are sharded across ranks and torch.distributed has gone (or has one "
+                                   "rank): call `learn.save()`, "
+                                             "`to_fp32()` or `export()` inside `distrib_ctx`, where the shards can "
+                                             "be gathered")
+            self.release_opt()                            # first fit under distrib_ctx: shard the masters
+            held = [p for g in opt.param_lists for p in g]
+        names = {p: n for n, p in self.learn.model.named_parameters()}
+        self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master,
+                                        store=getattr(self, 'master_store', 'fp32'),
+                                        state=getattr(self, 'state_store', 'fp32'), shard=shard, scaler=self.scaler,
+                                            clip=self.clip, decide=self.decide, impl=self.impl)
+        self._wrap(wrapped, opt)
+
+    def _wrap(self, wrapped, opt):
+        ("Make `learn.opt` a `MixedPrecisionOpt` over `opt` (the same one again when it already was), so "
+         "`learn.opt.state_dict()` is in the model's layout, as fastai and users read it")
+        io = wrapped if isinstance(wrapped,
+                                   MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is self else MixedPrecisionOpt.wrapping(self, opt)
+        if io is not None: self.learn.opt = self.state_io = io
+
+    def _copied_masters_to_model(self, opt):
+        ("A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model "
+         "params back in their places, with their state")
+        if self.engine is not None: return
+        # flat master -> its params, as `__getstate__` noted them
+        flats = {id(fm): ps for fm, ps in (self.__dict__.pop('_copied_flats', None) or [])}
+        # bf16 master (the conversion's copy made a new one) -> its param
+        bf16s = {id(m): p for m, p in (self.__dict__.pop('_copied_bf16', None) or [])}
+        put_model_params_back(opt, self.conversion.masters, flats, bf16s)
+
+    def release_opt(self):
+        ("Put the model params back into fastai's optimizer, with their state in its own layout, and make it "
+         "`learn.opt` again")
+        opt, e = _raw_opt(self.learn), self.engine
+        if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
+        if opt is None or e is None: return
+        if e.optimizer is opt: e.detach()
+        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'):
+            opt.__dict__.pop(k, None)   # methods an earlier version patched onto a pickled Learner's optimizer
+        self.engine = self.state_io = None
+
+    @contextmanager
+    def consolidated(self, gather:bool=True):
+        ("A block in which this rank holds every master and all the optimizer state (sharded: gathered, so every "
+         "rank must enter it); sharded again after")
+        if self.masters is None or self.masters.shards is None: yield; return
+        with self.engine.consolidated(gather): yield
+
+    def follow_model_device(self):
+        ("The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and "
+         "the optimizer state after it")
+        self.release_opt()
+        self.conversion.follow_devices()
+        adapter_for(_raw_opt(self.learn)).state_to_devices()
+
+    def __getstate__(self):
+        ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
+         "params each flat master holds, and whose each bf16 master is")
+        flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
+        bf16s = [(m, p) for p,
+                 m in self.conversion.masters.items(
+                     ) if bf16_master(m) is not None] if self.conversion is not None else None
+        return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
+
+    def __setstate__(self, state:dict):
+        "Unpickle, also a callback pickled by an earlier version (with a `masters` layout and step flags)"
+        for k in ('masters', '_fused', '_found', '_on_device', 'loss_finite'): state.pop(k, None)
+        if 'learn' in state: state['_learn'] = state.pop('learn')
+        self.__dict__.update({'engine': None, 'state_io': None, 'decide': None, 'impl': None, '_kept_history': None,
+                              **state})
+
+    def _check_trainable(self):
+        ("Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, "
+         "and a change made through `.data` since the last step is taken (each step takes them too)")
+        self._checked = True
+        # changes through `.data` since the last step: the masters before anything reads them
+        self.conversion.take_data_edits()
+        model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
+        if not model_params:
+            raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
+                             "(`learn.unfreeze()`), or use `get_preds` for inference")
+        if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
+        # nothing converted (every module kept in fp32): fastai's optimizer holds the params
+        elif not self.conversion.masters:
+            opt = _raw_opt(self.learn)
+            held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
+        else: held = set()
+        missing = [n for n, p in model_params if id(p) not in held]
+        if missing:
+            refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
+        if missing:
+            raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
+                             "were replaced after the "
+                                     "optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after "
+                                     "changing the model, so they get masters and an optimizer.")
+
+    def check_whole(self):
+        ("Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would "
+         "miss them")
+        if self.masters is not None and any(remote_master(m) is not None for _, m, _ in self.masters.pairs):
+            raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call "
+                               "`learn.save()` on every rank (it gathers "
+                               "the shards), or read the state inside `with learn.mixed_precision.consolidated():` "
+                               "entered on every rank")
+
+    def state_dict(self) -> dict:
+        "The scaler state and the fp32 masters, one per model param"
+        self.check_whole()
+        masters = self.conversion.masters if self.conversion else {}
+        return {'scaler': self.scaler.state_dict(),
+                'masters': [
+                    master_value(masters[p]).clone() if p in masters else None for p in self.learn.model.parameters()]}
+
+    def load_state_dict(self, sd:dict):
+        ("Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything "
+         "changes")
+        self.prepare()
+        params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
+        if len(saved) != len(params):
+            raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
+                                  "params: it comes from another model; nothing was loaded")
+        names = [n for n, _ in self.learn.model.named_parameters()]
+        for i, (p, m) in enumerate(zip(params, saved)):
+            if m is not None and p in masters: check_master_value(m, p, f"master {i} ({names[i]})", "the state_dict")
+        self.scaler.check_state(sd.get('scaler'))
+        self.scaler.load_state_dict(sd['scaler'])
+        with torch.no_grad():
+            for p, m in zip(params, saved):
+                if m is None or p not in masters: continue
+                load_master_(p, masters[p], m)
+        return self
+
 # %% ../nbs/15_callback.ipynb #4d846810
-class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
+class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
     "Train in fp16 or bf16 with fp32 master weights and dynamic loss scaling"
     # an instance of fastai's own mixed-precision callbacks, so that fastai's ways out (`to_contiguous(to_fp32=True)`,
     # `load_learner`,
@@ -164,16 +330,6 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "The fp32 masters the optimizer steps, by group (fastai's `NonNativeMixedPrecision` name)"
         return self.masters.groups
 
-    def leave(self):
-        ("Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state "
-         "kept (sharded: gathered, on every rank)")
-        if self.masters is not None and self.masters.shards is not None: self.engine.unshard_()
-        self.release_opt()
-        if self.conversion is not None: self.conversion.undo()
-        self.conversion = None
-
-    masters = property(lambda self: self.engine.masters if self.engine is not None else None,
-                       doc="The masters' layout in the optimizer (while it holds them)")
     @property
     def loss_scale(self) -> float:
         "The current loss scale (the scaler's books catch up first: a host read on a GPU)"
@@ -217,96 +373,6 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         return self
 
     def after_create(self): self.prepare()
-
-    def attach_opt(self):
-        ("Swap the fp32 masters into `learn.opt` in place of the half model params, carrying the optimizer state "
-         "across; a step engine over them")
-        # `learn.opt` is this callback's `MixedPrecisionOpt` while attached
-        wrapped, opt = self.learn.opt, _raw_opt(self.learn)
-        if self.engine is not None and self.engine.optimizer is not opt:
-            self.engine.masters.sync_requires_grad()   # a freeze on the old optimizer reaches the model
-        self._copied_masters_to_model(opt)
-        held = [p for g in opt.param_lists for p in g]
-        shard = getattr(self, 'shard', False) and world_size() > 1
-        if shard and self.flat_master and not isinstance(opt, Optimizer):
-            raise ValueError("sharded flat masters need fastai's own optimizer, whose state_dict is per param; "
-                             f"{type(opt).__name__}'s is by position "
-                             "over the flat masters, which differ with the world size: pass flat_master=False, or a "
-                             "fastai opt_func (Adam, SGD, ...)")
-        if self.engine is not None and self.engine.optimizer is opt and {
-            id(p) for p in held} == {id(p) for p in self.masters.master_params}:
-            if (self.masters.shards is not None) == shard: return self._wrap(wrapped, opt)
-            if not shard:
-                raise RuntimeError("the masters are sharded across ranks and torch.distributed has gone (or has one "
-                                   "rank): call `learn.save()`, "
-                                             "`to_fp32()` or `export()` inside `distrib_ctx`, where the shards can "
-                                             "be gathered")
-            self.release_opt()                            # first fit under distrib_ctx: shard the masters
-            held = [p for g in opt.param_lists for p in g]
-        names = {p: n for n, p in self.learn.model.named_parameters()}
-        self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master,
-                                        store=getattr(self, 'master_store', 'fp32'),
-                                        state=getattr(self, 'state_store', 'fp32'), shard=shard, scaler=self.scaler,
-                                            clip=self.clip, decide=self.decide, impl=self.impl)
-        self._wrap(wrapped, opt)
-
-    def _wrap(self, wrapped, opt):
-        ("Make `learn.opt` a `MixedPrecisionOpt` over `opt` (the same one again when it already was), so "
-         "`learn.opt.state_dict()` is in the model's layout, as fastai and users read it")
-        io = wrapped if isinstance(wrapped,
-                                   MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is self else MixedPrecisionOpt.wrapping(self, opt)
-        if io is not None: self.learn.opt = self.state_io = io
-
-    def _copied_masters_to_model(self, opt):
-        ("A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model "
-         "params back in their places, with their state")
-        if self.engine is not None: return
-        # flat master -> its params, as `__getstate__` noted them
-        flats = {id(fm): ps for fm, ps in (self.__dict__.pop('_copied_flats', None) or [])}
-        # bf16 master (the conversion's copy made a new one) -> its param
-        bf16s = {id(m): p for m, p in (self.__dict__.pop('_copied_bf16', None) or [])}
-        put_model_params_back(opt, self.conversion.masters, flats, bf16s)
-
-    def release_opt(self):
-        ("Put the model params back into fastai's optimizer, with their state in its own layout, and make it "
-         "`learn.opt` again")
-        opt, e = _raw_opt(self.learn), self.engine
-        if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
-        if opt is None or e is None: return
-        if e.optimizer is opt: e.detach()
-        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'):
-            opt.__dict__.pop(k, None)   # methods an earlier version patched onto a pickled Learner's optimizer
-        self.engine = self.state_io = None
-
-    @contextmanager
-    def consolidated(self, gather:bool=True):
-        ("A block in which this rank holds every master and all the optimizer state (sharded: gathered, so every "
-         "rank must enter it); sharded again after")
-        if self.masters is None or self.masters.shards is None: yield; return
-        with self.engine.consolidated(gather): yield
-
-    def follow_model_device(self):
-        ("The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and "
-         "the optimizer state after it")
-        self.release_opt()
-        self.conversion.follow_devices()
-        adapter_for(_raw_opt(self.learn)).state_to_devices()
-
-    def __getstate__(self):
-        ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
-         "params each flat master holds, and whose each bf16 master is")
-        flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-        bf16s = [(m, p) for p,
-                 m in self.conversion.masters.items(
-                     ) if bf16_master(m) is not None] if self.conversion is not None else None
-        return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
-
-    def __setstate__(self, state:dict):
-        "Unpickle, also a callback pickled by an earlier version (with a `masters` layout and step flags)"
-        for k in ('masters', '_fused', '_found', '_on_device', 'loss_finite'): state.pop(k, None)
-        if 'learn' in state: state['_learn'] = state.pop('learn')
-        self.__dict__.update({'engine': None, 'state_io': None, 'decide': None, 'impl': None, '_kept_history': None,
-                              **state})
 
     def before_fit(self):
         ("Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step "
@@ -406,31 +472,6 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         return ("This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at "
                 f"{watch.first}. {watch.first.advice()}.")
 
-    def _check_trainable(self):
-        ("Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, "
-         "and a change made through `.data` since the last step is taken (each step takes them too)")
-        self._checked = True
-        # changes through `.data` since the last step: the masters before anything reads them
-        self.conversion.take_data_edits()
-        model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
-        if not model_params:
-            raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
-                             "(`learn.unfreeze()`), or use `get_preds` for inference")
-        if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
-        # nothing converted (every module kept in fp32): fastai's optimizer holds the params
-        elif not self.conversion.masters:
-            opt = _raw_opt(self.learn)
-            held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
-        else: held = set()
-        missing = [n for n, p in model_params if id(p) not in held]
-        if missing:
-            refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
-        if missing:
-            raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
-                             "were replaced after the "
-                                     "optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after "
-                                     "changing the model, so they get masters and an optimizer.")
-
     def _add_table_metrics(self):
         "Add the loss scale and the epoch's skipped steps to the Learner's metrics, for this fit"
         names = [getattr(m, 'name', None) for m in self.learn.metrics]
@@ -445,41 +486,6 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         return int(s) if s >= 1 and s == int(s) else s
     def _table_skipped(self): self.scaler.drain(); return self.scaler.n_skipped - self._epoch_skipped
 
-    def check_whole(self):
-        ("Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would "
-         "miss them")
-        if self.masters is not None and any(remote_master(m) is not None for _, m, _ in self.masters.pairs):
-            raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call "
-                               "`learn.save()` on every rank (it gathers "
-                               "the shards), or read the state inside `with learn.mixed_precision.consolidated():` "
-                               "entered on every rank")
-
-    def state_dict(self) -> dict:
-        "The scaler state and the fp32 masters, one per model param"
-        self.check_whole()
-        masters = self.conversion.masters if self.conversion else {}
-        return {'scaler': self.scaler.state_dict(),
-                'masters': [
-                    master_value(masters[p]).clone() if p in masters else None for p in self.learn.model.parameters()]}
-
-    def load_state_dict(self, sd:dict):
-        ("Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything "
-         "changes")
-        self.prepare()
-        params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
-        if len(saved) != len(params):
-            raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
-                                  "params: it comes from another model; nothing was loaded")
-        names = [n for n, _ in self.learn.model.named_parameters()]
-        for i, (p, m) in enumerate(zip(params, saved)):
-            if m is not None and p in masters: check_master_value(m, p, f"master {i} ({names[i]})", "the state_dict")
-        self.scaler.check_state(sd.get('scaler'))
-        self.scaler.load_state_dict(sd['scaler'])
-        with torch.no_grad():
-            for p, m in zip(params, saved):
-                if m is None or p not in masters: continue
-                load_master_(p, masters[p], m)
-        return self
 
 # %% ../nbs/15_callback.ipynb #ae1c62a9
 def _plain(o):
