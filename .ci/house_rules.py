@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LINE, SHARE, CLASS, CELL = 120, 0.02, 250, 100
 # the rooms over the limits today, each a class (a class stays whole in one cell), with its size now: issue 45's redesign
 # takes them apart (the line rule made MixedPrecision and LossScaler longer: their one-line methods became blocks)
-CLASS_CEILINGS = {'MasterParams': 454, 'StepEngine': 281, 'LossScaler': 285}
-CELL_CEILINGS = {'13_master.ipynb': 455, '15_callback.ipynb': 248, '14_engine.ipynb': 283, '11_scaler.ipynb': 286,
+CLASS_CEILINGS = {'MasterParams': 454}
+CELL_CEILINGS = {'13_master.ipynb': 455, '15_callback.ipynb': 248, '14_engine.ipynb': 241, '11_scaler.ipynb': 229,
                  '16_fp16_optimizer.ipynb': 148}
 
 def long_share(paths) -> tuple:

@@ -6,8 +6,8 @@
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults',
            'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
            'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'fused_group_step', 'fused_opt_step', 'shards_for',
-           'put_model_params_back', 'Stage', 'EngineCheckpoint', 'StepEngine', 'write_atomically', 'save_checkpoint',
-           'scale_into', 'OverflowNames', 'unscale_into']
+           'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine', 'write_atomically',
+           'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars
@@ -504,8 +504,53 @@ class EngineCheckpoint:
         self.scaler.load_state_dict(sd['scaler'])
         self.load_masters(sd['masters'])
 
+# %% ../nbs/14_engine.ipynb #elayout1
+class EngineLayout:
+    ("How a `StepEngine`'s optimizer holds the masters: laid out in memory as the params, its state in the layout its "
+     "own step reads, a param group added, and the way out (`detach`)")
+    def detach(self):
+        ("The way out: give the optimizer back the model params, with their state in its own layout and lean moments "
+         "as fp32 (a no-op when its groups were replaced since)")
+        self.own_layout()
+        if self.state != 'fp32': self._decode_state()
+        if {id(p) for g in self.adapter.groups() for p in g} != {id(p) for p in self.masters.master_params}: return
+        for state in self.adapter.states(): self.masters.move_state_to_model(state)
+        self.adapter.set_groups(self.masters.model_groups)
+
+    def follow_layouts(self) -> bool:
+        ("Give the masters and their optimizer state the half params' memory layout, when the model's changed since "
+         "(`to_channelslast()`)")
+        self._layouts_followed = True
+        return self.masters.follow_layouts(self.adapter.states())
+
+    def own_layout(self):
+        ("Give the optimizer's state the layout its own step expects (fastai's int step counts), when the optimizer "
+         "leaves the engine")
+        if self.recognised is not None and self.recognised.own_layout is not None:
+            for state in self.adapter.states(): self.recognised.own_layout(state)
+        self._own_layout_due = False
+
+    def _decode_state(self):
+        ("Lean moments (bf16, 8-bit) back to fp32, where the optimizer's own step reads them: its own step keeps "
+         "fp32 state")
+        for state in self.adapter.states():
+            for p, st in list(state.items()): state[p] = fp32_state(st)
+
+    def add_param_group(self, group:dict, masters_of:dict, make_masters:bool=True):
+        ("Add a param group to the torch optimizer: its half params get fp32 masters (`make_masters`), and the "
+         "layout is rebuilt with the state kept")
+        params = group['params']
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if make_masters: masters_of.update(masters_for(p for p in params if p not in masters_of))
+        opt, ms = self.optimizer, self.masters
+        self.unshard_()                             # sharded: the new shards may give a param another owner
+        self.detach()
+        type(opt).add_param_group(opt, {**group, 'params': params})
+        self.masters = _swap_in(self.adapter, masters_of, ms.names, ms.impl, ms.flat, ms.store, ms.shards is not None)
+        self.choose()
+
 # %% ../nbs/14_engine.ipynb #c4b82992
-class StepEngine(EngineCheckpoint):
+class StepEngine(EngineLayout, EngineCheckpoint):
     ("The step protocol under every front end: scale the loss; unscale, check and agree into one decision; step or "
      "skip; clear grads; save and load")
     def __init__(self,
@@ -557,15 +602,6 @@ class StepEngine(EngineCheckpoint):
         _check_lean(optimizer, kwargs.get('state', 'fp32'), flat)      # before anything changes
         return cls(optimizer, _swap_in(adapter, masters_of, names, kwargs.get('impl'), flat, store, shard),
                    adapter=adapter, **kwargs)
-
-    def detach(self):
-        ("The way out: give the optimizer back the model params, with their state in its own layout and lean moments "
-         "as fp32 (a no-op when its groups were replaced since)")
-        self.own_layout()
-        if self.state != 'fp32': self._decode_state()
-        if {id(p) for g in self.adapter.groups() for p in g} != {id(p) for p in self.masters.master_params}: return
-        for state in self.adapter.states(): self.masters.move_state_to_model(state)
-        self.adapter.set_groups(self.masters.model_groups)
 
     def __repr__(self):
         plan = self.plan.name + (
@@ -720,25 +756,6 @@ class StepEngine(EngineCheckpoint):
                                "step would train nothing"
                                + (f": {self.hint}" if self.hint else ''))
 
-    def follow_layouts(self) -> bool:
-        ("Give the masters and their optimizer state the half params' memory layout, when the model's changed since "
-         "(`to_channelslast()`)")
-        self._layouts_followed = True
-        return self.masters.follow_layouts(self.adapter.states())
-
-    def own_layout(self):
-        ("Give the optimizer's state the layout its own step expects (fastai's int step counts), when the optimizer "
-         "leaves the engine")
-        if self.recognised is not None and self.recognised.own_layout is not None:
-            for state in self.adapter.states(): self.recognised.own_layout(state)
-        self._own_layout_due = False
-
-    def _decode_state(self):
-        ("Lean moments (bf16, 8-bit) back to fp32, where the optimizer's own step reads them: its own step keeps "
-         "fp32 state")
-        for state in self.adapter.states():
-            for p, st in list(state.items()): state[p] = fp32_state(st)
-
     def zero_grad(self, set_to_none:bool=True, masters:bool=True):
         ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
          "(zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own "
@@ -773,20 +790,6 @@ class StepEngine(EngineCheckpoint):
         else: norm = torch.nn.utils.clip_grad_norm_(self.masters.master_params, max_norm, norm_type).item()
         if not torch.isfinite(torch.tensor(norm)): self.skip_anyway()
         return norm
-
-    def add_param_group(self, group:dict, masters_of:dict, make_masters:bool=True):
-        ("Add a param group to the torch optimizer: its half params get fp32 masters (`make_masters`), and the "
-         "layout is rebuilt with the state kept")
-        params = group['params']
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if make_masters: masters_of.update(masters_for(p for p in params if p not in masters_of))
-        opt, ms = self.optimizer, self.masters
-        self.unshard_()                             # sharded: the new shards may give a param another owner
-        self.detach()
-        type(opt).add_param_group(opt, {**group, 'params': params})
-        self.masters = _swap_in(self.adapter, masters_of, ms.names, ms.impl, ms.flat, ms.store, ms.shards is not None)
-        self.choose()
-
 
 
 # %% ../nbs/14_engine.ipynb #242accc6
