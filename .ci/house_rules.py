@@ -11,10 +11,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LINE, SHARE, CLASS, CELL = 120, 0.02, 250, 100
-# the rooms over the limits today, each a class (a class stays whole in one cell), with its size now: issue 45's redesign
-# takes them apart (the line rule made MixedPrecision and LossScaler longer: their one-line methods became blocks)
-CLASS_CEILINGS = {'MasterParams': 454}
-CELL_CEILINGS = {'13_master.ipynb': 455, '15_callback.ipynb': 248, '14_engine.ipynb': 241, '11_scaler.ipynb': 229,
+# the rooms over the limits today, with their size now as ceilings: each is a cell holding one class (a class stays
+# whole in one cell; every class is within 250 lines)
+CLASS_CEILINGS = {}
+CELL_CEILINGS = {'13_master.ipynb': 228, '15_callback.ipynb': 248, '14_engine.ipynb': 241, '11_scaler.ipynb': 229,
                  '16_fp16_optimizer.ipynb': 148}
 
 def long_share(paths) -> tuple:

@@ -8,7 +8,8 @@ __all__ = ['STORES', 'STATE_STORES', 'SCALES', 'SHARDED_GRADS', 'IN_BACKWARD', '
            'CheckpointError', 'check_master_value', 'is_codes', 'is_scales', 'check_param_state', 'check_state_value',
            'MasterGrad', 'mark_written', 'edited', 'take_edit', 'take_model_edits', 'master_edited',
            'take_master_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as', 'flat_like',
-           'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterParams']
+           'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterShards',
+           'MasterGrads', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -582,80 +583,10 @@ class RemoteBucket(_PerParamState):
         return []                                         # their grads were dropped (the owner holds the masters')
     def follow_layout(self, states:list, masters_of:dict) -> dict: return {}     # stand-ins: nothing to lay out
 
-# %% ../nbs/13_master.ipynb #7a7d41a8
-class MasterParams:
-    "fp32 masters for groups of model params: one per half param, or one flat tensor per group and key"
-    def __init__(self,
-        groups:list,              # lists of model params, as the optimizer holds them
-        masters:dict,             # {half model param: fp32 master}, from `convert_model`
-        flat:bool=False,          # one flat fp32 master per group (and key)
-        key=None,                 # `key(p)`: params with different keys never share a flat master
-        names:dict=None,          # {param: name}, for messages
-        # the ops' implementation: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
-        impl:str=None,
-        # bf16 params' masters: 'fp32' tensors, 'split' (bf16 weight + int16 low half) or 'none' (stochastic rounding)
-        store:str='fp32',
-        # sharded masters: this rank keeps the masters (and optimizer state) of the params it owns only
-        shards:Shards=None,
-    ):
-        # the name and the layout; each param's dtype is checked as its master is stored
-        check_store(store, torch.bfloat16, flat)
-        if shards is not None and store != 'fp32':
-            raise ValueError("sharded masters are fp32 masters: pass masters='fp32' with shard=True "
-                             f"(masters={store!r} keeps them in the bf16 weights, which every rank holds)")
-        self.shards, self.remote_own, self._remote_grads = shards, set(), []
-        self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
-        self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
-        # clearing zeroes (fastai) or drops grads; params with a grad since the last drop
-        self.keep_zero_grads, self._graded = False, set()
-        self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
-        # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
-        self._flat_of, self._stash, self._gradless = {}, {}, set()
-        for group in groups:
-            half, own, kept = [], [], []
-            for p in group:
-                if p in seen: continue
-                seen.add(p); kept.append(p)
-                (half if p in masters else own).append(p)
-            self.own += own
-            self.model_groups.append(kept)
-            if not flat:
-                for p in half:
-                    m = masters[p]
-                    m.requires_grad_(p.requires_grad)
-                    store_master_(p, m, store)
-                    # bf16 masters get grads when there are some
-                    self.pairs.append((p, m, torch.zeros_like(m) if store == 'fp32' else None))
-                self.groups.append([masters.get(p, p) for p in kept])
-                if shards is not None: self._shard(half, own, masters)
-                continue
-            # sharded: a flat master per owner too, a stand-in on the other ranks
-            subsets = {}
-            for p in half:
-                subsets.setdefault((p.requires_grad, key(p) if key else None,
-                                    shards.owner[id(p)] if shards else None), []).append(p)
-            mg = []
-            for (rg, _, owner), ps in subsets.items():
-                if shards is not None and owner != shards.rank:
-                    mg.append(self._remote_flat(ps, rg, owner, masters))
-                    continue
-                fm = nn.Parameter(torch.cat([masters[p].detach().reshape(-1) for p in ps]), requires_grad=rg)
-                fm.grad = torch.zeros_like(fm)
-                self.flats.append((fm, ps, fm.grad))
-                offset = 0
-                for p in ps:
-                    n = p.numel()
-                    self._flat_of[p] = fm
-                    view, gview = fm.data[offset:offset+n].view(p.shape), fm.grad[offset:offset+n].view(p.shape)
-                    masters[p] = view
-                    self.pairs.append((p, view, gview))
-                    offset += n
-                mg.append(fm)
-            self.groups.append(mg + own)
-        self._index()
-        self.mark_written()
-        self._rg_seen = self._requires_grads()          # as of the last sync
-
+# %% ../nbs/13_master.ipynb #mroom1
+class MasterShards:
+    ("Sharded masters (ZeRO stage 1, `shard=True`): each rank keeps the masters and the optimizer state of its share; "
+     "the half params are gathered after each step, and everything for a checkpoint (`consolidated`, `unshard_`)")
     def _remote_flat(self, ps:list, requires_grad:bool, owner:int, masters:dict) -> nn.Parameter:
         ("The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so "
          "freezing reaches it), and a stand-in per param")
@@ -742,6 +673,225 @@ class MasterParams:
                                                             p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
             self.drop_remote_state(states)
 
+# %% ../nbs/13_master.ipynb #mroom0
+class MasterGrads:
+    ("The grads of `MasterParams`: unscaled from the half params into the masters, lent back to the params until the step "
+     "(so torch's clip reaches them), cleared as the front end's optimizer clears them, and named when they overflow")
+    def grads_to_masters(self, inv_scale:float, accumulate:bool=False) -> torch.Tensor:
+        ("Unscale model grads into the master grads (adding to them with `accumulate`); returns the overflow flag "
+         "(0-dim bool tensor)")
+        lists = GradLists()
+        if not accumulate: self._remote_grads = []
+        sparse = [self.names.get(p, tuple(p.shape)) for p in chain((p for p, _, _ in self.pairs),
+                                                                   self.own) if p.grad is not None and p.grad.is_sparse]
+        if sparse:
+            raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one "
+                            "(`nn.Embedding(sparse=True)`, "
+                                   "`nn.EmbeddingBag(sparse=True)`): build that module with sparse=False. With fp32 "
+                                   "masters the optimizer steps dense masters anyway")
+        # the optimizer zeroes grads rather than dropping them: a param that had one keeps a zero grad
+        keep = self.keep_zero_grads
+        if keep: self._graded |= {p for p, _, _ in self.pairs if p.grad is not None}
+        # params with no grad since the step, which `hold_gradless` keeps in place
+        if self.flat:
+            none = {p for p, _, _ in self.pairs if p.grad is None and not (keep and p in self._graded)}
+            self._gradless = self._gradless & none if accumulate else none
+        for bucket in self.buckets: bucket.take_grads(lists, accumulate, keep, self._graded)
+        stash = self._stash
+        # fp32 params are their own masters: unscaled in place, or added to the grad set aside
+        for p in self.own:
+            if p.grad is None: continue
+            if p in self.remote_own: lists.remote.append(p); continue
+            if accumulate and stash.get(p) is not None: lists.add(p.grad, stash[p])
+            else: lists.fresh(p.grad, p.grad)
+        found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
+        if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
+        remote = lists.remote
+        # the grads of params other ranks step: checked by their largest magnitude (one pass), then dropped
+        if remote:
+            peaks = torch.stack([t.float() for t in torch._foreach_norm([p.grad for p in remote], ord=float('inf'))])
+            found |= ~torch.isfinite(peaks).all()
+            # one number each, for naming an overflow (inf or NaN kept)
+            self._remote_grads += [(p, peaks[i:i + 1]) for i, p in enumerate(remote)]
+            for p in remote: p.grad = None
+        for p, g in stash.items():
+            if g is not None: p.grad = g
+        self._stash = {}
+        return found
+
+    def stash_own_grads(self):
+        "Set aside the (unscaled) grads of fp32 params, so a scaled backward can be unscaled and added to them"
+        self._stash = {p: p.grad for p in self.own}
+        for p in self.own: p.grad = None
+
+    def master_grads(self) -> list:
+        "The master grads that exist"
+        return [m.grad for m in self.master_params if m.grad is not None]
+
+    def clearing(self, set_to_none:bool):
+        ("Note how the front end's optimizer clears grads: dropped (`set_to_none`), or zeroed in place (fastai), "
+         "when the masters keep zero grads and are stepped")
+        self.keep_zero_grads = not set_to_none
+        if set_to_none: self._graded = set()
+
+    def zero_grads(self, set_to_none:bool=None):
+        ("Drop the model's grads and zero the master grads (with `set_to_none=False`, as an optimizer that zeroes in "
+         "place: masters keep zero grads and are stepped; default: as the front end's optimizer last cleared them)")
+        if set_to_none is None: set_to_none = not self.keep_zero_grads
+        self.zero_model_grads()
+        self.clearing(set_to_none)
+        for p in self.own:
+            if set_to_none or p.grad is None: p.grad = None
+            else: p.grad.detach_(); p.grad.zero_()
+        for _, m, gbuf in self.pairs:
+            if gbuf is not None: gbuf.zero_()
+            elif set_to_none or m.grad is None: m.grad = None
+            else: m.grad.zero_()
+
+    def zero_model_grads(self):
+        "Drop the model's grads (fp32 params that are their own masters keep theirs for the optimizer's `zero_grad`)"
+        for p, _, _ in self.pairs: p.grad = None
+
+    def lend_grads(self):
+        ("After the unscale, until the step: each half param's `.grad` is a `MasterGrad` of its master's unscaled "
+         "fp32 grad (sharded: one that refuses, as no rank holds all of them)")
+        self._lent = True
+        if self.shards is not None and self.shards.world > 1:
+            for p, _, _ in self.pairs: p.grad = MasterGrad(p, p, refuse=SHARDED_GRADS)
+            return
+        cache = self.__dict__.setdefault('_lent_cache', {})
+        # bf16 masters' fp32 grads live from the unscale to the step only: not kept in the cache
+        for b in self.buckets:
+            for p, g in b.grads_of(): p.grad = _lent(p, g, cache) if b.kind != 'bf16' else MasterGrad(p, g)
+
+    def drop_lent_grads(self):
+        "Drop the `MasterGrad`s that `lend_grads` gave the half params (a grad the backward left in them stays)"
+        if not self.__dict__.pop('_lent', False):
+            return        # nothing lent since the last drop: no loop (it runs three times a step)
+        for p, _, _ in self.pairs:
+            if type(p.grad) is MasterGrad: p.grad = None
+
+    def raw_grads(self) -> list:
+        "The half params holding a grad that no unscale took in"
+        return [p for p, _, _ in self.pairs if p.grad is not None and type(p.grad) is not MasterGrad]
+
+    def unscaled_grads(self) -> list:
+        ("(model param, its unscaled grad) for each param with a grad, after `grads_to_masters`: the master grad of "
+         "a half param, the own grad of an fp32 one (the scaled grad of a param another rank owns)")
+        return ([(p, g if g is not None else m.grad) for p, m,
+                 g in self.pairs if p.grad is not None] + [(p, p.grad) for p in self.own if p.grad is not None]
+                + self._remote_grads)
+
+    def nonfinite_grads(self, limit:int=10, grads:list=None, peaks:list=None) -> list:
+        "Names of the params whose grads (default: the model's; or `(param, grad)` pairs) hold inf or NaN, for messages"
+        # `peaks`: each grad's largest magnitude, taken earlier (the grads may have been zeroed since)
+        if grads is None:
+            grads = [(p, p.grad) for p, _, _ in self.pairs if p.grad is not None]
+            grads += [(p, p.grad) for p in self.own if p.grad is not None]
+        if not grads: return []
+        if peaks is not None: kinds = ['nan' if x != x else 'inf' if not math.isfinite(x) else None for x in peaks]
+        else:   # one host read: a non-finite grad has a non-finite norm (and a huge finite fp32 grad may have one too)
+            try: norms = l2norm([g for _, g in grads], per_tensor=True, impl=self.impl)[1].tolist()
+            except (RuntimeError, ValueError): norms = [float('nan')] * len(grads)     # a layout the kernel refuses
+            kinds = [None if math.isfinite(n) or torch.isfinite(g).all() else 'nan' if torch.isnan(g).any() else 'inf'
+                     for (_, g), n in zip(grads, norms)]
+        return [f"{self.names.get(p, tuple(p.shape))} ({kind})" for (p, _), kind in zip(grads, kinds) if kind][:limit]
+
+    def hold_gradless(self, state:dict):
+        ("Set aside the flat-master slices (values and `state` tensors) of params that got no grad; returns the "
+         "function that puts them back after a step")
+        held = []
+        for fm, ps, _ in self.flats:
+            if fm.grad is None or not any(p in self._gradless for p in ps): continue
+            st, offset = state.get(fm, {}), 0
+            for p in ps:
+                n = p.numel()
+                if p in self._gradless:
+                    sl = slice(offset, offset + n)
+                    tensors = [fm.data] + [v for v in st.values() if flat_like(v, fm)]
+                    held.append((sl, tensors, [t[sl].clone() for t in tensors]))
+                offset += n
+        def restore():
+            "Put the held slices back: a param with no grad is left exactly as it was, as with per-param masters"
+            with torch.no_grad():
+                for sl, tensors, saved in held:
+                    for t, v in zip(tensors, saved): t[sl] = v
+        return restore
+
+# %% ../nbs/13_master.ipynb #7a7d41a8
+class MasterParams(MasterShards, MasterGrads):
+    "fp32 masters for groups of model params: one per half param, or one flat tensor per group and key"
+    def __init__(self,
+        groups:list,              # lists of model params, as the optimizer holds them
+        masters:dict,             # {half model param: fp32 master}, from `convert_model`
+        flat:bool=False,          # one flat fp32 master per group (and key)
+        key=None,                 # `key(p)`: params with different keys never share a flat master
+        names:dict=None,          # {param: name}, for messages
+        # the ops' implementation: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
+        impl:str=None,
+        # bf16 params' masters: 'fp32' tensors, 'split' (bf16 weight + int16 low half) or 'none' (stochastic rounding)
+        store:str='fp32',
+        # sharded masters: this rank keeps the masters (and optimizer state) of the params it owns only
+        shards:Shards=None,
+    ):
+        # the name and the layout; each param's dtype is checked as its master is stored
+        check_store(store, torch.bfloat16, flat)
+        if shards is not None and store != 'fp32':
+            raise ValueError("sharded masters are fp32 masters: pass masters='fp32' with shard=True "
+                             f"(masters={store!r} keeps them in the bf16 weights, which every rank holds)")
+        self.shards, self.remote_own, self._remote_grads = shards, set(), []
+        self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
+        self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
+        # clearing zeroes (fastai) or drops grads; params with a grad since the last drop
+        self.keep_zero_grads, self._graded = False, set()
+        self.groups, self.model_groups, self.pairs, self.own, self.flats, seen = [], [], [], [], [], set()
+        # half param -> its flat master; fp32 param -> grad set aside; flat params without grads
+        self._flat_of, self._stash, self._gradless = {}, {}, set()
+        for group in groups:
+            half, own, kept = [], [], []
+            for p in group:
+                if p in seen: continue
+                seen.add(p); kept.append(p)
+                (half if p in masters else own).append(p)
+            self.own += own
+            self.model_groups.append(kept)
+            if not flat:
+                for p in half:
+                    m = masters[p]
+                    m.requires_grad_(p.requires_grad)
+                    store_master_(p, m, store)
+                    # bf16 masters get grads when there are some
+                    self.pairs.append((p, m, torch.zeros_like(m) if store == 'fp32' else None))
+                self.groups.append([masters.get(p, p) for p in kept])
+                if shards is not None: self._shard(half, own, masters)
+                continue
+            # sharded: a flat master per owner too, a stand-in on the other ranks
+            subsets = {}
+            for p in half:
+                subsets.setdefault((p.requires_grad, key(p) if key else None,
+                                    shards.owner[id(p)] if shards else None), []).append(p)
+            mg = []
+            for (rg, _, owner), ps in subsets.items():
+                if shards is not None and owner != shards.rank:
+                    mg.append(self._remote_flat(ps, rg, owner, masters))
+                    continue
+                fm = nn.Parameter(torch.cat([masters[p].detach().reshape(-1) for p in ps]), requires_grad=rg)
+                fm.grad = torch.zeros_like(fm)
+                self.flats.append((fm, ps, fm.grad))
+                offset = 0
+                for p in ps:
+                    n = p.numel()
+                    self._flat_of[p] = fm
+                    view, gview = fm.data[offset:offset+n].view(p.shape), fm.grad[offset:offset+n].view(p.shape)
+                    masters[p] = view
+                    self.pairs.append((p, view, gview))
+                    offset += n
+                mg.append(fm)
+            self.groups.append(mg + own)
+        self._index()
+        self.mark_written()
+        self._rg_seen = self._requires_grads()          # as of the last sync
+
     def _index(self):
         ("The buckets (one per kind of master: each knows how grads come in and weights go out), and the lists and "
          "maps every step reads, from `pairs`")
@@ -821,53 +971,6 @@ class MasterParams:
          "stochastically with this step's seeds, counted in `state`)")
         for b in self._bf16_buckets(): b.release(partial(self.rounding_seeds, state=state))
 
-    def grads_to_masters(self, inv_scale:float, accumulate:bool=False) -> torch.Tensor:
-        ("Unscale model grads into the master grads (adding to them with `accumulate`); returns the overflow flag "
-         "(0-dim bool tensor)")
-        lists = GradLists()
-        if not accumulate: self._remote_grads = []
-        sparse = [self.names.get(p, tuple(p.shape)) for p in chain((p for p, _, _ in self.pairs),
-                                                                   self.own) if p.grad is not None and p.grad.is_sparse]
-        if sparse:
-            raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one "
-                            "(`nn.Embedding(sparse=True)`, "
-                                   "`nn.EmbeddingBag(sparse=True)`): build that module with sparse=False. With fp32 "
-                                   "masters the optimizer steps dense masters anyway")
-        # the optimizer zeroes grads rather than dropping them: a param that had one keeps a zero grad
-        keep = self.keep_zero_grads
-        if keep: self._graded |= {p for p, _, _ in self.pairs if p.grad is not None}
-        # params with no grad since the step, which `hold_gradless` keeps in place
-        if self.flat:
-            none = {p for p, _, _ in self.pairs if p.grad is None and not (keep and p in self._graded)}
-            self._gradless = self._gradless & none if accumulate else none
-        for bucket in self.buckets: bucket.take_grads(lists, accumulate, keep, self._graded)
-        stash = self._stash
-        # fp32 params are their own masters: unscaled in place, or added to the grad set aside
-        for p in self.own:
-            if p.grad is None: continue
-            if p in self.remote_own: lists.remote.append(p); continue
-            if accumulate and stash.get(p) is not None: lists.add(p.grad, stash[p])
-            else: lists.fresh(p.grad, p.grad)
-        found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
-        if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
-        remote = lists.remote
-        # the grads of params other ranks step: checked by their largest magnitude (one pass), then dropped
-        if remote:
-            peaks = torch.stack([t.float() for t in torch._foreach_norm([p.grad for p in remote], ord=float('inf'))])
-            found |= ~torch.isfinite(peaks).all()
-            # one number each, for naming an overflow (inf or NaN kept)
-            self._remote_grads += [(p, peaks[i:i + 1]) for i, p in enumerate(remote)]
-            for p in remote: p.grad = None
-        for p, g in stash.items():
-            if g is not None: p.grad = g
-        self._stash = {}
-        return found
-
-    def stash_own_grads(self):
-        "Set aside the (unscaled) grads of fp32 params, so a scaled backward can be unscaled and added to them"
-        self._stash = {p: p.grad for p in self.own}
-        for p in self.own: p.grad = None
-
     def masters_to_model(self):
         "Copy the fp32 masters into the half model params (bf16 masters without an fp32 copy are the params already)"
         if self._copy_lists[0]: scale_check_(*self._copy_lists, 1., impl=self.impl)
@@ -888,57 +991,6 @@ class MasterParams:
          "masters' values, as the fused steps do")
         for p, m, _ in self.pairs:
             if bf16_master(m) is None and remote_master(m) is None: adopt_edits_ref_(m.view(p.shape), p)
-
-    def master_grads(self) -> list:
-        "The master grads that exist"
-        return [m.grad for m in self.master_params if m.grad is not None]
-
-    def clearing(self, set_to_none:bool):
-        ("Note how the front end's optimizer clears grads: dropped (`set_to_none`), or zeroed in place (fastai), "
-         "when the masters keep zero grads and are stepped")
-        self.keep_zero_grads = not set_to_none
-        if set_to_none: self._graded = set()
-
-    def zero_grads(self, set_to_none:bool=None):
-        ("Drop the model's grads and zero the master grads (with `set_to_none=False`, as an optimizer that zeroes in "
-         "place: masters keep zero grads and are stepped; default: as the front end's optimizer last cleared them)")
-        if set_to_none is None: set_to_none = not self.keep_zero_grads
-        self.zero_model_grads()
-        self.clearing(set_to_none)
-        for p in self.own:
-            if set_to_none or p.grad is None: p.grad = None
-            else: p.grad.detach_(); p.grad.zero_()
-        for _, m, gbuf in self.pairs:
-            if gbuf is not None: gbuf.zero_()
-            elif set_to_none or m.grad is None: m.grad = None
-            else: m.grad.zero_()
-
-    def zero_model_grads(self):
-        "Drop the model's grads (fp32 params that are their own masters keep theirs for the optimizer's `zero_grad`)"
-        for p, _, _ in self.pairs: p.grad = None
-
-    def lend_grads(self):
-        ("After the unscale, until the step: each half param's `.grad` is a `MasterGrad` of its master's unscaled "
-         "fp32 grad (sharded: one that refuses, as no rank holds all of them)")
-        self._lent = True
-        if self.shards is not None and self.shards.world > 1:
-            for p, _, _ in self.pairs: p.grad = MasterGrad(p, p, refuse=SHARDED_GRADS)
-            return
-        cache = self.__dict__.setdefault('_lent_cache', {})
-        # bf16 masters' fp32 grads live from the unscale to the step only: not kept in the cache
-        for b in self.buckets:
-            for p, g in b.grads_of(): p.grad = _lent(p, g, cache) if b.kind != 'bf16' else MasterGrad(p, g)
-
-    def drop_lent_grads(self):
-        "Drop the `MasterGrad`s that `lend_grads` gave the half params (a grad the backward left in them stays)"
-        if not self.__dict__.pop('_lent', False):
-            return        # nothing lent since the last drop: no loop (it runs three times a step)
-        for p, _, _ in self.pairs:
-            if type(p.grad) is MasterGrad: p.grad = None
-
-    def raw_grads(self) -> list:
-        "The half params holding a grad that no unscale took in"
-        return [p for p, _, _ in self.pairs if p.grad is not None and type(p.grad) is not MasterGrad]
 
     def sync_requires_grad(self) -> bool:
         ("Agree on `requires_grad` between each half param and its master: whichever changed since the last sync "
@@ -990,50 +1042,8 @@ class MasterParams:
         self._index()
         return True
 
-    def unscaled_grads(self) -> list:
-        ("(model param, its unscaled grad) for each param with a grad, after `grads_to_masters`: the master grad of "
-         "a half param, the own grad of an fp32 one (the scaled grad of a param another rank owns)")
-        return ([(p, g if g is not None else m.grad) for p, m,
-                 g in self.pairs if p.grad is not None] + [(p, p.grad) for p in self.own if p.grad is not None]
-                + self._remote_grads)
-
-    def nonfinite_grads(self, limit:int=10, grads:list=None, peaks:list=None) -> list:
-        "Names of the params whose grads (default: the model's; or `(param, grad)` pairs) hold inf or NaN, for messages"
-        # `peaks`: each grad's largest magnitude, taken earlier (the grads may have been zeroed since)
-        if grads is None:
-            grads = [(p, p.grad) for p, _, _ in self.pairs if p.grad is not None]
-            grads += [(p, p.grad) for p in self.own if p.grad is not None]
-        if not grads: return []
-        if peaks is not None: kinds = ['nan' if x != x else 'inf' if not math.isfinite(x) else None for x in peaks]
-        else:   # one host read: a non-finite grad has a non-finite norm (and a huge finite fp32 grad may have one too)
-            try: norms = l2norm([g for _, g in grads], per_tensor=True, impl=self.impl)[1].tolist()
-            except (RuntimeError, ValueError): norms = [float('nan')] * len(grads)     # a layout the kernel refuses
-            kinds = [None if math.isfinite(n) or torch.isfinite(g).all() else 'nan' if torch.isnan(g).any() else 'inf'
-                     for (_, g), n in zip(grads, norms)]
-        return [f"{self.names.get(p, tuple(p.shape))} ({kind})" for (p, _), kind in zip(grads, kinds) if kind][:limit]
-
     def device(self) -> torch.device:
         "The device of the params (the CPU when there are none)"
         p = next((p for g in self.model_groups for p in g), None)
         return p.device if p is not None else torch.device('cpu')
 
-    def hold_gradless(self, state:dict):
-        ("Set aside the flat-master slices (values and `state` tensors) of params that got no grad; returns the "
-         "function that puts them back after a step")
-        held = []
-        for fm, ps, _ in self.flats:
-            if fm.grad is None or not any(p in self._gradless for p in ps): continue
-            st, offset = state.get(fm, {}), 0
-            for p in ps:
-                n = p.numel()
-                if p in self._gradless:
-                    sl = slice(offset, offset + n)
-                    tensors = [fm.data] + [v for v in st.values() if flat_like(v, fm)]
-                    held.append((sl, tensors, [t[sl].clone() for t in tensors]))
-                offset += n
-        def restore():
-            "Put the held slices back: a param with no grad is left exactly as it was, as with per-param masters"
-            with torch.no_grad():
-                for sl, tensors, saved in held:
-                    for t, v in zip(tensors, saved): t[sl] = v
-        return restore
