@@ -150,13 +150,49 @@ def _repeat(src:str, step) -> str:
         src = new
     return src
 
+def _stairs(lines) -> set:
+    "Lines where a break made stairs: a bracket opened at the end of a deep continuation line, a call split before its first argument, a comprehension's target split at its comma"
+    bad = set()
+    for i in range(1, len(lines) - 1):       # a continuation line that opens a bracket at its end: stairs
+        prev, a = lines[i - 1].rstrip(), lines[i].rstrip()
+        if re.search(r'[\w\]\)][(\[]$', a) and prev.endswith((',', '(', 'or', 'and')) and len(a) - len(a.lstrip()) > 20: bad.add(i)
+    for i in range(len(lines) - 1):
+        a, b = lines[i].rstrip(), lines[i + 1].lstrip()
+        if re.search(r'\w\($', a) and (b.startswith(')') or re.match(r'[\w.]+\($', b.rstrip()) or len(b) < 8): bad.add(i)
+        if re.search(r'\bfor [\w]+,$', a): bad.add(i)
+        if re.search(r'[\w\]]\[$', a) and len(b) < 12: bad.add(i)
+    return bad
+def unstair(src:str) -> str:
+    "`src` with the statements that `_stairs` finds joined back into one line each (a long line reads better than stairs)"
+    try: toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    except Exception: return src
+    lines = src.split('\n')
+    bad = _stairs(lines)
+    if not bad: return src
+    spans, start = [], None       # logical lines: (first row, last row), 1-based
+    for t in toks:
+        if start is None and t.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER): start = t.start[0]
+        if t.type == tokenize.NEWLINE and start is not None: spans.append((start, t.start[0])); start = None
+    for a, b in reversed(spans):
+        if a == b or not any(a - 1 <= i < b - 1 for i in bad): continue
+        seg = lines[a - 1:b]
+        if any('#' in l.split('"')[0].split("'")[0] for l in seg[:-1]): continue     # a comment inside: leave it
+        joined = seg[0].rstrip()
+        for l in seg[1:]:
+            l = l.strip()
+            joined += ('' if joined[-1] in '([{' or l[:1] in ')]}' else ' ') + l
+        new = lines[:a - 1] + [joined] + lines[b:]
+        try: compile('\n'.join(new), '<x>', 'exec')
+        except SyntaxError: continue
+        lines = new
+    return '\n'.join(lines)
 def wrap_all(src:str) -> str:
     "`src` within the limit as far as mechanical rewrites go: one-line compound statements over it made blocks, then strings and comments wrapped, then code broken inside brackets"
     try: compile(src, '<original>', 'exec')
     except SyntaxError: return src
     src = _repeat(src, lambda s: _code_break(s, blocks_only=True))
     src = _repeat(wrap_source(src), _code_break)
-    return _repeat(wrap_source(src), _code_break)
+    return unstair(_repeat(wrap_source(src), _code_break))
 
 def wrap_notebook(path) -> bool:
     "Wrap the code cells of the notebook at `path` in place; True if it changed"

@@ -164,9 +164,7 @@ class FastaiMasters:
         ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
          "params each flat master holds, and whose each bf16 master is")
         flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-        bf16s = [(m, p) for p,
-                 m in self.conversion.masters.items(
-                     ) if bf16_master(m) is not None] if self.conversion is not None else None
+        bf16s = [(m, p) for p, m in self.conversion.masters.items() if bf16_master(m) is not None] if self.conversion is not None else None
         return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
 
     def __setstate__(self, state:dict):
@@ -547,9 +545,7 @@ class MixedPrecisionOpt(GetAttr):
          "params, each state tensor, the loss scaler (nothing changes)")
         cb = self._attached(); masters = cb.masters
         params = [p for g in masters.model_groups for p in g]
-        if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple,
-                                                                      L)) and isinstance(
-                                                                          sd.get('hypers'), (list, tuple, L))):
+        if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple, L)) and isinstance(sd.get('hypers'), (list, tuple, L))):
             raise CheckpointError(f"{what} is not a fastai optimizer state_dict (it needs 'state' and 'hypers'); "
                                   "nothing was loaded")
         if len(sd['hypers']) != len(masters.model_groups) or len(sd['state']) != len(params):
@@ -714,9 +710,7 @@ def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, 
      "change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its "
      "shard")
     cb = getattr(self, 'mixed_precision', None)
-    if not isinstance(cb,
-                      MixedPrecision) or cb.engine is None or cb.state_io is None or cb.state_io is not getattr(
-                          self, 'opt', None):
+    if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.state_io is None or cb.state_io is not getattr(self, 'opt', None):
         with _consolidated(self, gather=False):
             return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device

@@ -189,8 +189,7 @@ class OptimizerAdapter:
             for p in (q for g in self.groups() for q in g):
                 st = state.get(p)
                 if st:
-                    state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k,
-                                v in st.items()}
+                    state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
 
 class FastaiAdapter(OptimizerAdapter):
     ("fastai's `Optimizer` and its wrappers (`OptimWrapper` over a torch optimizer, `Lookahead`): `param_lists`, and "
@@ -480,8 +479,7 @@ class EngineCheckpoint:
         ("Load a (checked) torch optimizer state dict into the optimizer over the masters. torch casts every state "
          "tensor to its param's dtype, which would turn 8-bit codes into floats and train on garbage: those and "
          "their scales are put back as saved (decoded, where this engine does not keep 8-bit state)")
-        codes = {i: {k: v for k, v in s.items() if is_codes(s, k) or is_scales(s, k)} for i,
-                 s in opt_sd['state'].items()}
+        codes = {i: {k: v for k, v in s.items() if is_codes(s, k) or is_scales(s, k)} for i, s in opt_sd['state'].items()}
         # sharded masters: every rank loads the whole state and keeps its shard's
         with self.consolidated(gather=False):
             self.optimizer.load_state_dict(opt_sd)
@@ -912,8 +910,6 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
         # until the step, `p.grad` stands for the master's unscaled grad: torch's clip reaches it
         e.masters.lend_grads()
     name = OverflowNames(engines, grads)
-    skip = scaler.advance(code, norm, name, input_finite,
-                          diagnose=lambda: _nonfinite_weights(
-                              engines) or (forward_overflow() if forward_overflow else ''))
+    skip = scaler.advance(code, norm, name, input_finite, diagnose=lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else ''))
     for e in engines: e.decided(skip)
     return skip

@@ -332,8 +332,7 @@ def _state_stride(states, m, p):
 def split_flat_state(st:dict, views:dict, fm:torch.Tensor) -> dict:
     ("Flat master `fm`'s optimizer state `st` split into its params' states: param -> its state, each flat tensor's "
      "slice laid out as the param's view `views[param]`")
-    return {p: {k: (flat_slice(v, view, fm) if flat_like(v, fm) else v) for k, v in st.items()} for p,
-            view in views.items()}
+    return {p: {k: (flat_slice(v, view, fm) if flat_like(v, fm) else v) for k, v in st.items()} for p, view in views.items()}
 
 def fp32_state(st:dict, keep_codes:bool=False, keep_bf16:bool=False) -> dict:
     ("A param's optimizer state with its half tensors cast to fp32, the dtype of the masters' state (state made on "
@@ -357,9 +356,7 @@ def keep_state_as(st:dict, k:str, like:torch.Tensor, state:str, signed:bool=True
     if v is None:
         if state != '8bit': st[k] = torch.zeros_like(like, dtype=dtype)
         else:
-            st[k], st[k + SCALES] = torch.zeros_like(like,
-                                                     dtype=torch.int8 if signed else torch.uint8), torch.zeros(
-                                                         -(-like.numel() // Q_BLOCK), device=like.device)
+            st[k], st[k + SCALES] = torch.zeros_like(like, dtype=torch.int8 if signed else torch.uint8), torch.zeros(-(-like.numel() // Q_BLOCK), device=like.device)
         return
     if not isinstance(v, torch.Tensor): return
     if is_codes(st, k):
@@ -383,8 +380,7 @@ def _concat_state(parts, params):
     "One state dict for a flat master from the state dicts of its params"
     res = {}
     for k, v in parts[0].items():
-        if isinstance(v, torch.Tensor) and all(isinstance(o.get(k), torch.Tensor) and o[k].shape == p.shape for o,
-                                               p in zip(parts, params)):
+        if isinstance(v, torch.Tensor) and all(isinstance(o.get(k), torch.Tensor) and o[k].shape == p.shape for o, p in zip(parts, params)):
             res[k] = torch.cat([o[k].reshape(-1).float() if o[k].is_floating_point() else o[k].reshape(-1) for o in parts])
         else: res[k] = v
     return res
@@ -633,21 +629,12 @@ class MasterShards:
             # where each param's state is kept (flat: per param, while gathered)
             keys = [p if self.flat else m for p, m, _ in self.pairs] + self.own
             per_param = [self._per_param_state(st) for st in states]
-            mine = {i: (self.pairs[i][1].detach().cpu() if i < len(self.pairs) else None,
-                        [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n,
-                          v in st[k].items()} if k in st else None for st in per_param])
-                    for i,
-                        k in enumerate(
-                            keys) if (
-                                i >= len(
-                                    self.pairs) or remote_master(
-                                        self.pairs[i][1]) is None) and k not in self.remote_own}
+            mine = {i: (self.pairs[i][1].detach().cpu() if i < len(self.pairs) else None, [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n, v in st[k].items()} if k in st else None for st in per_param]) for i, k in enumerate(keys) if (i >= len(self.pairs) or remote_master(self.pairs[i][1]) is None) and k not in self.remote_own}
             got = {i: v for part in sh.gather_objects(mine) for i, v in part.items()}
             for k, i in [(keys[i], i) for i, p, m in remote] + [(p, own_at[id(p)]) for p in self.remote_own]:
                 for st, v in zip(states, got[i][1]):
                     if v is not None:
-                        st[k] = {n: (t.to(k.device) if isinstance(t, torch.Tensor) and t.dim() > 0 else t) for n,
-                                 t in v.items()}
+                        st[k] = {n: (t.to(k.device) if isinstance(t, torch.Tensor) and t.dim() > 0 else t) for n, t in v.items()}
         for i, p, m in remote:
             del m.remote_master
             m.data = got[i][0].to(p.device) if gather and sh is not None else p.detach().float()

@@ -28,12 +28,7 @@ def _check_lists(*lists):
         if any(t.numel() != ts[0].numel() for t in ts):
             raise ValueError(
                 f"paired tensors must have the same number of elements, got {[tuple(t.shape) for t in ts]}")
-        if any(
-            t.stride(
-                ) != ts[
-                    0].stride(
-                        ) for t in ts if t.dim(
-                            ) == ts[0].dim() and t.numel() > 1) and not all(t.is_contiguous() for t in ts):
+        if any(t.stride() != ts[0].stride() for t in ts if t.dim() == ts[0].dim() and t.numel() > 1) and not all(t.is_contiguous() for t in ts):
             raise ValueError(f"paired tensors must have the same memory layout (strides {[t.stride() for t in ts]}); "
                              "call .contiguous() on them")
 
@@ -356,9 +351,7 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
     # real files: the compiler needs paths
     src = Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'
     sources = [str(src / 'mixedprec.cpp'), str(src / 'cpu_kernels.cpp')]
-    cflags, cuda_flags, ldflags, cuda_home = ['-O3',
-                                              '-ffp-contract=off'] + _simd_flags(
-                                                  ) + _openmp_flags(), [], _openmp_flags(), None
+    cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [], _openmp_flags(), None
     if cuda:
         cuda_home = find_cuda_home()
         if cuda_home is None:
@@ -437,10 +430,7 @@ def _register_fakes(ns:str):
     flag = lambda src, dst, scale, scale_tensor=None: src[0].new_empty((), dtype=torch.bool)
     torch.library.register_fake(f"{ns}::scale_check_")(flag)
     torch.library.register_fake(f"{ns}::scale_add_check_")(flag)
-    torch.library.register_fake(f"{ns}::l2norm")(lambda tensors: (tensors[0].new_empty((), dtype=torch.float32),
-                                                                  tensors[
-                                                                      0].new_empty(
-                                                                          (len(tensors),), dtype=torch.float32)))
+    torch.library.register_fake(f"{ns}::l2norm")(lambda tensors: (tensors[0].new_empty((), dtype=torch.float32), tensors[0].new_empty((len(tensors),), dtype=torch.float32)))
     for name in ('sgd_step_', 'adam_step_'): torch.library.register_fake(f"{ns}::{name}")(lambda *args, **kwargs: None)
 
 # %% ../nbs/10_ops.ipynb #5eafa6e0
@@ -484,10 +474,7 @@ _warned = set()
 def _library_dirs() -> tuple:
     ("The folders of mixedprec and of the libraries that call it (fastai, fastcore, torch): frames in them are not "
      "the user's")
-    return tuple(
-        os.path.dirname(
-            m.__file__) + os.sep for m in (sys.modules.get(n) for n in ('mixedprec', 'fastai', 'fastcore', 'torch'))
-                 if m is not None and getattr(m, '__file__', None))
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules.get(n) for n in ('mixedprec', 'fastai', 'fastcore', 'torch')) if m is not None and getattr(m, '__file__', None))
 
 def warn_once(msg:str, key=None):
     ("Warn with `msg` the first time `key` (default: `msg`) is seen in this process, pointing at the user's line "
@@ -768,9 +755,7 @@ def _check_ref_step(grads, params, states, out, lows=None, seeds=None, state_see
         if lows is not None and any(l.dtype != torch.int16 or l.shape != p.shape for l, p in zip(lows, params)):
             raise ValueError("each low half must be an int16 tensor of its param's shape")
     kinds, codes = {s.dtype for st in states for s in st}, [torch.int8, torch.uint8]
-    if not kinds <= {
-        torch.float32} and kinds != {torch.bfloat16} and any(s.dtype != codes[min(j, 1)] for j,
-                                                             st in enumerate(states) for s in st):
+    if not kinds <= {torch.float32} and kinds != {torch.bfloat16} and any(s.dtype != codes[min(j, 1)] for j, st in enumerate(states) for s in st):
         raise ValueError("optimizer state must be all fp32, all bf16 or all 8-bit codes (int8 first moments, uint8 "
                          "second moments)")
     lean, live = not kinds <= {torch.float32}, [st for st in states if st]
@@ -809,9 +794,7 @@ def _on_state_ref(states, state_seeds, found_inf, run, state_scales=None):
     if state_seeds is None: return run(states)
     if bool(found_inf): return
     with torch.no_grad():
-        copies = [[dequantize8_ref(s, state_scales[j][i]) if state_scales is not None else s.float() for i,
-                   s in enumerate(st)]
-                  for j, st in enumerate(live)]
+        copies = [[dequantize8_ref(s, state_scales[j][i]) if state_scales is not None else s.float() for i, s in enumerate(st)] for j, st in enumerate(live)]
         it = iter(copies)
         run([next(it) if st else st for st in states])
         for j, (st, cs) in enumerate(zip(live, copies)):
@@ -862,10 +845,7 @@ def sgd_step_(grads, params, bufs, out, found_inf, inv_scale:float, lr:float, mo
     ext = _ext_for(params[0], impl)
     if ext is None:
         _check_ref_step(grads, params, [bufs], out, lows, seeds, state_seeds, state_scales)
-        return _on_masters_ref(params, lows, seeds, found_inf,
-                               lambda ms: _on_state_ref([bufs], state_seeds, found_inf, lambda sts: sgd_step_ref_(
-            grads, ms, sts[0], out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run,
-                decoupled), state_scales))
+        return _on_masters_ref(params, lows, seeds, found_inf, lambda ms: _on_state_ref([bufs], state_seeds, found_inf, lambda sts: sgd_step_ref_(grads, ms, sts[0], out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled), state_scales))
     for g in _launches(grads, out):
         ext.sgd_step(_pick(grads, g), _pick(params, g), _pick(bufs, g) if bufs else [], _pick(out, g) if out else [],
                      found_inf, float(inv_scale),
@@ -912,11 +892,7 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
     if ext is None:
         _check_ref_step(grads, params, [exp_avgs, exp_avg_sqs], out, lows, seeds, state_seeds, state_scales)
         _check_steps(steps, params)
-        _on_masters_ref(
-            params, lows, seeds, found_inf, lambda ms: _on_state_ref([exp_avgs, exp_avg_sqs], state_seeds, found_inf,
-                                                                     lambda sts: adam_step_ref_(
-            grads, ms, sts[0], sts[1], out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay,
-                decoupled), state_scales))
+        _on_masters_ref(params, lows, seeds, found_inf, lambda ms: _on_state_ref([exp_avgs, exp_avg_sqs], state_seeds, found_inf, lambda sts: adam_step_ref_(grads, ms, sts[0], sts[1], out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled), state_scales))
     else:
         for g in _launches(grads, out):
             ext.adam_step(_pick(grads, g), _pick(params, g), _pick(exp_avgs, g), _pick(exp_avg_sqs, g),

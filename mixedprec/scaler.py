@@ -122,8 +122,8 @@ class LossScaler(ScalerHealth):
         for name, v in dict(max_overflow_at_min=max_overflow_at_min, max_bad_loss=max_bad_loss,
                             skip_window=skip_window).items():
             if not (isinstance(v, int) and v >= 1): raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        self.dynamic, self.max_noskip, self.max_scale, self.min_scale, self.factor = dynamic, max_noskip, float(
-            max_scale), float(min_scale), float(factor)
+        self.dynamic, self.max_noskip, self.factor = dynamic, max_noskip, float(factor)
+        self.max_scale, self.min_scale = float(max_scale), float(min_scale)
         self.max_overflow_at_min, self.max_bad_loss, self.verbose, self.advice = max_overflow_at_min, max_bad_loss, verbose, advice
         self._tensors, self._pending, self.waits, self._said = None, deque(), 0, None
         self._scale, self._noskip = float(loss_scale), 0
@@ -316,8 +316,7 @@ class LossScaler(ScalerHealth):
 
     def __setstate__(self, state:dict):
         "Unpickle, also a scaler pickled by an earlier version (books behind underscores, a `_dev` copy)"
-        state = {(k[1:] if k[1:] in _BOOKS else '_' + k if k in ('scale', 'noskip') else k): v for k,
-                 v in state.items()}
+        state = {(k[1:] if k[1:] in _BOOKS else '_' + k if k in ('scale', 'noskip') else k): v for k, v in state.items()}
         for k in ('_dev', '_draining'): state.pop(k, None)
         self.__dict__.update({'_pending': deque(), '_tensors': None, 'waits': 0, '_said': None,
                               'max_skip_share': 0.25, '_recent': deque(maxlen=200),

@@ -53,8 +53,7 @@ def amp_no_sync(rank, world, decide='cuda'):
         xs, ys = shard(x, rank, world), shard(y, rank, world)
         for micro in range(2):
             half = slice(micro * len(xs) // 2, (micro + 1) * len(xs) // 2)
-            ctx = net.no_sync(
-                ) if (world > 1 and micro == 0) else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            ctx = net.no_sync() if (world > 1 and micro == 0) else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             with ctx:
                 loss = nn.functional.mse_loss(net(xs[half]), ys[half]) / 2
                 with amp.scale_loss(loss, opt, delay_unscale=micro == 0) as scaled:
@@ -142,11 +141,7 @@ def main(rank, world, port, scenario, outdir, *args):
                             timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded',
-                                                             'fastai_distrib_ctx', 'sharded_remote_grads',
-                                                                 'amp_clip') else fn(
-                                                                     rank, world, *args) if scenario not in (
-                                                                         'fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
+        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx', 'sharded_remote_grads', 'amp_clip') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
         # the scenario's DDP wrappers and pending works go while the group lives
         del res; gc.collect()
@@ -205,8 +200,7 @@ def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=
             if rank == 0:
                 torch.save(dict(opt=sd, model=model.state_dict(), step=step), os.path.join(outdir, 'sharded.pt'))
     sd = opt.state_dict()
-    state = [sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _,
-             st in sorted(sd['optimizer_state_dict']['state'].items())]
+    state = [sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(sd['optimizer_state_dict']['state'].items())]
     return dict(params=[p.detach().clone() for p in model.parameters()],
                 masters=[m.clone() for m in sd['fp32_from_fp16']], state=state,
                 scaler=opt.scaler.state_dict(), skipped=[r.skipped for r in opt.history], norms=clipped,
@@ -216,12 +210,7 @@ def held_bytes(groups, state) -> int:
     ("Bytes of the fp32 masters (and fp32 params) and optimizer state a rank holds (a sharded master's stand-in: 4 "
      "bytes)")
     ps = {id(p): p for g in groups for p in g['params']}.values()
-    return sum(
-        p.untyped_storage(
-            ).nbytes(
-                ) for p in ps) + sum(
-                    v.untyped_storage(
-                        ).nbytes() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return sum(p.untyped_storage().nbytes() for p in ps) + sum(v.untyped_storage().nbytes() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
 
 def shard_rows(t, rank, world):
     "Rank `rank`'s share of the global batch's rows at `world` ranks"
@@ -303,9 +292,7 @@ def amp_clip(rank, world, outdir, shard=True, recipe='amp'):
         if shard and step == 0:
             try: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             except RuntimeError as e: model_refused = str(e)
-        norms.append(float(amp.clip_grad_norm_(opt,
-                                               0.5) if recipe == 'amp' else torch.nn.utils.clip_grad_norm_(
-                                                   amp.master_params(opt), 0.5)))
+        norms.append(float(amp.clip_grad_norm_(opt, 0.5) if recipe == 'amp' else torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)))
         opt.step(); opt.zero_grad()
     with amp._engines_of(opt)[0].consolidated():
         masters = [m.detach().clone() for m in amp.master_params(opt, local=True)]
@@ -338,11 +325,7 @@ def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
             if rank == 0: torch.save(ck, os.path.join(outdir, 'amp_sharded.pt'))
             dist.barrier()
     osd, asd = opt.state_dict(), amp.state_dict()
-    return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0],
-                scaler=asd['loss_scaler0'], norms=[],
-                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _,
-                       st in sorted(osd['state'].items())],
-                skipped=[r.skipped for r in amp.history()])
+    return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0], scaler=asd['loss_scaler0'], norms=[], state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())], skipped=[r.skipped for r in amp.history()])
 
 def fastai_opt(name):
     "fastai's Adam, fastai's SGD with momentum, or torch's AdamW in fastai's OptimWrapper"
@@ -359,12 +342,7 @@ def fastai_results(learn, **extra) -> dict:
     mp = learn.mixed_precision
     with mp.consolidated():
         masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
-    return dict(params=[p.detach().clone() for p in learn.model.parameters()],
-                masters=[m.clone() if m is not None else None for m in masters],
-                state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k,
-                              v in st.items()) for st in state_list(opt_sd)],
-                scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history],
-                    norms=[r.grad_norm for r in mp.history], **extra)
+    return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() if m is not None else None for m in masters], state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in state_list(opt_sd)], scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], **extra)
 
 def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam', bn=False):
     ("The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at "
@@ -464,8 +442,4 @@ def rounding_ranks(rank, world, masters='none', state='fp32'):
         opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).bfloat16()).float(),
                                             shard_rows(y, rank, world)))
         opt.step()
-    return dict(params=[p.detach().clone() for p in model.parameters()],
-                state=[
-                    v.clone(
-                        ) for s in opt.state.values(
-                            ) for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
+    return dict(params=[p.detach().clone() for p in model.parameters()], state=[v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])

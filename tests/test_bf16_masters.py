@@ -244,8 +244,7 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
 def test_bf16_masters_keep_no_fp32_copy_of_the_weights():
     model, e, conv = _engine('split')
     for p, m, _ in e.masters.pairs:
-        assert m.untyped_storage(
-            ).nbytes() == 4 and bf16_master(m).low.dtype == torch.int16 and bf16_master(m).param is p
+        assert m.untyped_storage().nbytes() == 4 and bf16_master(m).low.dtype == torch.int16 and bf16_master(m).param is p
     model, e, conv = _engine('none')
     assert all(m.untyped_storage().nbytes() == 4 and bf16_master(m).low is None for _, m, _ in e.masters.pairs)
     x, y = digits()
@@ -307,8 +306,7 @@ def test_a_copy_of_a_bf16_master_model_holds_fp32_masters_and_the_learner_copy_t
     conv = learn.mixed_precision.conversion
     saved = [master_value(m).clone() for m in conv.masters.values()]
     clone = pickle.loads(pickle.dumps(conv))
-    assert all(bf16_master(m) is None and m.dtype == torch.float32 and torch.equal(a, m.detach()) for a,
-               m in zip(saved, clone.masters.values()))
+    assert all(bf16_master(m) is None and m.dtype == torch.float32 and torch.equal(a, m.detach()) for a, m in zip(saved, clone.masters.values()))
     # the original keeps its bf16 masters
     assert all(bf16_master(m) is not None for m in conv.masters.values())
     twin = copy.deepcopy(learn)

@@ -65,9 +65,7 @@ def test_dtypes_at_each_event_and_oracles():
 
 def _snapshot(learn):
     opt = learn.opt
-    return ([p.detach().clone() for p in learn.model.parameters()],
-            [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k,
-              v in opt.state[p].items()} for g in opt.param_lists for p in g])
+    return ([p.detach().clone() for p in learn.model.parameters()], [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()} for g in opt.param_lists for p in g])
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_injected_inf_skips_the_step_exactly(flat):

@@ -95,11 +95,7 @@ def test_every_door_refuses_a_scaler_state_out_of_range(tmp_path, bad):
     before = learner_state(learn)
     with pytest.raises(ValueError, match='nothing was loaded|not a LossScaler'): mp.load_state_dict(sd)
     assert same(before, learner_state(learn))
-    learn.save('good', with_opt=True); ck = written(tmp_path,
-                                                    'good'); ck[
-                                                        'opt'][
-                                                            'mixedprec'][
-                                                                'scaler'].update(fields); write(tmp_path, 'bad', ck)
+    learn.save('good', with_opt=True); ck = written(tmp_path, 'good'); ck['opt']['mixedprec']['scaler'].update(fields); write(tmp_path, 'bad', ck)
     refused_and_unchanged(learn, 'bad', match='nothing was loaded|not a LossScaler')
     # FP16_Optimizer
     model, opt = fp16_optimizer()
@@ -136,11 +132,7 @@ def test_every_door_refuses_a_master_that_cannot_be_one(tmp_path, bad):
     before = learner_state(learn)
     with pytest.raises(ValueError, match=match): mp.load_state_dict(sd)
     assert same(before, learner_state(learn))
-    learn.save('good', with_opt=True); ck = written(tmp_path,
-                                                    'good'); ck[
-                                                        'model'][
-                                                            '0.weight'] = spoil(
-                                                                ck['model']['0.weight']); write(tmp_path, 'bad', ck)
+    learn.save('good', with_opt=True); ck = written(tmp_path, 'good'); ck['model']['0.weight'] = spoil(ck['model']['0.weight']); write(tmp_path, 'bad', ck)
     refused_and_unchanged(learn, 'bad', match=match if bad != 'transposed' else 'size mismatch')
     model, opt = fp16_optimizer()
     sd = opt.state_dict(); sd['fp32_from_fp16'][0] = spoil(sd['fp32_from_fp16'][0])
@@ -331,25 +323,7 @@ def _corruptions(ck, rng):
     tensor_keys = [s for s, v in ck['opt']['state'][i].items() if isinstance(v, torch.Tensor) and v.dim() > 0]
     def nan_at(t):
         t = t.clone(); t.view(-1)[rng.randrange(t.numel())] = float('nan'); return t
-    return {
-        f'drop {k}':            lambda c: c['model'].pop(k),
-        f'add a key':           lambda c: c['model'].__setitem__('extra.weight', torch.zeros(3)),
-        f'{k} as float64 NaN':  lambda c: c['model'].__setitem__(k, nan_at(c['model'][k].double())),
-        f'{k} reshaped':        lambda c: c['model'].__setitem__(k,
-                                                                 c['model'][k].reshape(-1)[:-1] if c['model'][k].numel() > 1 else torch.zeros(2)),
-        f'{k} as int':          lambda c: c[
-            'model'].__setitem__(k, c['model'][k].long()) if k in ('0.weight', '0.bias', '3.weight',
-                                                                   '3.bias') else c['model'].pop(k),
-        f'scaler {field}':      lambda c: c[
-            'opt']['mixedprec']['scaler'].__setitem__(field, rng.choice(scaler_fields[field])),
-        f'state {i} NaN':       lambda c: [
-            c['opt']['state'][i].__setitem__(s,
-                                             nan_at(
-                                                 c['opt']['state'][i][s])) for s in tensor_keys[:1]] or c['opt']['state'].pop(),
-        f'state {i} shape':     lambda c: [
-            c['opt']['state'][i].__setitem__(s, torch.zeros(7)) for s in tensor_keys[:1]] or c['opt']['state'].pop(),
-        'a group less':         lambda c: c['opt']['hypers'].pop(),
-    }
+    return {f'drop {k}':            lambda c: c['model'].pop(k), f'add a key':           lambda c: c['model'].__setitem__('extra.weight', torch.zeros(3)), f'{k} as float64 NaN':  lambda c: c['model'].__setitem__(k, nan_at(c['model'][k].double())), f'{k} reshaped':        lambda c: c['model'].__setitem__(k, c['model'][k].reshape(-1)[:-1] if c['model'][k].numel() > 1 else torch.zeros(2)), f'{k} as int':          lambda c: c['model'].__setitem__(k, c['model'][k].long()) if k in ('0.weight', '0.bias', '3.weight', '3.bias') else c['model'].pop(k), f'scaler {field}':      lambda c: c['opt']['mixedprec']['scaler'].__setitem__(field, rng.choice(scaler_fields[field])), f'state {i} NaN':       lambda c: [c['opt']['state'][i].__setitem__(s, nan_at(c['opt']['state'][i][s])) for s in tensor_keys[:1]] or c['opt']['state'].pop(), f'state {i} shape':     lambda c: [c['opt']['state'][i].__setitem__(s, torch.zeros(7)) for s in tensor_keys[:1]] or c['opt']['state'].pop(), 'a group less':         lambda c: c['opt']['hypers'].pop(),}
 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_corruptions_of_a_checkpoint_are_all_refused_and_change_nothing(tmp_path, seed):

@@ -236,8 +236,7 @@ def test_fastai_fused_step_makes_no_host_sync(opt_func):
     assert [
         r.skipped for r in hist] == [r.skipped for r in host.mixed_precision.history] and len(hist) == len(dev_sites)
     # after the warm-up, no sync; only naming the params of an overflowed step reads its grads (in the step after it)
-    assert all(not s for i,
-               s in enumerate(dev_sites) if i >= 3 and not hist[i - 1].skipped), (dev_sites, [r.skipped for r in hist])
+    assert all(not s for i, s in enumerate(dev_sites) if i >= 3 and not hist[i - 1].skipped), (dev_sites, [r.skipped for r in hist])
     for a, b in zip(masters_of(host), masters_of(dev)): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("decide", ['never', 'cuda'])

@@ -128,10 +128,7 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state=
                 step(opt, e.plan, e.masters, e.found, None,
                      state); e.last_found, e.found, e.stage = e.found, None, Stage.STEPPED; e.masters.mark_written()
             opt.zero_grad()
-        return [
-            m.detach(
-                ).clone(
-                    ) for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
+        return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
     torch._dynamo.reset()
     (eager, steps), (compiled, csteps) = run(False), run(True)
     assert steps == csteps == [5.] * 4                        # the overflowed step counted by neither

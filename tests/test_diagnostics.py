@@ -174,10 +174,7 @@ def test_dict_batch_and_tuple_dict_prediction():
 def test_tied_weights_and_params_already_half():
     class Tied(nn.Module):
         def __init__(self):
-            super(
-                ).__init__(
-                    ); self.emb = nn.Embedding(
-                        10, 8); self.out = nn.Linear(8, 10, bias=False); self.out.weight = self.emb.weight
+            super().__init__(); self.emb = nn.Embedding(10, 8); self.out = nn.Linear(8, 10, bias=False); self.out.weight = self.emb.weight
         def forward(self, ids): return self.out(self.emb(ids))
     ids = torch.randint(0, 10, (64,))
     dls = DataLoaders(DataLoader(TensorDataset(ids, ids), bs=16), DataLoader(TensorDataset(ids, ids), bs=16))

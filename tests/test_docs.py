@@ -30,10 +30,7 @@ def test_index_holds_the_readmes_quick_start_and_usage():
 
 def paragraphs(text):
     "Markdown paragraphs with their line breaks and quote marks evened out, so that wrapping does not count"
-    return [
-        ' '.join(
-            l.removeprefix(
-                '> ').strip() for l in p.split('\n')) for p in re.split(r'\n\s*\n', text.strip()) if p.strip()]
+    return [' '.join(l.removeprefix('> ').strip() for l in p.split('\n')) for p in re.split(r'\n\s*\n', text.strip()) if p.strip()]
 
 def test_index_opens_with_the_readmes_opening_and_nothing_else():
     ("The opening (what it is, why, when not to use it) is the README's paragraph for paragraph: no paragraph lost, "
@@ -74,10 +71,7 @@ def test_every_python_block_in_the_readme_is_a_cell_that_nbdev_test_runs():
 def test_the_user_chapters_keep_their_outputs():
     # every chapter: the docs show what its lessons printed
     for p in sorted((ROOT / 'nbs').glob('*.ipynb')):
-        cells = [
-            c for c in json.loads(
-                p.read_text(
-                    ))['cells'] if c['cell_type'] == 'code' and not ''.join(c['source']).lstrip().startswith('#|')]
+        cells = [c for c in json.loads(p.read_text())['cells'] if c['cell_type'] == 'code' and not ''.join(c['source']).lstrip().startswith('#|')]
         shown = [c for c in cells if c.get('outputs')]
         assert shown or not cells, (f"{p.name}: no code cell keeps its output; run .ci/run_notebooks.py "
                                     f"{p.relative_to(ROOT)}")

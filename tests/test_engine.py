@@ -235,10 +235,7 @@ def _scaling_case(front, mode, mixed, skip_at=3):
         model = model.half()
         opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), dynamic_loss_scale=True,
                              verbose=False)
-    params = lambda: list(
-        amp.master_params(
-            opt)) if front == 'amp' and mixed else opt.optimizer.param_groups[
-                0]['params'] if mixed else list(model.parameters())
+    params = lambda: list(amp.master_params(opt)) if front == 'amp' and mixed else opt.optimizer.param_groups[0]['params'] if mixed else list(model.parameters())
     for i in range(6):
         parts = [batch(i)] if mode != 'accumulate' else [batch(10 + 2 * i), batch(11 + 2 * i)]
         bad = i == skip_at
@@ -359,10 +356,7 @@ def test_attach_then_detach_gives_the_optimizer_back_its_params_and_state(make_o
     model, opt, conv = _stepped_once(make_opt)
     adapter = adapter_for(opt)
     params = list(model.parameters())
-    before = {
-        id(p): {k: v.clone() for k, v in st.items() if isinstance(v,
-                                                                  torch.Tensor)} for state in adapter.states() for p,
-                                                                      st in state.items()}
+    before = {id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for state in adapter.states() for p, st in state.items()}
     assert before, "the fp32 step made state"
     e = StepEngine.attach(opt, conv.masters, flat=flat)
     held = [p for g in adapter.groups() for p in g]

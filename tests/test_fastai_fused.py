@@ -31,8 +31,7 @@ def _fit_recording(opt_func, where, fit=lambda l: l.fit_one_cycle(3, 1e-2), **kw
     return learn, seen
 
 def _state(learn):
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for p in masters_of(learn) for k,
-            v in learn.opt.state[p].items()}
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for p in masters_of(learn) for k, v in learn.opt.state[p].items()}
 
 @pytest.mark.parametrize("name", list(FUSABLE))
 def test_fused_fastai_step_matches_fastais_own(name):

@@ -128,9 +128,7 @@ def test_tabular_train_inference_interpretation_and_export(tabular):
     learn.export('kept_cl.pkl', keep_mixed_precision=True)
     for f in ('kept.pkl', 'kept_cl.pkl'):
         back = load_learner(learn.path/f)
-        assert not any(isinstance(c,
-                                  MixedPrecision) for c in back.cbs) and all(
-                                      p.dtype == torch.float32 for p in back.model.parameters()), f
+        assert not any(isinstance(c, MixedPrecision) for c in back.cbs) and all(p.dtype == torch.float32 for p in back.model.parameters()), f
         assert all(torch.equal(m.detach(), p.detach()) for m, p in zip(masters_of(learn), back.model.parameters()))
     assert loaded.predict(df.iloc[0])[2].dtype == torch.float32
     assert loaded.get_preds(dl=loaded.dls.test_dl(df.iloc[:10]))[0].dtype == torch.float32
@@ -279,6 +277,5 @@ def test_optim_wrapper_checkpoint_keeps_torch_state(tmp_path):
         warnings.filterwarnings('error', message='Could not load')
         plain.load('ow', with_opt=True)
     saved = torch.load(f, weights_only=True)['model']
-    assert all(torch.equal(plain.model.state_dict()[k], v) for k,
-               v in saved.items()) and saved['0.weight'].dtype == torch.float32
+    assert all(torch.equal(plain.model.state_dict()[k], v) for k, v in saved.items()) and saved['0.weight'].dtype == torch.float32
     assert len(plain.opt.opt.state) == 6 and all('exp_avg' in st for st in plain.opt.opt.state.values())

@@ -33,10 +33,7 @@ def trained_fp16(n_out):
     model = half_net(n_out).half()
     opt = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True, verbose=False)
     for _ in range(2):
-        opt.zero_grad(); opt.backward(model(torch.randn(8,
-                                                        4).half(
-                                                            )).float(
-                                                                ).pow(2).mean() * (1e6 if _ == 0 else 1)); opt.step()
+        opt.zero_grad(); opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean() * (1e6 if _ == 0 else 1)); opt.step()
     return model, opt
 
 @pytest.mark.parametrize("src,dst", [(1, 2), (2, 1)])

@@ -190,7 +190,5 @@ def test_fused_step_matches_the_wrapped_optimizer(make, monkeypatch, decide):
     for a, b in zip(o1.param_groups[0]['params'], o2.param_groups[0]['params']):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     s1, s2 = o1.optimizer.state_dict(), o2.optimizer.state_dict()
-    assert s1[
-        'state'].keys(
-            ) == s2['state'].keys() and all(s1['state'][k].keys() == s2['state'][k].keys() for k in s1['state'])
+    assert s1['state'].keys() == s2['state'].keys() and all(s1['state'][k].keys() == s2['state'][k].keys() for k in s1['state'])
     for p, m, _ in o2.masters.pairs: assert torch.equal(p.detach(), m.detach().half())

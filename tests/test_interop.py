@@ -85,11 +85,7 @@ def test_amp_o1_models_copy_and_pickle_as_models():
 def test_keep_fp32_takes_a_type_or_a_tuple_and_keeps_batchnorm():
     class Net(nn.Module):
         def __init__(self):
-            super(
-                ).__init__(); self.lin, self.ln, self.bn = nn.Linear(8,
-                                                                     8), nn.LayerNorm(
-                                                                         8), nn.BatchNorm1d(
-                                                                             8); self.out = nn.Linear(8, 1)
+            super().__init__(); self.lin, self.ln, self.bn = nn.Linear(8, 8), nn.LayerNorm(8), nn.BatchNorm1d(8); self.out = nn.Linear(8, 1)
         def forward(self, x): return self.out(self.bn(self.ln(self.lin(x))))
     for keep in (nn.LayerNorm, (nn.LayerNorm,)):
         learn = synth_learner(Net()).to_fp16(keep_fp32=keep)

@@ -39,9 +39,7 @@ def builds(cache):
     "The complete builds in `cache`: (key folder, library) pairs"
     res = []
     for root, dirs, files in os.walk(cache):
-        res += [(root, os.path.join(root,
-                                    f)) for f in files if f.endswith(
-                                        '.so') and os.path.exists(os.path.join(root, 'manifest.json'))]
+        res += [(root, os.path.join(root, f)) for f in files if f.endswith('.so') and os.path.exists(os.path.join(root, 'manifest.json'))]
     return res
 
 @pytest.fixture(scope='module')

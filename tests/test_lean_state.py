@@ -24,10 +24,7 @@ def lists(sizes, store, seed, channels_last=False):
     "Masters (fp32 with a half copy, or bf16 split or rounded), bf16 moments and (half) grads"
     g = torch.Generator().manual_seed(seed)
     shape = lambda n: (n, 1, 1, 1) if channels_last else (n,)
-    rnd = lambda n, s=1.: (torch.randn(shape(n),
-                                       generator=g) * s).contiguous(
-                                           memory_format=torch.channels_last if channels_last
-                                               else torch.contiguous_format)
+    rnd = lambda n, s=1.: (torch.randn(shape(n), generator=g) * s).contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     params = [rnd(n) for n in sizes]
     kw, out = {}, []
     if store == 'fp32': out = [p.half() for p in params]
@@ -37,10 +34,7 @@ def lists(sizes, store, seed, channels_last=False):
         if store == 'split':
             kw['lows'] = []
             for p, m in zip(params, masters):
-                hi, lo = ops.split_bf16_ref(
-                    m); p.copy_(
-                        hi); kw[
-                            'lows'].append(lo.contiguous(memory_format=torch.channels_last) if channels_last else lo)
+                hi, lo = ops.split_bf16_ref(m); p.copy_(hi); kw['lows'].append(lo.contiguous(memory_format=torch.channels_last) if channels_last else lo)
         else: kw['seeds'] = [77 + i for i in range(len(sizes))]
     m = [rnd(n, 0.1).bfloat16() for n in sizes]
     v = [rnd(n, 0.01).abs().bfloat16() for n in sizes]
@@ -134,9 +128,7 @@ def test_an_optimizer_lean_state_cannot_use_leaves_the_model_as_it_was():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     learn = synth_learner(opt_func=RAdam, lr=1e-3)
     with pytest.raises(ValueError, match="RAdam.*state='fp32'|Optimizer.*state='fp32'"): learn.to_bf16(state='bf16')
-    assert all(
-        p.dtype == torch.float32 for p in learn.model.parameters(
-            )) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters()) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
     learn.fit(1)
     assert all(p.dtype == torch.float32 for p in learn.model.parameters())
 

@@ -24,8 +24,7 @@ def fastai_opt(learn): return learn.opt.opt if hasattr(learn.opt, 'opt') else le
 def opt_state(learn):
     "Every state tensor of the optimizer, param by param in its groups' order (codes, scales, bf16 or fp32 moments)"
     opt = fastai_opt(learn)
-    return [v.clone() for ps in opt.param_lists for p in ps for k,
-            v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
+    return [v.clone() for ps in opt.param_lists for p in ps for k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
 
 def lean_kinds(learn):
     "The dtypes of the moments the optimizer holds, over params that have state"

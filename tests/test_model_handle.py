@@ -80,8 +80,7 @@ def test_user_actions_train_as_in_fp32(action, flat, precision):
                      [m.detach().clone() for m in held(learn)])
     assert res["fp32"][0] == res[precision][0]
     tol = 2e-2 if precision == "fp16" else 6e-2
-    assert close(res["fp32"][1], res[precision][1], tol), [(a - b).abs().max().item() for a,
-                                                           b in zip(res["fp32"][1], res[precision][1])]
+    assert close(res["fp32"][1], res[precision][1], tol), [(a - b).abs().max().item() for a, b in zip(res["fp32"][1], res[precision][1])]
     assert close(res["fp32"][2], res[precision][2], tol)
 
 
@@ -221,9 +220,7 @@ def test_adagrad_state_made_on_half_params_moves_as_fp32():
     torch.manual_seed(0)
     model = mlp().half()
     opt = FP16_Optimizer(torch.optim.Adagrad(model.parameters(), lr=1e-2), static_loss_scale=8., verbose=False)
-    assert all(
-        v.dtype == torch.float32 for st in opt.state.values(
-            ) for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
     x = torch.randn(32, 8).half()
     for _ in range(3): opt.zero_grad(); opt.backward(model(x).float().pow(2).mean()); opt.step()
     assert not opt.overflow and all(torch.isfinite(p).all() for p in model.parameters())
@@ -289,9 +286,7 @@ def test_one_callback_instance_moves_to_a_second_learner_with_the_first_ones_mas
 # ---------------------------------------------------------------- fastai's own ways out return to fp32
 
 def _is_fp32(learn):
-    return all(
-        p.dtype == torch.float32 for p in learn.model.parameters(
-            )) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
+    return all(p.dtype == torch.float32 for p in learn.model.parameters()) and not any(isinstance(c, MixedPrecision) for c in learn.cbs)
 
 @pytest.mark.parametrize("way", ["to_contiguous", "remove_cb_class", "to_non_native_fp32", "to_fp32"])
 def test_fastais_exits_leave_mixed_precision(way):
@@ -453,10 +448,7 @@ def test_later_callbacks_see_unscaled_grads_once_and_can_cancel_the_step(precisi
     tol = 3e-2 if precision == 'bf16' else 3e-3
     assert close(logs[1].seen[0], logs[0].seen[0], tol)          # unscaled (a scale of 2**8 would be far off)
     for log in logs:
-        assert all(
-            torch.equal(
-                a, b) for a, b in zip(
-                    log.after[1], log.after[2])) and all(torch.equal(a, b) for a, b in zip(log.after[2], log.after[3]))
+        assert all(torch.equal(a, b) for a, b in zip(log.after[1], log.after[2])) and all(torch.equal(a, b) for a, b in zip(log.after[2], log.after[3]))
         assert not all(torch.equal(a, b) for a, b in zip(log.after[3], log.after[4]))
     assert close(weights(half), weights(ref), tol)
 
@@ -507,9 +499,7 @@ def test_a_wgan_keeps_its_clamp_in_half_precision_as_in_fp32(opt):
         if precision: getattr(learn, f'to_{precision}')(**({'loss_scale': 2.**8} if precision == 'fp16' else {}))
         learn.fit(2)
         crit = learn.model.critic
-        masters = [learn.mixed_precision.conversion.masters.get(p,
-                                                                p) for p in crit.parameters(
-                                                                    )] if precision else list(crit.parameters())
+        masters = [learn.mixed_precision.conversion.masters.get(p, p) for p in crit.parameters()] if precision else list(crit.parameters())
         return max(m.detach().abs().max().item() for m in masters), learn
     ref, _ = run(None)
     assert ref < 0.2
@@ -667,9 +657,7 @@ def test_fp32_copy_holds_the_masters_without_hooks_and_leaves_the_model_training
     assert all(v.dtype == torch.float32 for v in cp.state_dict().values() if v.is_floating_point())
     # the masters, not the half weights
     assert all(torch.equal(cp.state_dict()[k], v) for k, v in masters.items())
-    assert not hasattr(cp,
-                       '_mixedprec_conversion') and not any(
-                           m._forward_pre_hooks or m._forward_hooks for m in cp.modules())
+    assert not hasattr(cp, '_mixedprec_conversion') and not any(m._forward_pre_hooks or m._forward_hooks for m in cp.modules())
     cp.eval(); assert cp(torch.randn(2, 8)).dtype == torch.float32
     assert all(torch.equal(model.state_dict()[k], v) for k, v in masters.items())          # the model is as it was
     assert any(p.dtype != torch.float32 for p in model.parameters())

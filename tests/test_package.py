@@ -29,9 +29,7 @@ def test_the_built_wheel_installs_into_a_clean_venv_and_trains(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {'mixedprec/csrc/mixedprec.cpp',
             'mixedprec/csrc/cpu_kernels.cpp'} <= set(names), "the kernel sources ship in the wheel"
-    assert any(
-        n.endswith(
-            '.dist-info/licenses/LICENSE') or n.endswith('.dist-info/LICENSE') for n in names), "the license ships"
+    assert any(n.endswith('.dist-info/licenses/LICENSE') or n.endswith('.dist-info/LICENSE') for n in names), "the license ships"
     venv = tmp_path / 'venv'
     subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True, timeout=300)
     py = venv / 'bin' / 'python'

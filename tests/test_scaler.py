@@ -124,9 +124,7 @@ def test_the_tensor_rules_follow_a_direct_model_for_any_sequence(codes, noskip, 
     scale, clean, history = start, 0, []
     for i, c in enumerate(codes):
         s, inv = sc.tensors('cpu')                       # the scale this step reads
-        assert s.item() == float(torch.tensor(scale,
-                                              dtype=torch.float32)) and inv.item(
-                                                  ) == float(torch.tensor(1 / scale, dtype=torch.float32))
+        assert s.item() == float(torch.tensor(scale, dtype=torch.float32)) and inv.item() == float(torch.tensor(1 / scale, dtype=torch.float32))
         found = sc.advance(torch.tensor(c), grad_norm=torch.tensor(1.5))
         history.append((i + 1, scale, c != 0, CODES[c] if c else None, 1.5 if c in (0, 3) else None))
         if c in (1, 3):

@@ -47,9 +47,7 @@ def test_ranks_seeded_apart_round_alike_under_ddp(masters, state, tmp_path):
     # replicated weights drift apart with no error
     ranks = spawn('rounding_ranks', tmp_path, masters, state, world=2)
     for k in ('params', 'state'):
-        assert len(ranks[0][k]) and all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-                                                    b.view(torch.int16) if b.dtype == torch.bfloat16 else b) for a,
-                                                        b in zip(ranks[0][k], ranks[1][k])), k
+        assert len(ranks[0][k]) and all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(torch.int16) if b.dtype == torch.bfloat16 else b) for a, b in zip(ranks[0][k], ranks[1][k])), k
 
 def test_a_checkpoint_saved_at_2_ranks_resumes_at_1_and_3_as_the_uninterrupted_run(tmp_path):
     # every rank on the whole batch: the same grads at any world size
@@ -58,9 +56,7 @@ def test_a_checkpoint_saved_at_2_ranks_resumes_at_1_and_3_as_the_uninterrupted_r
     same(one, whole[0], keys=('params', 'masters'), since=6)
     three = spawn('sharded', tmp_path, True, 'adam', False, None, True, world=3)
     for r in range(3): same(three[r], whole[0], keys=('params', 'masters'), since=6)
-    assert [list(map(repr, s)) for s in one['state']] == [list(map(repr,
-                                                                   s)) for s in whole[
-                                                                       0]['state']] == [list(map(repr, s)) for s in three[0]['state']]
+    assert [list(map(repr, s)) for s in one['state']] == [list(map(repr, s)) for s in whole[0]['state']] == [list(map(repr, s)) for s in three[0]['state']]
 
 def test_a_rank_that_dies_mid_step_gives_an_error_on_the_others_not_a_hang(tmp_path):
     ctx = mp.start_processes(W.main, args=(2, free_port(), 'sharded_peer_dies', str(tmp_path)), nprocs=2, join=False,

@@ -333,9 +333,7 @@ def test_an_8bit_checkpoint_loads_into_amp_with_fp32_state_decoded(impl):
     masters = amp.master_params(other)
     for i, m in enumerate(masters):
         st = other.state[m]
-        assert st['exp_avg'].dtype == torch.float32 and torch.equal(st['exp_avg'],
-                                                                    saved[
-                                                                        i]) and not any(k.endswith(SCALES) for k in st)
+        assert st['exp_avg'].dtype == torch.float32 and torch.equal(st['exp_avg'], saved[i]) and not any(k.endswith(SCALES) for k in st)
     with amp.scale_loss(nn.functional.mse_loss(other_model(x[:64]), y[:64]), other) as s: s.backward()
     other.step()
     assert all(torch.isfinite(m).all() for m in amp.master_params(other))
