@@ -14,7 +14,7 @@ LINE, SHARE, CLASS, CELL = 120, 0.02, 250, 100
 # the rooms over the limits today, with their size now as ceilings: each is a cell holding one class (a class stays
 # whole in one cell; every class is within 250 lines)
 CLASS_CEILINGS = {}
-CELL_CEILINGS = {'13_master.ipynb': 228, '15_callback.ipynb': 248, '14_engine.ipynb': 241, '11_scaler.ipynb': 229,
+CELL_CEILINGS = {'13_master.ipynb': 228, '15_callback.ipynb': 248, '14_engine.ipynb': 241, '11_scaler.ipynb': 224,
                  '16_fp16_optimizer.ipynb': 148}
 
 def long_share(paths) -> tuple:

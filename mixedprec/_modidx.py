@@ -520,6 +520,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master.MasterShards.gather_shards': ( 'master.html#mastershards.gather_shards',
                                                                                    'mixedprec/master.py'),
                                   'mixedprec.master.MasterShards.unshard_': ('master.html#mastershards.unshard_', 'mixedprec/master.py'),
+                                  'mixedprec.master.Pair': ('master.html#pair', 'mixedprec/master.py'),
                                   'mixedprec.master.RemoteBucket': ('master.html#remotebucket', 'mixedprec/master.py'),
                                   'mixedprec.master.RemoteBucket.__init__': ('master.html#remotebucket.__init__', 'mixedprec/master.py'),
                                   'mixedprec.master.RemoteBucket.follow_layout': ( 'master.html#remotebucket.follow_layout',

@@ -142,8 +142,6 @@ class FastaiMasters:
         if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
         if opt is None or e is None: return
         if e.optimizer is opt: e.detach()
-        for k in ('step', 'zero_grad', 'state_dict', 'load_state_dict'):
-            opt.__dict__.pop(k, None)   # methods an earlier version patched onto a pickled Learner's optimizer
         self.engine = self.state_io = None
 
     @contextmanager
@@ -168,11 +166,8 @@ class FastaiMasters:
         return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
 
     def __setstate__(self, state:dict):
-        "Unpickle, also a callback pickled by an earlier version (with a `masters` layout and step flags)"
-        for k in ('masters', '_fused', '_found', '_on_device', 'loss_finite'): state.pop(k, None)
-        if 'learn' in state: state['_learn'] = state.pop('learn')
-        self.__dict__.update({'engine': None, 'state_io': None, 'decide': None, 'impl': None, '_kept_history': None,
-                              **state})
+        "Unpickle: the step engine is made anew at the next optimizer (`attach_opt` puts the copied masters back first)"
+        self.__dict__.update({**state, 'engine': None, 'state_io': None})
 
     def _check_trainable(self):
         ("Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, "

@@ -154,8 +154,6 @@ class ModelConversion:
         ("Unpickle: the copy holds fp32 masters (a bf16 master's too: its `state_dict()` values are then lasting "
          "tensors, which an EMA lerps in place), and its params what its masters say, so a change to either after "
          "this is seen. A copied Learner keeps its masters as its optimizer says at its next fit")
-        # (a pickle of an earlier version noted where its bf16 masters lived)
-        state.pop('_stores', None)
         self.__dict__.update(state)
         for p, m in self.masters.items(): mark_written(p, m)
 

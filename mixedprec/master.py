@@ -8,7 +8,7 @@ __all__ = ['STORES', 'STATE_STORES', 'SCALES', 'SHARDED_GRADS', 'IN_BACKWARD', '
            'CheckpointError', 'check_master_value', 'is_codes', 'is_scales', 'check_param_state', 'check_state_value',
            'MasterGrad', 'mark_written', 'edited', 'take_edit', 'take_model_edits', 'master_edited',
            'take_master_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as', 'flat_like',
-           'flat_slice', 'GradLists', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterShards',
+           'flat_slice', 'GradLists', 'Pair', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterShards',
            'MasterGrads', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
@@ -16,9 +16,11 @@ import math
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
+from typing import NamedTuple
 import torch
 from torch import nn
-from .ops import scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, split_bf16_ref, join_bf16_ref, round_stochastic_ref, quantize8_ref, dequantize8_ref, Q_BLOCK
+from .ops import (scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, split_bf16_ref, join_bf16_ref,
+                           round_stochastic_ref, quantize8_ref, dequantize8_ref, Q_BLOCK)
 from .distributed import Shards
 from torch.utils._pytree import tree_map, tree_flatten
 
@@ -393,6 +395,12 @@ class GradLists:
     def add(self, g, into): self.add_src.append(g); self.add_dst.append(into)
 
 # %% ../nbs/13_master.ipynb #20a0cad3
+class Pair(NamedTuple):
+    "A half param, its master (an fp32 tensor, a view into a flat one, or a stand-in for a bf16 or remote one), and the buffer its unscaled grad lands in (None: the master's own `.grad`, made when there is one)"
+    param: torch.Tensor
+    master: torch.Tensor
+    grad: torch.Tensor = None
+
 def _no_grad_in(m, keep:bool):
     "A master whose param got no grad: a zero grad where the optimizer zeroes (it is still stepped), else none"
     if keep and m.grad is not None: m.grad.zero_()
@@ -460,7 +468,7 @@ class Fp32Bucket(_PerParamState):
             m.data = _like(p, m.detach())
             _relayout_state(states, m, p)
             m.grad = None
-            res[id(p)] = (p, m, torch.zeros_like(m))
+            res[id(p)] = Pair(p, m, torch.zeros_like(m))
         return res
 
 # %% ../nbs/13_master.ipynb #f5a4b43e
@@ -513,7 +521,7 @@ class FlatBucket:
                 for t in [fm.data, g, *flat_state]:
                     t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(flat_slice(t, m, fm.data))
             view = fm.data.as_strided(p.shape, p.stride(), fm.data.storage_offset() + off)
-            res[id(p)] = (p, view, g.as_strided(p.shape, p.stride(), g.storage_offset() + off))
+            res[id(p)] = Pair(p, view, g.as_strided(p.shape, p.stride(), g.storage_offset() + off))
             masters_of[p] = view
         return res
 
@@ -542,7 +550,7 @@ class Bf16Bucket(_PerParamState):
             if bm.low is not None: bm.low = _like(p, bm.low)
             _relayout_state(states, m, p)
             m.grad = None
-            res[id(p)] = (p, m, None)
+            res[id(p)] = Pair(p, m)
         return res
     def materialize(self):
         "Give each master its fp32 value as data, for an optimizer's own step"
@@ -592,7 +600,7 @@ class MasterShards:
             m = masters[p]
             m.data, m.grad, m.remote_master = _stand_in(p.shape, p.device), None, RemoteMaster(p, owner)
             self._flat_of[p] = fm
-            self.pairs.append((p, m, None))
+            self.pairs.append(Pair(p, m))
         return fm
 
     def _shard(self, half:list, own:list, masters:dict):
@@ -602,7 +610,7 @@ class MasterShards:
             if id(p) in ids and not self.shards.mine(p):
                 m.data, m.grad, m.remote_master = _stand_in(p.shape,
                                                             p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
-                self.pairs[i] = (p, m, None)
+                self.pairs[i] = Pair(p, m)
         self.remote_own |= {p for p in own if not self.shards.mine(p)}
 
     def drop_remote_state(self, states:list):
@@ -848,7 +856,7 @@ class MasterParams(MasterShards, MasterGrads):
                     m.requires_grad_(p.requires_grad)
                     store_master_(p, m, store)
                     # bf16 masters get grads when there are some
-                    self.pairs.append((p, m, torch.zeros_like(m) if store == 'fp32' else None))
+                    self.pairs.append(Pair(p, m, torch.zeros_like(m) if store == 'fp32' else None))
                 self.groups.append([masters.get(p, p) for p in kept])
                 if shards is not None: self._shard(half, own, masters)
                 continue
@@ -871,7 +879,7 @@ class MasterParams(MasterShards, MasterGrads):
                     self._flat_of[p] = fm
                     view, gview = fm.data[offset:offset+n].view(p.shape), fm.grad[offset:offset+n].view(p.shape)
                     masters[p] = view
-                    self.pairs.append((p, view, gview))
+                    self.pairs.append(Pair(p, view, gview))
                     offset += n
                 mg.append(fm)
             self.groups.append(mg + own)
@@ -1025,7 +1033,7 @@ class MasterParams(MasterShards, MasterGrads):
         moved = {}
         for b in self.buckets: moved.update(b.follow_layout(states, self._masters_of))
         if not moved: return False
-        self.pairs = [moved.get(id(p), (p, m, g)) for p, m, g in self.pairs]
+        self.pairs = [moved.get(id(pair.param), pair) for pair in self.pairs]
         self._index()
         return True
 

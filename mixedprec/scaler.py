@@ -22,7 +22,6 @@ StepRecord.__doc__ = ("One optimizer step: the scale it used, whether it was ski
 CODES = ('clean', 'overflow', 'nonfinite_loss', 'nonfinite_norm')         # a step's outcome as a tensor encodes it
 REASONS = ('overflow', 'nonfinite_loss', 'nonfinite_input', 'nonfinite_norm')
 _CODE_OF = dict(overflow=1, nonfinite_loss=2, nonfinite_input=2, nonfinite_norm=3)
-_BOOKS = ('n_steps', 'n_skipped', 'skipped', 'history', 'overflows_at_min', 'bad_losses')
 
 class _ScaleTensors:
     ("The scale (fp64) and the clean-step count as tensors on one device, with the fp32 scale and inverse that a "
@@ -315,12 +314,8 @@ class LossScaler(ScalerHealth):
         return {**self.__dict__, '_pending': deque(), '_tensors': None}
 
     def __setstate__(self, state:dict):
-        "Unpickle, also a scaler pickled by an earlier version (books behind underscores, a `_dev` copy)"
-        state = {(k[1:] if k[1:] in _BOOKS else '_' + k if k in ('scale', 'noskip') else k): v for k, v in state.items()}
-        for k in ('_dev', '_draining'): state.pop(k, None)
-        self.__dict__.update({'_pending': deque(), '_tensors': None, 'waits': 0, '_said': None,
-                              'max_skip_share': 0.25, '_recent': deque(maxlen=200),
-                              '_warned_share': False, **state})
+        "Unpickle: the host's books as pickled; the tensors restart from them at the next step"
+        self.__dict__.update({**state, '_pending': deque(), '_tensors': None})
 
 # %% ../nbs/11_scaler.ipynb #d2d9dff6
 def plot_history(history, ax=None, show_skipped:bool=True):

@@ -223,6 +223,24 @@ def test_a_step_after_the_fit_moves_the_half_model(precision):
     assert not all(torch.equal(a, p.detach()) for a, p in zip(before, learn.model.parameters()))
     for p, m in zip(learn.model.parameters(), masters): test_eq(p.detach(), m.detach().to(p.dtype))
 
+def test_a_step_after_the_fit_moves_the_half_model_with_a_torch_optimizer():
+    # the same through fastai's OptimWrapper around torch's AdamW: its zero_grad sets the grads to None, as torch's does
+    from fastai.optimizer import OptimWrapper
+    learn = fastai_synth_learner()
+    learn.model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+    learn.opt_func = partial(OptimWrapper, opt=torch.optim.AdamW)
+    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    learn.to_bf16()
+    learn.fit(1)
+    x, y = learn.dls.one_batch()
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    learn.loss_func(learn.model(x), y).backward()
+    learn.opt.step(); learn.opt.zero_grad()
+    masters = [m for g in learn.mixed_precision.master_pgs for m in g]
+    assert all(p.grad is None for p in learn.model.parameters()) and all(m.grad is None for m in masters)
+    assert not all(torch.equal(a, p.detach()) for a, p in zip(before, learn.model.parameters()))
+    for p, m in zip(learn.model.parameters(), masters): test_eq(p.detach(), m.detach().to(p.dtype))
+
 # ---------------------------------------------------------------- 18a_callback.training: one callback, two Learners in
 # turn
 
