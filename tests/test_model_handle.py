@@ -768,3 +768,17 @@ def test_fp32_copy_of_a_model_without_masters_is_fp32_throughout():
     assert all(t.dtype == torch.float32 for t in [*cp.parameters(), *cp.buffers()] if t.is_floating_point())
     assert all(torch.equal(a.float(), b) for a, b in zip(model.parameters(), cp.parameters()))
     cp.eval(); assert cp(torch.randn(2, 8)).dtype == torch.float32
+
+@pytest.mark.parametrize("kw", [dict(flat_master=True), dict(masters='split'), dict(state='8bit')])
+def test_a_clamp_through_data_in_a_callback_reaches_every_kind_of_master(kw):
+    # flat masters step through the optimizer's own step (adopt_data_edits before it), split masters hold the bf16
+    # param as their high half, 8-bit state steps through the fused kernels' 8-bit path
+    def clamp(learn):
+        if learn.training:
+            for p in learn.model[0].parameters(): p.data.clamp_(-0.05, 0.05)
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_bf16(**kw)
+    learn.fit(3, cbs=Record(-1, after_step=clamp))
+    # each step starts from the clamp, so the masters end within one Adam step (about lr) of it (untaken: 0.2 and more)
+    mp = learn.mixed_precision
+    masters = [master_value(mp.conversion.masters[p]) for p in learn.model[0].parameters()]
+    assert all(m.abs().max() <= 0.05 + 1.5e-2 for m in masters), [m.abs().max() for m in masters]
