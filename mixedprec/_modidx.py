@@ -164,6 +164,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'mixedprec.convert.LoadMasters.__call__': ('convert.html#loadmasters.__call__', 'mixedprec/convert.py'),
                                    'mixedprec.convert.LoadMasters.__init__': ('convert.html#loadmasters.__init__', 'mixedprec/convert.py'),
                                    'mixedprec.convert.LoadMasters.check': ('convert.html#loadmasters.check', 'mixedprec/convert.py'),
+                                   'mixedprec.convert.LoadMasters.checked': ('convert.html#loadmasters.checked', 'mixedprec/convert.py'),
                                    'mixedprec.convert.LoadMasters.loaded': ('convert.html#loadmasters.loaded', 'mixedprec/convert.py'),
                                    'mixedprec.convert.ModelConversion': ('convert.html#modelconversion', 'mixedprec/convert.py'),
                                    'mixedprec.convert.ModelConversion.__getstate__': ( 'convert.html#modelconversion.__getstate__',

@@ -26,7 +26,7 @@ from fastai.callback.training import GradientClip
 from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
-from .convert import check_half_dtype, to_fp32, convert_model, speed_note, LoadMasters, watch_overflow
+from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow
 from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_param_state, bf16_master
 from .engine import StepEngine, unscale_into, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
@@ -715,11 +715,9 @@ def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, 
     state = _read_checkpoint(file, device if device is not None else 'cpu', **kwargs)
     hasopt = isinstance(state, dict) and set(state) == {'model', 'opt'}
     model, model_state = get_model(self.model), state['model'] if hasopt else state
-    with _consolidated(self, gather=False):
-        # keys, shapes, masters: what the load hook checks, first
-        LoadMasters(cb.conversion).check(model, model_state, strict=strict)
+    # keys, shapes, masters: checked once, by the model's own load hook, before the optimizer's state is checked
+    with _consolidated(self, gather=False), cb.conversion.loader.checked(model, model_state, strict=strict):
         if hasopt and with_opt: cb.state_io.check_state_dict(state['opt'], f"{file.name}'s optimizer state")
-        # mixedprec's pre-hook checks every weight and master before it writes any
         model.load_state_dict(model_state, strict=strict)
         if hasopt and with_opt: cb.state_io.load_state_dict(state['opt'])
         elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")

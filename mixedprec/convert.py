@@ -66,7 +66,7 @@ class ModelConversion:
     "A model converted to half precision: its fp32 masters, and what to undo"
     def __init__(self, model, dtype, keep_fp32):
         self.model, self.dtype, self.keep_fp32 = model, dtype, tuple(keep_fp32)
-        self.masters, self.buffers, self.hooks = {}, [], []
+        self.masters, self.buffers, self.hooks, self.loader = {}, [], [], None
 
     def __repr__(self):
         return (f"ModelConversion({self.dtype}, {len(self.masters)} masters, "
@@ -112,7 +112,7 @@ class ModelConversion:
         for h in self.hooks: h.remove()
         for name in (*_CASTS, 'to', 'type'):
             if isinstance(self.model.__dict__.get(name), KeepDtype): del self.model.__dict__[name]
-        self.masters, self.buffers, self.hooks = {}, [], []
+        self.masters, self.buffers, self.hooks, self.loader = {}, [], [], None
         if self.model.__dict__.get('_mixedprec_conversion') is self: del self.model.__dict__['_mixedprec_conversion']
         return self.model
 
@@ -337,7 +337,7 @@ class SaveMasters:
 class LoadMasters:
     ("`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into "
      "their fp32 masters")
-    def __init__(self, conversion): self.conversion = conversion
+    def __init__(self, conversion): self.conversion, self.prechecked = conversion, None
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # (the root's hook runs before any param is loaded)
         if local_metadata.get('assign_to_params_buffers', False):
@@ -346,7 +346,11 @@ class LoadMasters:
                                "optimizer would not hold them, and mixedprec would not cast them. Load without "
                                "assign=True, which copies the "
                                "values into the half params and their fp32 masters. Nothing was loaded")
-        for m, v, key in self.check(module, state_dict, prefix, strict):
+        pre, self.prechecked = self.prechecked, None
+        # torch hands the hook a copy of the dict: the same tensors under the same keys are the state checked before
+        same = pre is not None and not prefix and len(pre[0]) == len(state_dict) and all(state_dict.get(k) is v for k, v in pre[0].items())
+        todo = pre[1] if same else self.check(module, state_dict, prefix, strict)
+        for m, v, key in todo:
             set_master_(m, v)
             if (bm := bf16_master(m)) is not None:
                 state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
@@ -373,6 +377,13 @@ class LoadMasters:
                 check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
             if t in masters: todo.append((masters[t], v, prefix + name))
         return todo
+
+    @contextlib.contextmanager
+    def checked(self, module, state_dict, strict:bool=True):
+        "A block in which `state_dict`, checked here first, loads into `module` without this hook checking it again (a door that checks more than the model, `learn.load`, checks each tensor once)"
+        self.prechecked = (state_dict, self.check(module, state_dict, '', strict))
+        try: yield
+        finally: self.prechecked = None
 
     def loaded(self, module, incompatible_keys):
         ("`load_state_dict` post-hook: torch has copied the rounded values into the half params, whose masters hold "
@@ -466,7 +477,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                 setattr(m, name, b.to(dtype))
                 _check_range(b, dtype, f"buffer {name} of a {type(m).__name__}")
     if masters:
-        load = LoadMasters(res)
+        res.loader = load = LoadMasters(res)
         save_hook, load_hook = state_dict_hooks(model)
         res.hooks += [save_hook(SaveMasters(res)), load_hook(load),
                       model.register_load_state_dict_post_hook(load.loaded),
