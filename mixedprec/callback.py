@@ -283,8 +283,8 @@ class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonN
         self.shard = shard
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
-        self.dtype, self.clip, self.flat_master, self.keep_fp32, self.check_loss = check_half_dtype(
-            dtype), clip, flat_master, keep, check_loss
+        self.dtype, self.keep_fp32 = check_half_dtype(dtype), keep
+        self.clip, self.flat_master, self.check_loss = clip, flat_master, check_loss
         self.table, self.decide, self.impl = table, decide, impl
         self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs,
                                  advice="With fastai: `learn.to_bf16()`, or "

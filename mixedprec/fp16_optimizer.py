@@ -57,8 +57,8 @@ class FP16_Optimizer:
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
-        self.scaler = _dynamic_scaler(
-            dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale, dynamic=False)
+        if dynamic_loss_scale: self.scaler = _dynamic_scaler(dynamic_loss_args)
+        else: self.scaler = LossScaler(static_loss_scale, dynamic=False)
         self.scaler.verbose = verbose
         self.scaler.advice = ("With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow "
                               "kept in fp32.")

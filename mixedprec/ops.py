@@ -308,9 +308,8 @@ def _remove_stale_builds(parent):
         p = os.path.join(parent, n)
         try: st = os.lstat(p)
         except OSError: continue
-        if n.startswith(
-            '.building-') and stat.S_ISDIR(
-                st.st_mode) and st.st_uid == os.getuid() and time.time() - st.st_mtime > STALE_BUILD_S:
+        stale = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and time.time() - st.st_mtime > STALE_BUILD_S
+        if n.startswith('.building-') and stale:
             shutil.rmtree(p, ignore_errors=True)
 
 def _build_in(parent, final, name, verbose, **load_kw):
