@@ -6,8 +6,10 @@ the same machine. Prints one table: the best time of each side per configuration
 
 Measured so: the cost of taking edits of the half params through `.data` in every step (issue 45 part 3).
 """
-import argparse, json, os, subprocess, sys, tempfile
+import argparse, json, subprocess, sys, tempfile
 from pathlib import Path
+import torch
+from kernels import cpu_name          # the CPU's model name and its half-precision units (bench/ is on the path)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,15 +41,6 @@ for size in sys.argv[2].split(','):
 print(json.dumps(res))
 '''
 
-def cpu_name() -> str:
-    "The CPU's model name and its AMX/AVX-512 flags, to name beside every figure"
-    try: info = Path('/proc/cpuinfo').read_text()
-    except OSError: return 'unknown CPU'
-    name = next((l.split(':', 1)[1].strip() for l in info.splitlines() if l.startswith('model name')), 'unknown CPU')
-    flags = set(next((l.split(':', 1)[1].split() for l in info.splitlines() if l.startswith('flags')), []))
-    marks = [f for f in ('avx512_bf16', 'avx512_fp16', 'amx_bf16') if f in flags] or ['avx2 only' if 'avx2' in flags else 'no avx2']
-    return f"{name} ({', '.join(marks)}, {os.cpu_count()} cores)"
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--base', required=True, help='the commit to compare the working tree with')
@@ -65,7 +58,7 @@ def main():
                                          check=True, capture_output=True, text=True).stdout
                     for k, t in json.loads(out.strip().splitlines()[-1]).items(): best[side][k] = min(t, best[side].get(k, t))
         finally: subprocess.run(['git', '-C', str(ROOT), 'worktree', 'remove', '--force', str(base)], capture_output=True)
-    where = cpu_name() if args.device == 'cpu' else f"{args.device}: {__import__('torch').cuda.get_device_name()}"
+    where = cpu_name() if args.device == 'cpu' else f"{args.device}: {torch.cuda.get_device_name()}"
     print(f"fused step, best of {args.rounds} alternating rounds x {args.repeat}; base {args.base}, head = working tree; {where}")
     print(f"| configuration | base ms | head ms | head / base |\n|---|---|---|---|")
     for k in best['base']:
