@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
-from .ops import warn_once, cpu_flags
+from .ops import warn_once, cpu_flags, adopt_edits_ref_
 from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written,
-                              take_edit, take_model_edits,
+                              take_model_edits,
                      take_master_edits, check_master_value)
 
 # %% ../nbs/12_convert.ipynb #9636570c
@@ -72,22 +72,17 @@ class ModelConversion:
         return (f"ModelConversion({self.dtype}, {len(self.masters)} masters, "
                 f"keep_fp32={[t.__name__ for t in self.keep_fp32]})")
 
-    def take_data_edits(self) -> list:
-        ("Names of half params whose values are not their fp32 master's rounding: changed through `.data`, which "
-         "torch's version counter misses. Their values become their masters (a pass over the weights: the callback "
-         "runs it once per fit)")
-        # in-place edits first: the version counter shows them, and they are no news
+    def take_data_edits(self):
+        ("Take the changes made through `.data`, which torch's version counter misses, by the step's own rule "
+         "(`adopt_edits_ref_`): an element of a half param that is not its master's rounding becomes its master's "
+         "value. A pass over the weights: the callback runs it once per fit, before anything reads the masters")
+        # in-place edits first: the version counter shows them
         take_model_edits(self.masters.items())
-        names, taken = {p: n for n, p in self.model.named_parameters()}, []
-        with torch.no_grad():
-            for p, m in self.masters.items():
-                if bf16_master(m) is not None or remote_master(m) is not None or m.device != p.device:
-                    continue   # (a bf16 master's param is part of it)
-                rounded = m.to(p.dtype)
-                if torch.equal(p, rounded) or bool(((p == rounded) | (p.isnan() & rounded.isnan())).all()): continue
-                take_edit(p, m)
-                taken.append(names.get(p, tuple(p.shape)))
-        return taken
+        for p, m in self.masters.items():
+            # (a bf16 master's param is part of it)
+            if bf16_master(m) is not None or remote_master(m) is not None or m.device != p.device: continue
+            adopt_edits_ref_(m.view(p.shape), p)
+            mark_written(p, m)
 
     def unconverted(self) -> list:
         "Names of fp32 params that should be half but have no master: the model changed after conversion"

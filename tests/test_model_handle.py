@@ -714,6 +714,18 @@ def test_a_change_through_data_between_fits_is_taken():
     learn.fit(1, lr=0.)
     assert torch.equal(masters_of(learn)[1], torch.zeros(16)) and not learn.model[0].bias.any()
 
+def test_one_element_changed_through_data_between_fits_leaves_the_others_fp32_bits():
+    # between fits, as in each step: only the changed element is taken (it used to round its whole master)
+    learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
+    learn.fit(1)
+    w = learn.model[0].weight
+    before = learn.mixed_precision.conversion.masters[w].detach().clone()
+    w.data[0, 0] = 0.5
+    learn.fit(1, lr=0.)
+    after = learn.mixed_precision.conversion.masters[w].detach()
+    assert after[0, 0] == 0.5 and torch.equal(after.flatten()[1:], before.flatten()[1:])
+    assert not torch.equal(before.flatten()[1:], before.flatten()[1:].half().float())       # they had bits below fp16's
+
 def _clamped_run(front, precision, impl, steps=4, c=0.05):
     ("SGD with momentum on an MLP whose first layer is clamped through `.data` after every step (a WGAN critic's "
      "clip), then a step at lr=0: the first layer's params and their masters")
