@@ -85,8 +85,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'mixedprec/callback.py'),
                                     'mixedprec.callback.MixedPrecision.after_pred': ( 'callback.html#mixedprecision.after_pred',
                                                                                       'mixedprec/callback.py'),
-                                    'mixedprec.callback.MixedPrecision.after_step': ( 'callback.html#mixedprecision.after_step',
-                                                                                      'mixedprec/callback.py'),
                                     'mixedprec.callback.MixedPrecision.before_backward': ( 'callback.html#mixedprecision.before_backward',
                                                                                            'mixedprec/callback.py'),
                                     'mixedprec.callback.MixedPrecision.before_fit': ( 'callback.html#mixedprecision.before_fit',

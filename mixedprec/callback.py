@@ -234,11 +234,12 @@ class FastaiMasters:
 class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
     "Train in fp16 or bf16 with fp32 master weights and dynamic loss scaling"
     # an instance of fastai's own mixed-precision callbacks, so that fastai's ways out (`to_contiguous(to_fp32=True)`,
-    # `load_learner`,
-    # `to_non_native_fp32`, `remove_cb(MixedPrecision)`) find it; none of their events runs (autocast, GradScaler,
-    # fastai v1's loss scale)
+    # `load_learner`, `to_non_native_fp32`, `remove_cb(MixedPrecision)`) find it; none of their events runs
+    # (autocast, GradScaler, fastai v1's loss scale)
     order, run_valid = 10, True
-    before_batch = after_loss = after_batch = noop
+    # after_step: the engine's step wrote the masters into the model, and fastai's `learn.opt.zero_grad()` (the
+    # engine's) clears both kinds of grads right after it
+    before_batch = after_loss = after_step = after_batch = noop
     param_groups = step = None
     def __init__(self,
         loss_scale:float=None,        # starting scale; 2**16 if dynamic else 512
@@ -423,12 +424,6 @@ class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonN
         if not e.on_device and e.must_skip():
             e.discard()
             raise CancelStepException()
-
-    def after_step(self):
-        ("Drop the model's half grads (the engine has written the masters into the model); fastai's own "
-         "`opt.zero_grad()`, which follows, clears the masters' grads as it would in fp32")
-        if self.engine is not None:
-            self.engine.zero_grad(set_to_none=not isinstance(self.engine.optimizer, Optimizer), masters=False)
 
     def after_fit(self):
         ("Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the "
