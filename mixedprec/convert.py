@@ -105,7 +105,7 @@ class ModelConversion:
                     if p.dtype in HALF_DTYPES and p not in self.masters: p.data = p.data.float()
             for mod, name in self.buffers: setattr(mod, name, getattr(mod, name).float())
         for h in self.hooks: h.remove()
-        for name in (*_CASTS, 'to', 'type'):
+        for name in KeepDtype.METHODS:
             if isinstance(self.model.__dict__.get(name), KeepDtype): del self.model.__dict__[name]
         self.masters, self.buffers, self.hooks, self.loader = {}, [], [], None
         if self.model.__dict__.get('_mixedprec_conversion') is self: del self.model.__dict__['_mixedprec_conversion']
@@ -171,6 +171,7 @@ _CASTS = {'float': torch.float32, 'double': torch.float64, 'half': torch.float16
 class KeepDtype:
     ("A converted model's own `float`, `double`, `half`, `bfloat16`, `to` and `type`: a cast to a floating dtype is "
      "refused at the call, where it would leave the masters behind; the rest (a move to a device) is torch's")
+    METHODS = (*_CASTS, 'to', 'type')       # the methods of nn.Module it stands in for, on the converted model
     def __init__(self, model, name): self.model, self.name = model, name
     def __call__(self, *args, **kwargs):
         if self.name in _CASTS: dtype = _CASTS[self.name]
@@ -483,7 +484,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))
         res.hooks += [child.register_forward_hook(DtypeHint(dtype, model),
                                                   always_call=True) for child in model.children()]
-    for name in (*_CASTS, 'to', 'type'): model.__dict__[name] = KeepDtype(model, name)
+    for name in KeepDtype.METHODS: model.__dict__[name] = KeepDtype(model, name)
     model._mixedprec_conversion = res
     return res
 
