@@ -1,5 +1,5 @@
 """The house rules that `make test` checks: lines of at most 120 characters (under 2% of the package's lines over it, and
-of the tests'), no class over 250 lines, no exported notebook cell over 100 lines. The rooms that are bigger today are
+of the tests'), no class over 250 lines, no exported notebook cell over 100 lines. The cells that are longer today are
 listed below with their size now, as ceilings: they may shrink, never grow, and a new one may not join them.
 
     python .ci/house_rules.py          # prints the sizes, exits 1 on a breach
@@ -11,10 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LINE, SHARE, CLASS, CELL = 120, 0.02, 250, 100
-# the rooms over the limits today, with their size now as ceilings: each is a cell holding one class (a class stays
-# whole in one cell; every class is within 250 lines)
-CLASS_CEILINGS = {}
-CELL_CEILINGS = {'13_master.ipynb': 228, '15_callback.ipynb': 248, '14_engine.ipynb': 241, '11_scaler.ipynb': 224,
+# the cells over 100 lines today, each holding one class (a class stays whole in one cell; every class is within 250
+# lines), with their size now as ceilings
+CELL_CEILINGS = {'13_master.ipynb': 228, '15_callback.ipynb': 243, '14_engine.ipynb': 241, '11_scaler.ipynb': 224,
                  '16_fp16_optimizer.ipynb': 148}
 
 def long_share(paths) -> tuple:
@@ -43,9 +42,7 @@ def main() -> int:
         print(f"{what}: {n} of {total} lines over {LINE} characters ({n / total:.1%}; at most {SHARE:.0%})")
         if n > SHARE * total: bad.append(f"{what}: {n / total:.1%} of its lines are over {LINE} characters (`python .ci/wrap_lines.py`)")
     for name, size in sorted(class_sizes(package).items(), key=lambda kv: -kv[1]):
-        ceiling = CLASS_CEILINGS.get(name, CLASS)
-        if size > CLASS or name in CLASS_CEILINGS: print(f"class {name}: {size} lines (ceiling {ceiling})")
-        if size > ceiling: bad.append(f"class {name} is {size} lines, over {ceiling}: split it")
+        if size > CLASS: bad.append(f"class {name} is {size} lines, over {CLASS}: give one of its concerns a room of its own")
     for name, size in sorted(export_cells(sorted((ROOT / 'nbs').glob('*.ipynb'))).items()):
         ceiling = CELL_CEILINGS.get(name, CELL)
         if size > CELL: print(f"{name}: longest exported cell {size} lines (ceiling {ceiling})")
