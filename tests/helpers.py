@@ -25,6 +25,10 @@ def synth_learner(model=None, seed=42, shuffle=False, **kwargs):
     torch.manual_seed(seed)
     kwargs.setdefault('loss_func', nn.MSELoss())
     learn = Learner(synth_dls(shuffle=shuffle), model if model is not None else mlp(), **kwargs)
+    return quiet(learn)
+
+def quiet(learn):
+    "`learn` without its progress bar and epoch table"
     learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
     learn.logger = lambda *a, **k: None
     return learn

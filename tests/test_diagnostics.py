@@ -11,7 +11,7 @@ from mixedprec import amp, convert, ops
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import LossScaler, ScalingError, plot_history
 from mixedprec.callback import MixedPrecision
-from helpers import synth_learner, Record, mlp
+from helpers import synth_learner, Record, mlp, quiet
 
 def inject(at, where='inf', param=lambda m: m[3].weight):
     def f(learn):
@@ -353,8 +353,7 @@ def _classifier(loss_times:float, seed:int=0):
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     learn = Learner(dls, model, loss_func=lambda p, t: nn.functional.cross_entropy(p, t) * loss_times, opt_func=Adam,
                     lr=1e-3)
-    learn.remove_cbs(
-        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    quiet(learn)
     return learn
 
 def test_a_short_fit_that_skips_most_steps_at_the_floor_stops_saying_what_to_do():
@@ -415,8 +414,7 @@ def test_an_fp32_tensor_made_in_forward_names_the_module_and_the_fix_that_trains
         x = torch.randn(64, 8); y = x.sum(1, keepdim=True)
         dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16), DataLoader(TensorDataset(x, y), bs=16))
         learn = Learner(dls, _NoisyNet(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2)
-        learn.remove_cbs(
-            [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+        quiet(learn)
         return getattr(learn, f'to_{precision}')(**kw) if precision else learn
     with pytest.raises(RuntimeError, match="same dtype") as e: learner().fit(1)
     note = ' '.join(getattr(e.value, '__notes__', []))

@@ -19,7 +19,7 @@ from fastcore.foundation import L
 from fastcore.test import test_eq, test_close, test_is, test_ne
 for _f in (test_eq, test_close, test_is, test_ne): _f.__test__ = False      # fastai's assertions, not tests of ours
 from mixedprec.callback import MixedPrecision
-from helpers import synth_learner, masters_of
+from helpers import synth_learner, masters_of, quiet
 
 def two_linears():
     "fastai's fp16 notebook model: two Linear(1, 1) layers, one param group each"
@@ -37,8 +37,7 @@ def one_d_learner(precision=None, mom=0., **kw):
                       DataLoader(TensorDataset(x[128:], y[128:]), bs=16))
     learn = Learner(dls, two_linears(), loss_func=nn.MSELoss(), opt_func=partial(SGD, mom=mom), lr=1e-2,
                     splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
-    learn.remove_cbs(
-        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    quiet(learn)
     if precision == 'fp16': learn.to_fp16(**kw)
     elif precision == 'bf16': learn.to_bf16(**kw)
     return learn
@@ -151,8 +150,7 @@ def fastai_cell_learner(precision, mom=0., **kw):
     learn.model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
     learn.opt_func = partial(SGD, mom=mom)
     learn.splitter = lambda m: [list(m[0].parameters()), list(m[1].parameters())]
-    learn.remove_cbs(
-        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    quiet(learn)
     return learn.to_fp16(**kw) if precision == 'fp16' else learn.to_bf16(**kw)
 
 class CountCancels(Callback):
@@ -229,7 +227,7 @@ def test_a_step_after_the_fit_moves_the_half_model_with_a_torch_optimizer():
     learn = fastai_synth_learner()
     learn.model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
     learn.opt_func = partial(OptimWrapper, opt=torch.optim.AdamW)
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    quiet(learn)
     learn.to_bf16()
     learn.fit(1)
     x, y = learn.dls.one_batch()
@@ -252,8 +250,7 @@ def _test_acc(bs, n, cbs=None, cuda=False):
     with no_random(99):
         db = synth_dbunch(bs=bs, n_train=n, n_valid=n, cuda=cuda)
         learn = fastai_synth_learner(data=db, cbs=[GetGrads] + L(cbs))
-        learn.remove_cbs(
-            [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+        quiet(learn)
         learn.fit(1, lr=0.01)
         train, valid = learn.recorder.values[-1]
         return train, valid, learn.get_grads.grads, learn

@@ -9,7 +9,7 @@ from fastai.callback.schedule import lr_find   # Learner.lr_find
 from mixedprec import amp, convert, ops
 from mixedprec.callback import MixedPrecision
 from mixedprec.fp16_optimizer import FP16_Optimizer
-from helpers import synth_learner, masters_of
+from helpers import synth_learner, masters_of, quiet
 
 def test_a_callback_for_one_fit_leaves_a_training_fp32_learner():
     learn = synth_learner(opt_func=Adam, lr=1e-2)
@@ -143,8 +143,7 @@ def tiny_cnn_learner(**kw):
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
     from fastai.learner import Learner
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=Adam, lr=1e-2, **kw)
-    learn.remove_cbs(
-        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    quiet(learn)
     return learn
 
 @pytest.mark.parametrize("order", ['to_bf16 first', 'to_channelslast first'])

@@ -14,7 +14,7 @@ from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import ScalingError
 from mixedprec import amp
 from mixedprec.master import master_value
-from helpers import synth_learner, masters_of, Record, mlp
+from helpers import synth_learner, masters_of, Record, mlp, quiet
 
 def relu_bn_mlp(seed=0):
     ("An MLP whose BatchNorm follows a ReLU: no bias right before a BatchNorm, whose grad is rounding noise that "
@@ -483,8 +483,7 @@ def _wgan(opt_func, seed=0):
     crit = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 1))
     learn = GANLearner.wgan(DataLoaders(DataLoader(Noise(), bs=8), DataLoader(Noise(), bs=8)), gen, crit,
                             opt_func=opt_func, lr=1e-2)
-    learn.remove_cbs(
-        [cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback']); learn.logger = lambda *a, **k: None
+    quiet(learn)
     return learn
 
 @pytest.mark.parametrize("opt", ['RMSProp', 'Adam'])      # fastai's own step (RMSProp), the fused kernels (Adam)
