@@ -573,6 +573,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.master.set_master_': ('master.html#set_master_', 'mixedprec/master.py'),
                                   'mixedprec.master.split_flat_state': ('master.html#split_flat_state', 'mixedprec/master.py'),
                                   'mixedprec.master.store_master_': ('master.html#store_master_', 'mixedprec/master.py'),
+                                  'mixedprec.master.take_data_edits': ('master.html#take_data_edits', 'mixedprec/master.py'),
                                   'mixedprec.master.take_edit': ('master.html#take_edit', 'mixedprec/master.py'),
                                   'mixedprec.master.take_master_edits': ('master.html#take_master_edits', 'mixedprec/master.py'),
                                   'mixedprec.master.take_model_edits': ('master.html#take_model_edits', 'mixedprec/master.py')},

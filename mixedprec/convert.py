@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
-from .ops import warn_once, cpu_flags, adopt_edits_ref_
+from .ops import warn_once, cpu_flags
 from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written,
-                              take_model_edits,
+                              take_model_edits, take_data_edits,
                      take_master_edits, check_master_value)
 
 # %% ../nbs/12_convert.ipynb #9636570c
@@ -76,13 +76,9 @@ class ModelConversion:
         ("Take the changes made through `.data`, which torch's version counter misses, by the step's own rule "
          "(`adopt_edits_ref_`): an element of a half param that is not its master's rounding becomes its master's "
          "value. A pass over the weights: the callback runs it once per fit, before anything reads the masters")
-        # in-place edits first: the version counter shows them
-        take_model_edits(self.masters.items())
-        for p, m in self.masters.items():
-            # (a bf16 master's param is part of it)
-            if bf16_master(m) is not None or remote_master(m) is not None or m.device != p.device: continue
-            adopt_edits_ref_(m.view(p.shape), p)
-            mark_written(p, m)
+        take_model_edits(self.masters.items())      # in-place edits first: the version counter shows them
+        take_data_edits(self.masters.items())
+        for p, m in self.masters.items(): mark_written(p, m)
 
     def unconverted(self) -> list:
         "Names of fp32 params that should be half but have no master: the model changed after conversion"

@@ -7,9 +7,9 @@ __all__ = ['STORES', 'STATE_STORES', 'SCALES', 'SHARDED_GRADS', 'IN_BACKWARD', '
            'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value', 'set_master_', 'load_master_',
            'CheckpointError', 'check_master_value', 'is_codes', 'is_scales', 'check_param_state', 'check_state_value',
            'MasterGrad', 'mark_written', 'edited', 'take_edit', 'take_model_edits', 'master_edited',
-           'take_master_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as', 'flat_like',
-           'flat_slice', 'GradLists', 'Pair', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket', 'MasterShards',
-           'MasterGrads', 'MasterParams']
+           'take_master_edits', 'take_data_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as',
+           'flat_like', 'flat_slice', 'GradLists', 'Pair', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket',
+           'MasterShards', 'MasterGrads', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -295,6 +295,14 @@ def take_master_edits(pairs) -> list:
         mark_written(p, m)
         taken.append(p)
     return taken
+
+def take_data_edits(pairs):
+    ("For each (half param, master) in `pairs`: an element of the param that is not its master's rounding (every "
+     "write of mixedprec leaves that there; an edit through `.data` does not) becomes the master's value, as the "
+     "fused steps take it. bf16 masters need nothing (the param is part of them); another rank's are its owner's")
+    for p, m in pairs:
+        if bf16_master(m) is None and remote_master(m) is None and m.device == p.device:
+            adopt_edits_ref_(m.view(p.shape), p)
 
 def _stand_in(shape, device) -> torch.Tensor:
     "The data of a master without an fp32 copy: 4 bytes expanded to the param's shape (a write to it raises)"
@@ -982,10 +990,8 @@ class MasterParams(MasterShards, MasterGrads):
         return take_model_edits((p, m) for p, m, _ in self.pairs)
 
     def adopt_data_edits(self):
-        ("Elements of half params that are not their fp32 master's rounding (edited through `.data`) become the "
-         "masters' values, as the fused steps do")
-        for p, m, _ in self.pairs:
-            if bf16_master(m) is None and remote_master(m) is None: adopt_edits_ref_(m.view(p.shape), p)
+        "Edits of the half params through `.data` become their masters' values, as the fused steps take them"
+        take_data_edits((p, m) for p, m, _ in self.pairs)
 
     def sync_requires_grad(self) -> bool:
         ("Agree on `requires_grad` between each half param and its master: whichever changed since the last sync "
