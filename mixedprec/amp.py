@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
-from .convert import convert_model, masters_for, to_fp32, check_half_dtype, HALF_DTYPES
+from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
-from .master import check_store, check_state_store
+from .master import check_store, check_state_store, Masters
 from .distributed import refuse_fsdp2
 
 # %% ../nbs/17_amp.ipynb #0004312e
@@ -157,7 +157,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group:dict):
         "Add a group; its half params get fp32 masters at O2"
         e = self.engine
-        e.add_param_group(param_group, e.masters_of, make_masters=e.amp.props['master_weights'])
+        e.add_param_group(param_group, make_masters=e.amp.props['master_weights'])
 
     def state_dict(self) -> dict:
         "The optimizer's `state_dict` (sharded masters: of every rank, gathered, so every rank must call it)"
@@ -240,25 +240,24 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     setup = _state = AmpState(props, scalers, enabled, verbosity)
     setup.models = [weakref.ref(m) for m in model_list]
     if not enabled: return models if optimizers is None else (models, optimizers)
-    converted = {}
+    records = []
     for m in model_list:
         if props['cast_model_type'] in HALF_DTYPES:
             keep = (_BatchNorm,) if props['keep_batchnorm_fp32'] else ()
-            converted.update(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True,
-                                           masters=props['master_weights']).masters)
+            records.append(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True,
+                                         masters=props['master_weights']).masters)
         elif props['autocast']: _autocast_forward(m, props['dtype'])
         _initialized.add(m)
     names, returned = {p: n for m in model_list for n, p in m.named_parameters()}, []
     for o in opt_list:
-        masters_of = {}
-        if props['master_weights']:
-            masters_of = {**converted,
-                          **masters_for(p for g in o.param_groups for p in g['params'] if p not in converted)}
+        # the masters of the models' conversions, and fp32 masters for half params no conversion made
+        record = Masters.for_params((p for g in o.param_groups for p in g['params']) if props['master_weights']
+                                        else (), *records)
         if shard and not props['master_weights']:
             raise ValueError(f"shard=True shards the fp32 masters, and {opt_level} keeps none: use opt_level='O2'")
-        e = StepEngine.attach(o, masters_of, names=names, decide=decide, impl=impl, hint=_HINT, store=masters,
+        e = StepEngine.attach(o, record, names=names, decide=decide, impl=impl, hint=_HINT, store=masters,
                               shard=shard, state=state)
-        e.amp, e.masters_of = setup, masters_of
+        e.amp = setup
         returned.append(AmpOptimizer(o, e))
         setup.engines.append(e)
     if verbosity:

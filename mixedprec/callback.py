@@ -27,7 +27,8 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow
-from .master import check_store, check_state_store, master_value, load_master_, remote_master, CheckpointError, check_master_value, check_param_state, bf16_master
+from .master import (check_store, check_state_store, master_kind, Bf16Master, RemoteMaster, CheckpointError,
+                              check_param_state)
 from .engine import StepEngine, unscale_into, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
 from fastcore.xtras import join_path_file
@@ -162,7 +163,8 @@ class FastaiMasters:
         ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
          "params each flat master holds, and whose each bf16 master is")
         flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-        bf16s = [(m, p) for p, m in self.conversion.masters.items() if bf16_master(m) is not None] if self.conversion is not None else None
+        bf16s = [(m, p) for p, m in self.conversion.masters.items()
+                 if isinstance(master_kind(m), Bf16Master)] if self.conversion is not None else None
         return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
 
     def __setstate__(self, state:dict):
@@ -197,7 +199,7 @@ class FastaiMasters:
     def check_whole(self):
         ("Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would "
          "miss them")
-        if self.masters is not None and any(remote_master(m) is not None for _, m, _ in self.masters.pairs):
+        if self.masters is not None and any(isinstance(master_kind(m), RemoteMaster) for _, m, _ in self.masters.pairs):
             raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call "
                                "`learn.save()` on every rank (it gathers "
                                "the shards), or read the state inside `with learn.mixed_precision.consolidated():` "
@@ -209,7 +211,7 @@ class FastaiMasters:
         masters = self.conversion.masters if self.conversion else {}
         return {'scaler': self.scaler.state_dict(),
                 'masters': [
-                    master_value(masters[p]).clone() if p in masters else None for p in self.learn.model.parameters()]}
+                    masters.value(p).clone() if p in masters else None for p in self.learn.model.parameters()]}
 
     def load_state_dict(self, sd:dict):
         ("Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything "
@@ -219,15 +221,12 @@ class FastaiMasters:
         if len(saved) != len(params):
             raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
                                   "params: it comes from another model; nothing was loaded")
-        names = [n for n, _ in self.learn.model.named_parameters()]
-        for i, (p, m) in enumerate(zip(params, saved)):
-            if m is not None and p in masters: check_master_value(m, p, f"master {i} ({names[i]})", "the state_dict")
+        names = {p: f"master {i} ({n})" for i, (n, p) in enumerate(self.learn.model.named_parameters())}
+        found = {p: v for p, v in zip(params, saved) if v is not None and p in masters}
+        masters.check(found, names, "the state_dict")
         self.scaler.check_state(sd.get('scaler'))
         self.scaler.load_state_dict(sd['scaler'])
-        with torch.no_grad():
-            for p, m in zip(params, saved):
-                if m is None or p not in masters: continue
-                load_master_(p, masters[p], m)
+        masters.load(found)
         return self
 
 # %% ../nbs/15_callback.ipynb #4d846810

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'ModelConversion', 'CastIO', 'KeepDtype', 'DtypeHint',
-           'masters_for', 'TakeMasterEdits', 'state_dict_hooks', 'SaveMasters', 'LoadMasters', 'check_state_keys',
-           'convert_model', 'fp32_copy', 'Overflow', 'watch_overflow', 'speed_note']
+           'TakeMasterEdits', 'state_dict_hooks', 'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model',
+           'fp32_copy', 'Overflow', 'watch_overflow', 'speed_note']
 
 # %% ../nbs/12_convert.ipynb #1944725e
 import contextlib, copy, dataclasses, sys
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import (bf16_master, remote_master, master_value, set_master_, store_master_, mark_written,
+from .master import (Masters, master_kind, Bf16Master, SplitMaster, RemoteMaster, store_master_, mark_written,
                               take_model_edits, take_data_edits,
                      take_master_edits, check_master_value)
 
@@ -66,7 +66,7 @@ class ModelConversion:
     "A model converted to half precision: its fp32 masters, and what to undo"
     def __init__(self, model, dtype, keep_fp32):
         self.model, self.dtype, self.keep_fp32 = model, dtype, tuple(keep_fp32)
-        self.masters, self.buffers, self.hooks, self.loader = {}, [], [], None
+        self.masters, self.buffers, self.hooks, self.loader = Masters(), [], [], None
 
     def __repr__(self):
         return (f"ModelConversion({self.dtype}, {len(self.masters)} masters, "
@@ -93,7 +93,7 @@ class ModelConversion:
         kept = _kept_modules(self.model, self.keep_fp32)
         with torch.no_grad():
             for p, m in self.masters.items():
-                p.data = master_value(m).reshape(p.shape).to(p.device, copy=True)
+                p.data = master_kind(m).value().reshape(p.shape).to(p.device, copy=True)
                 if p.grad is not None: p.grad = None
             for mod in self.model.modules():
                 if id(mod) in kept: continue
@@ -103,7 +103,7 @@ class ModelConversion:
         for h in self.hooks: h.remove()
         for name in KeepDtype.METHODS:
             if isinstance(self.model.__dict__.get(name), KeepDtype): del self.model.__dict__[name]
-        self.masters, self.buffers, self.hooks, self.loader = {}, [], [], None
+        self.masters, self.buffers, self.hooks, self.loader = Masters(), [], [], None
         if self.model.__dict__.get('_mixedprec_conversion') is self: del self.model.__dict__['_mixedprec_conversion']
         return self.model
 
@@ -114,13 +114,13 @@ class ModelConversion:
         with torch.no_grad():
             for p, m in list(self.masters.items()):
                 if m.device == p.device: continue
-                bm = bf16_master(m)
-                if bm is not None and bm.low is not None:
-                    bm.low = bm.low.to(p.device)   # the param moved with the model; its low half follows
-                self.masters[p] = nn.Parameter(master_value(m).reshape(p.shape).to(p.device, copy=True),
+                kind = master_kind(m)
+                if isinstance(kind, SplitMaster):
+                    kind.low = kind.low.to(p.device)   # the param moved with the model; its low half follows
+                self.masters[p] = nn.Parameter(kind.value().reshape(p.shape).to(p.device, copy=True),
                                                requires_grad=p.requires_grad)
-                if bm is not None:
-                    store_master_(p, self.masters[p], bm.kind)      # kept as it was: in the (moved) bf16 param
+                if isinstance(kind, Bf16Master):
+                    store_master_(p, self.masters[p], kind.store)      # kept as it was: in the (moved) bf16 param
                 moved = True
         return moved
 
@@ -135,10 +135,10 @@ class ModelConversion:
          "own, edits taken first")
         self.take_edits()                            # the copy starts from what the model and its masters say now
         state = dict(self.__dict__)
-        if any(bf16_master(m) is not None for m in self.masters.values()):
-            state['masters'] = {p: (nn.Parameter(master_value(m).clone(),
-                                                 requires_grad=m.requires_grad) if bf16_master(m) is not None else m)
-                                for p, m in self.masters.items()}
+        if any(isinstance(master_kind(m), Bf16Master) for m in self.masters.values()):
+            state['masters'] = Masters({p: (nn.Parameter(master_kind(m).value().clone(), requires_grad=m.requires_grad)
+                                            if isinstance(master_kind(m), Bf16Master) else m)
+                                        for p, m in self.masters.items()})
         return state
 
     def __setstate__(self, state:dict):
@@ -292,11 +292,6 @@ class DtypeHint:
                    "`t.to(h)`), or keep "
                    f"{type(inner).__name__} in fp32 (`keep_fp32={type(inner).__name__}`).")
 
-def masters_for(params) -> dict:
-    "fp32 masters for the half params among `params` (for models that were made half before we saw them)"
-    return {p: nn.Parameter(p.detach().float().clone(),
-                            requires_grad=p.requires_grad) for p in params if p.dtype in HALF_DTYPES}
-
 
 class TakeMasterEdits:
     ("Forward pre-hook on a converted model: a master changed in place since mixedprec last wrote its param (a write "
@@ -324,7 +319,7 @@ class SaveMasters:
         take_model_edits(masters.items())            # a model edited in place since the last step saves the edit
         for name, p in module.named_parameters(remove_duplicate=False):
             if p in masters and prefix + name in state_dict:
-                state_dict[prefix + name] = master_value(masters[p]).reshape(p.shape)
+                state_dict[prefix + name] = masters.value(p).reshape(p.shape)
 
 class LoadMasters:
     ("`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into "
@@ -342,16 +337,18 @@ class LoadMasters:
         # torch hands the hook a copy of the dict: the same tensors under the same keys are the state checked before
         same = pre is not None and not prefix and len(pre[0]) == len(state_dict) and all(state_dict.get(k) is v for k, v in pre[0].items())
         todo = pre[1] if same else self.check(module, state_dict, prefix, strict)
-        for m, v, key in todo:
-            set_master_(m, v)
-            if (bm := bf16_master(m)) is not None:
-                state_dict[key] = bm.param.detach().clone()   # torch copies this into the param next: the split's half
+        masters = self.conversion.masters
+        for p, v, key in todo:
+            kind = master_kind(masters[p])
+            kind.set_(v)
+            if isinstance(kind, Bf16Master):
+                state_dict[key] = kind.param.detach().clone()   # torch copies this into the param next: the split's half
 
     def check(self, module, state_dict, prefix:str='', strict:bool=True) -> list:
         ("Raise, before anything is copied, when `state_dict` does not fit `module`: keys (with `strict`), shapes, "
          "the masters' values (floating, finite) and the fp32 params' (finite: they are their own masters); else the "
-         "(master, value, key)s to load")
-        masters, todo = self.conversion.masters, []
+         "(half param, value, key)s to load")
+        masters, todo, saved, names = self.conversion.masters, [], {}, {}
         params = {id(p) for p in module.parameters()}
         if strict:
             # torch checks the keys after it has copied: the masters would be written first
@@ -365,9 +362,12 @@ class LoadMasters:
                 raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the "
                                    f"checkpoint holds {tuple(v.shape)}, "
                                    f"the model {tuple(t.shape)}. It comes from another model; nothing was loaded")
-            if t in masters or (id(t) in params and t.is_floating_point()):
+            if t in masters:
+                saved[t], names[t] = v, prefix + name
+                todo.append((t, v, prefix + name))
+            elif id(t) in params and t.is_floating_point():
                 check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
-            if t in masters: todo.append((masters[t], v, prefix + name))
+        masters.check(saved, names, "Error(s) in loading state_dict")
         return todo
 
     @contextlib.contextmanager
@@ -491,7 +491,7 @@ def fp32_copy(model:nn.Module) -> nn.Module:
     if conversion is None:
         raise ValueError(f"fp32_copy takes a model mixedprec converted, and this {type(model).__name__} is not one: "
                          "`copy.deepcopy(model)` copies it")
-    if any(remote_master(m) is not None for m in conversion.masters.values()):
+    if any(isinstance(master_kind(m), RemoteMaster) for m in conversion.masters.values()):
         raise ValueError("this rank holds only its shard of the fp32 masters (they are sharded across ranks), so a "
                          "copy made here would have "
                          "other ranks' weights rounded: make it inside a block where they are gathered, on every "

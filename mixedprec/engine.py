@@ -23,11 +23,9 @@ from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
 from torch import nn
 from fastcore.foundation import L
-from .master import (MasterParams, clip_grads_, master_value, load_master_, CheckpointError,
-                              check_master_value,
+from .master import (MasterParams, Masters, clip_grads_, master_kind, CheckpointError,
                               fp32_state, split_flat_state, flat_slice, _like, _mix, check_state_store,
                                   check_param_state, keep_state_as, is_codes, is_scales, SCALES)
-from .convert import masters_for
 from .distributed import agree, sum_over_ranks, Shards, rank0s
 
 # %% ../nbs/14_engine.ipynb #e0000007
@@ -246,7 +244,7 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
      "`seeds_for(masters)`)")
     bf16_of = bf16_of or {}
     # how the kernels reach each master
-    where = lambda p: bf16_of[id(p)].kind if id(p) in bf16_of else 'copy' if id(p) in half_of else 'own'
+    where = lambda p: bf16_of[id(p)].store if id(p) in bf16_of else 'copy' if id(p) in half_of else 'own'
     wd_of = weight_decay if callable(weight_decay) else (lambda p: weight_decay)
     if keep_buffer is None:
         # SGD's momentum buffer: torch's only with momentum, fastai's at any momentum
@@ -353,12 +351,12 @@ def shards_for(groups:list, shard:bool) -> Shards:
     if not shard: return None
     return Shards(list({id(p): p for g in groups for p in g}.values()))
 
-def _swap_in(adapter, masters_of:dict, names:dict, impl:str, flat:bool=False, store:str='fp32',
+def _swap_in(adapter, record:Masters, names:dict, impl:str, flat:bool=False, store:str='fp32',
              shard:bool=False) -> MasterParams:
-    ("Lay out the masters of the groups of the optimizer `adapter` holds (`masters_of`: half param -> fp32 master) "
+    ("Lay out the masters of the groups of the optimizer `adapter` holds (`record`: the `Masters` of its half params) "
      "and swap them in, moving its state onto them (this rank's shard only, with `shard`)")
     groups = adapter.groups()
-    masters = MasterParams(groups, masters_of, flat=flat, key=adapter.flat_key(), names=names, impl=impl, store=store,
+    masters = MasterParams(groups, record, flat=flat, key=adapter.flat_key(), names=names, impl=impl, store=store,
                            shards=shards_for(groups, shard))
     states = adapter.states()
     for state in states: masters.move_state_to_masters(state)
@@ -366,12 +364,12 @@ def _swap_in(adapter, masters_of:dict, names:dict, impl:str, flat:bool=False, st
     adapter.set_groups(masters.groups)
     return masters
 
-def put_model_params_back(optimizer, masters_of:dict, flats:dict=None, copied:dict=None) -> bool:
+def put_model_params_back(optimizer, record:Masters, flats:dict=None, copied:dict=None) -> bool:
     ("A deep-copied or unpickled optimizer holds copies of the masters and no engine: put the model params back in "
-     "their places (`masters_of`: half param -> master; `flats`: id of a flat master -> its params; `copied`: id of "
-     "a master the copy's `masters_of` made anew -> its param), with their state. False when it holds none")
+     "their places (`record`: the `Masters` of its half params; `flats`: id of a flat master -> its params; `copied`: id of "
+     "a master the copy's `record` made anew -> its param), with their state. False when it holds none")
     adapter, flats = adapter_for(optimizer), flats or {}
-    of = {id(m): p for p, m in masters_of.items()} | (copied or {})
+    of = {id(m): p for p, m in record.items()} | (copied or {})
     if not any(id(q) in of or id(q) in flats for g in adapter.groups() for q in g): return False
     states, groups = adapter.states(), []
     for g in adapter.groups():
@@ -385,13 +383,13 @@ def put_model_params_back(optimizer, masters_of:dict, flats:dict=None, copied:di
             if id(q) not in flats: new.append(q); continue
             ps = flats[id(q)]
             # the copied views keep their offsets and strides in the flat master
-            views = {p: masters_of[p] for p in ps}
+            views = {p: record[p] for p in ps}
             for st in states:
                 s = st.pop(q, None)
                 if s is not None: st.update(split_flat_state(s, views, q.data))
             # a whole master again, from the flat one; the layout is made anew
             for p in ps:
-                masters_of[p] = nn.Parameter(flat_slice(q.detach(), views[p], q), requires_grad=q.requires_grad)
+                record[p] = nn.Parameter(flat_slice(q.detach(), views[p], q), requires_grad=q.requires_grad)
             new += ps
         groups.append(new)
     adapter.set_groups(groups)
@@ -453,7 +451,7 @@ class EngineCheckpoint:
 
     def masters_state(self) -> list:
         "A copy of each half param's fp32 master, in the layout's order"
-        return [master_value(m).clone() for _, m, _ in self.masters.pairs]
+        return [master_kind(m).value().clone() for _, m, _ in self.masters.pairs]
 
     def check_masters(self, saved:list, what:str='the state_dict'):
         "Raise, naming the first misfit, unless `saved` holds a floating tensor of each master's shape"
@@ -462,14 +460,12 @@ class EngineCheckpoint:
             raise CheckpointError(f"{what} holds {len(saved) if isinstance(saved, (list, tuple)) else 'no'} fp32 "
                                   f"masters, this optimizer has {len(pairs)} half params: "
                                   f"it comes from another model; nothing was loaded")
-        for i, ((p, m, _), v) in enumerate(zip(pairs, saved)):
-            check_master_value(v, p, f"master {i} ({self.masters.names.get(p, 'param')})", what)
+        names = {p: f"master {i} ({self.masters.names.get(p, 'param')})" for i, (p, _, _) in enumerate(pairs)}
+        self.masters.record.check({p: v for (p, _, _), v in zip(pairs, saved)}, names, what)
 
     def load_masters(self, saved:list):
         "Copy checked masters (`check_masters`) into the masters and, rounded, into the half params"
-        with torch.no_grad():
-            for (p, m, _), v in zip(self.masters.pairs, saved):
-                load_master_(p, m, v)
+        self.masters.record.load({p: v for (p, _, _), v in zip(self.masters.pairs, saved)})
 
     def check_optimizer_state(self, opt_sd:dict, what:str='the state_dict'):
         "Raise, naming the first misfit, unless a torch optimizer state dict fits this optimizer's masters"
@@ -534,17 +530,17 @@ class EngineLayout:
         for state in self.adapter.states():
             for p, st in list(state.items()): state[p] = fp32_state(st)
 
-    def add_param_group(self, group:dict, masters_of:dict, make_masters:bool=True):
+    def add_param_group(self, group:dict, make_masters:bool=True):
         ("Add a param group to the torch optimizer: its half params get fp32 masters (`make_masters`), and the "
          "layout is rebuilt with the state kept")
         params = group['params']
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if make_masters: masters_of.update(masters_for(p for p in params if p not in masters_of))
         opt, ms = self.optimizer, self.masters
+        if make_masters: ms.record.add_missing(params)
         self.unshard_()                             # sharded: the new shards may give a param another owner
         self.detach()
         type(opt).add_param_group(opt, {**group, 'params': params})
-        self.masters = _swap_in(self.adapter, masters_of, ms.names, ms.impl, ms.flat, ms.store, ms.shards is not None)
+        self.masters = _swap_in(self.adapter, ms.record, ms.names, ms.impl, ms.flat, ms.store, ms.shards is not None)
         self.choose()
 
 # %% ../nbs/14_engine.ipynb #c4b82992
@@ -591,14 +587,14 @@ class StepEngine(EngineLayout, EngineCheckpoint):
         self.choose()
 
     @classmethod
-    def attach(cls, optimizer, masters_of:dict, names:dict=None, flat:bool=False, store:str='fp32', shard:bool=False,
+    def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, store:str='fp32', shard:bool=False,
                **kwargs):
         ("The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its "
-         "groups given the masters from `masters_of` (half param -> fp32 master; one flat master per group with "
+         "groups given the masters in `record` (a `Masters`: half param -> its master; one flat master per group with "
          "`flat`; kept as `store` says; with `shard`, this rank's only) and its state moved onto them")
         adapter = adapter_for(optimizer)
         _check_lean(optimizer, kwargs.get('state', 'fp32'), flat)      # before anything changes
-        return cls(optimizer, _swap_in(adapter, masters_of, names, kwargs.get('impl'), flat, store, shard),
+        return cls(optimizer, _swap_in(adapter, record, names, kwargs.get('impl'), flat, store, shard),
                    adapter=adapter, **kwargs)
 
     def __repr__(self):
@@ -845,7 +841,7 @@ def _nonfinite_weights(engines:list, limit:int=5) -> str:
     for e in engines:
         ms, state = e.masters, e.optimizer.state
         for w in (p for g in ms.groups for p in g):
-            what = (['weights'] if not torch.isfinite(master_value(w)).all() else []) + \
+            what = (['weights'] if not torch.isfinite(master_kind(w).value()).all() else []) + \
                    [k for k, v in state.get(w, {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
             if what: bad.append(f"{ms.names.get(ms._half_of.get(id(w), w), tuple(w.shape))} ({', '.join(what)})")
     if not bad: return ''

@@ -8,7 +8,7 @@ __all__ = ['FP16_Optimizer']
 # %% ../nbs/16_fp16_optimizer.ipynb #afa52880
 import torch
 from .scaler import LossScaler, ScalingError
-from .convert import masters_for
+from .master import Masters
 from .engine import StepEngine, Stage
 from .ops import require_impl
 from .master import check_store
@@ -65,8 +65,7 @@ class FP16_Optimizer:
         halves = {p.dtype for p in params if p.dtype != torch.float32}
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
-        self.masters_of = masters_for(params)
-        self.engine = StepEngine.attach(init_optimizer, self.masters_of, scaler=self.scaler, decide=decide, impl=impl,
+        self.engine = StepEngine.attach(init_optimizer, Masters().add_missing(params), scaler=self.scaler, decide=decide, impl=impl,
                                         store=masters, shard=shard, state=state,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
@@ -101,7 +100,7 @@ class FP16_Optimizer:
         lines = [f"FP16_Optimizer wrapping {type(self.optimizer).__name__}, loss scale {self.scaler.scale:g} "
                  f"({'dynamic' if self.scaler.dynamic else 'static'}):"]
         for i, g in enumerate(self.masters.model_groups):
-            half = sum(p in self.masters_of for p in g)
+            half = sum(p in self.masters.record for p in g)
             lines.append(f"  group {i}: {half} half params with fp32 masters, {len(g) - half} fp32 params")
         return '\n'.join(lines)
 
@@ -176,4 +175,4 @@ class FP16_Optimizer:
 
     def add_param_group(self, param_group:dict):
         "Add a param group (half params get fp32 masters), keeping the state of the existing ones"
-        self.engine.add_param_group(param_group, self.masters_of)
+        self.engine.add_param_group(param_group)

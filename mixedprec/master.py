@@ -4,15 +4,16 @@
 
 # %% auto #0
 __all__ = ['STORES', 'STATE_STORES', 'SCALES', 'SHARDED_GRADS', 'IN_BACKWARD', 'clip_grads_', 'check_store', 'check_state_store',
-           'Bf16Master', 'bf16_master', 'RemoteMaster', 'remote_master', 'master_value', 'set_master_', 'load_master_',
+           'Fp32Master', 'Bf16Master', 'SplitMaster', 'RoundedMaster', 'RemoteMaster', 'master_kind', 'own_fp32',
            'CheckpointError', 'check_master_value', 'is_codes', 'is_scales', 'check_param_state', 'check_state_value',
-           'MasterGrad', 'mark_written', 'edited', 'take_edit', 'take_model_edits', 'master_edited',
+           'Masters', 'MasterGrad', 'mark_written', 'edited', 'take_edit', 'take_model_edits', 'master_edited',
            'take_master_edits', 'take_data_edits', 'store_master_', 'split_flat_state', 'fp32_state', 'keep_state_as',
            'flat_like', 'flat_slice', 'GradLists', 'Pair', 'Fp32Bucket', 'FlatBucket', 'Bf16Bucket', 'RemoteBucket',
            'MasterShards', 'MasterGrads', 'MasterParams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
+from collections import ChainMap
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
@@ -75,67 +76,83 @@ def check_state_store(state:str, flat:bool=False) -> str:
                          "flat_master=False")
     return state
 
-class Bf16Master:
-    ("Where the master of a bf16 param lives without an fp32 copy: the param and its int16 low half ('split'), or "
-     "the param alone ('none': steps round stochastically)")
-    def __init__(self, param:torch.Tensor, low:torch.Tensor=None): self.param, self.low = param, low
-    kind = property(lambda self: 'split' if self.low is not None else 'none')
-    def __repr__(self): return f"Bf16Master({self.kind}, {tuple(self.param.shape)})"
+class Fp32Master:
+    ("The master of a half param as an fp32 tensor of its own: `handle`, which the optimizer holds (a whole tensor, "
+     "or a view into a flat master)")
+    store = 'fp32'
+    def __init__(self, handle:torch.Tensor): self.handle = handle
+    def __repr__(self): return f"{type(self).__name__}({tuple(self.handle.shape)})"
+    def value(self) -> torch.Tensor: "The master's fp32 value (detached)"; return self.handle.detach()
+
+    def set_(self, v:torch.Tensor):
+        "Make `v` the master"
+        with torch.no_grad(): self.handle.copy_(v.detach().reshape(self.handle.shape))
+
+    def load_(self, p:torch.Tensor, v:torch.Tensor):
+        "Make `v` the master of half param `p`, and `p` its rounding"
+        self.set_(v)
+        with torch.no_grad(): p.copy_(v.reshape(p.shape))
+        mark_written(p, self.handle)
+
+class Bf16Master(Fp32Master):
+    ("The master of a bf16 param without an fp32 copy: the optimizer holds `handle`, a 4-byte stand-in, and `param` "
+     "holds the master's high bits")
+    def __init__(self, handle:torch.Tensor, param:torch.Tensor): self.handle, self.param = handle, param
+    low = None
+    def __repr__(self): return f"{type(self).__name__}({tuple(self.param.shape)})"
+    def _joined(self) -> torch.Tensor: return self.param.detach().float()
 
     def value(self) -> torch.Tensor:
         "The master's fp32 value, as a new tensor laid out in memory as the param"
-        v = join_bf16_ref(self.param.detach(), self.low) if self.low is not None else self.param.detach().float()
+        v = self._joined()
         return v if v.stride() == self.param.stride() else torch.empty_like(self.param, dtype=torch.float32).copy_(v)
 
+    def load_(self, p:torch.Tensor, v:torch.Tensor):
+        "Make `v` the master of bf16 param `p` (which is part of it)"
+        self.set_(v)
+        mark_written(p, self.handle)
+
+class SplitMaster(Bf16Master):
+    "The exact master of a bf16 param: the param (its high half) and an int16 low half `low`, laid out as the param"
+    store = 'split'
+    def __init__(self, handle:torch.Tensor, param:torch.Tensor, low:torch.Tensor):
+        super().__init__(handle, param); self.low = low
+    def _joined(self) -> torch.Tensor: return join_bf16_ref(self.param.detach(), self.low)
+
     def set_(self, v:torch.Tensor):
-        ("Make `v` the master: split exactly into the param and its low half, or (without one) rounded to nearest "
-         "into the param")
+        "Make `v` the master: split exactly into the param and its low half"
         with torch.no_grad():
-            v = v.detach().reshape(self.param.shape).to(self.param.device, torch.float32)
-            if self.low is None: self.param.copy_(v); return
-            hi, lo = split_bf16_ref(v)
+            hi, lo = split_bf16_ref(v.detach().reshape(self.param.shape).to(self.param.device, torch.float32))
             self.param.copy_(hi); self.low.copy_(lo)
 
-def bf16_master(m) -> Bf16Master:
-    "The `Bf16Master` behind master `m`, or None when `m` holds its fp32 value"
-    return getattr(m, 'bf16_master', None)
+class RoundedMaster(Bf16Master):
+    "The master of a bf16 param that is the param itself: steps round stochastically into it"
+    store = 'none'
+    def set_(self, v:torch.Tensor):
+        "Make `v`, rounded to nearest, the master (the param)"
+        with torch.no_grad(): self.param.copy_(v.detach().reshape(self.param.shape).to(self.param.device))
 
-class RemoteMaster:
-    ("Where the master of a param lives when another rank owns it (sharded masters): on rank `owner`; here only its "
-     "half param")
-    def __init__(self, param:torch.Tensor, owner:int): self.param, self.owner = param, owner
+class RemoteMaster(Fp32Master):
+    ("The master of a param that rank `owner` keeps (sharded masters): the optimizer holds `handle`, a 4-byte "
+     "stand-in, and `param` is the half param here (or the flat stand-in itself)")
+    store = 'remote'
+    def __init__(self, handle:torch.Tensor, param:torch.Tensor, owner:int):
+        self.handle, self.param, self.owner = handle, param, owner
     def __repr__(self): return f"RemoteMaster(rank {self.owner}, {tuple(self.param.shape)})"
+    def value(self) -> torch.Tensor: "The half param's value (the master is its owner's)"; return self.param.detach().float()
+    # a 4-byte stand-in here: its owner loads the same checkpoint (apex's resume order: every rank loads)
+    def set_(self, v:torch.Tensor): pass
 
-def remote_master(m) -> RemoteMaster:
-    "The `RemoteMaster` behind master `m` when another rank owns it, else None"
-    return getattr(m, 'remote_master', None)
+def master_kind(m:torch.Tensor) -> Fp32Master:
+    ("Where the value of master `m` (the tensor an optimizer holds) lives: `SplitMaster`, `RoundedMaster` or "
+     "`RemoteMaster` as `m` says, else `Fp32Master(m)`")
+    return getattr(m, 'master_kind', None) or Fp32Master(m)
 
-def master_value(m:torch.Tensor) -> torch.Tensor:
-    ("The fp32 value of master `m` (detached; joined from its bf16 halves where it has no fp32 copy; the half "
-     "param's value where another rank owns it)")
-    s = bf16_master(m)
-    if s is not None: return s.value()
-    r = remote_master(m)
-    return m.detach() if r is None else r.param.detach().float()
+def own_fp32(m:torch.Tensor) -> bool:
+    "True when master `m` is an fp32 tensor of its own (no kind is set on it)"
+    return getattr(m, 'master_kind', None) is None
 
 # %% ../nbs/13_master.ipynb #8eee747c
-def set_master_(m:torch.Tensor, v:torch.Tensor):
-    ("Make `v` the value of master `m` (and, for a bf16 master, of its param); a master another rank owns is left to "
-     "its owner, which loads the same checkpoint")
-    s = bf16_master(m)
-    if s is not None: return s.set_(v)
-    if remote_master(m) is not None:
-        return      # a 4-byte stand-in here (apex's resume order: `model.load_state_dict` on every rank)
-    with torch.no_grad(): m.copy_(v.reshape(m.shape))
-
-def load_master_(p:torch.Tensor, m:torch.Tensor, v:torch.Tensor):
-    ("Make `v` the master `m` of half param `p`, and `p` its rounding (a bf16 master without an fp32 copy is `p` "
-     "already)")
-    set_master_(m, v)
-    if bf16_master(m) is None:
-        with torch.no_grad(): p.copy_(v.reshape(p.shape))
-    mark_written(p, m)
-
 class CheckpointError(ValueError):
     "A checkpoint (or state dict) that does not fit: raised before anything is changed"
 
@@ -207,6 +224,38 @@ IN_BACKWARD = ("a backward reached half params whose grads were already unscaled
                "with the optimizer "
                "that holds those params (amp: `amp.scale_loss(loss, [opt_a, opt_b])`)")
 
+# %% ../nbs/13_master.ipynb #mrec0
+class Masters(ChainMap):
+    ("The masters of half params: half param -> the tensor an optimizer holds as its master (`master_kind` says where "
+     "its value lives). A converted model's conversion owns one; an optimizer's reads through the records of the "
+     "models it trains, with masters of its own in front for half params none of them holds. Saved masters are "
+     "checked and loaded here, whichever door they come through")
+    @classmethod
+    def for_params(cls, params, *records) -> 'Masters':
+        "A record for `params`: read through `records`, with fp32 masters made here for the half params they lack"
+        return cls({}, *(mp for r in records for mp in r.maps)).add_missing(params)
+
+    def add_missing(self, params) -> 'Masters':
+        ("Give each half param among `params` that this record lacks an fp32 master of its own (a model made half "
+         "before mixedprec saw it); returns the record")
+        for p in params:
+            if p.dtype in (torch.float16, torch.bfloat16) and p not in self:
+                self[p] = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+        return self
+
+    def value(self, p:torch.Tensor) -> torch.Tensor:
+        "The fp32 value of half param `p`'s master (detached; made anew where it has no fp32 copy)"
+        return master_kind(self[p]).value()
+
+    def check(self, saved:dict, names:dict, what:str):
+        ("Raise `CheckpointError` (from `what`, naming the param by `names`) before anything changes, unless each "
+         "value in `saved` (half param -> saved master) can be its master: a finite floating tensor of its shape")
+        for p, v in saved.items(): check_master_value(v, p, names.get(p, 'a param'), what)
+
+    def load(self, saved:dict):
+        "Make each checked value in `saved` (half param -> saved master) its master, and the param its rounding"
+        for p, v in saved.items(): master_kind(self[p]).load_(p, v)
+
 # %% ../nbs/13_master.ipynb #f33a4ad4
 class MasterGrad(torch.Tensor):
     ("A half param's `.grad` from the unscale to the step: it stands for the master's unscaled fp32 grad, so what "
@@ -263,7 +312,7 @@ def edited(p:torch.Tensor) -> bool:
 def take_edit(p:torch.Tensor, m:torch.Tensor):
     ("Make half param `p`'s value the value of its master `m` (another rank's master is left to its owner), and note "
      "`p` written")
-    if remote_master(m) is None: set_master_(m, p.detach().float())
+    master_kind(m).set_(p.detach().float())         # another rank's master is left to its owner
     mark_written(p, m)
 
 def take_model_edits(pairs) -> list:
@@ -283,7 +332,7 @@ def master_edited(p:torch.Tensor, m:torch.Tensor) -> bool:
     w = getattr(p, '_mixedprec_written', None)
     if w is None or w[2] is None or w[2] == m._version or w[0] != id(p) or w[1] != p._version: return False
     # a bf16 master's value is made anew for each `state_dict`; another rank's is not here
-    return bf16_master(m) is None and remote_master(m) is None
+    return own_fp32(m)
 
 def take_master_edits(pairs) -> list:
     ("For each (half param, master) in `pairs` whose master was changed in place since mixedprec wrote the param, "
@@ -301,7 +350,7 @@ def take_data_edits(pairs):
      "write of mixedprec leaves that there; an edit through `.data` does not) becomes the master's value, as the "
      "fused steps take it. bf16 masters need nothing (the param is part of them); another rank's are its owner's")
     for p, m in pairs:
-        if bf16_master(m) is None and remote_master(m) is None and m.device == p.device:
+        if own_fp32(m) and m.device == p.device:
             adopt_edits_ref_(m.view(p.shape), p)
 
 def _stand_in(shape, device) -> torch.Tensor:
@@ -312,15 +361,15 @@ def _stand_in(shape, device) -> torch.Tensor:
 def store_master_(p:torch.Tensor, m:torch.Tensor, store:str):
     ("Keep the master `m` of half param `p` as `store` says ('fp32', 'split', 'none'), converting it from where it "
      "lives now")
-    have = bf16_master(m)
-    if (have.kind if have is not None else 'fp32') == store: return
-    value = master_value(m).clone()
+    have = master_kind(m)
+    if have.store == store: return
+    value = have.value().clone()
     if store == 'fp32':
-        m.data = value.reshape(p.shape).to(p.device); del m.bf16_master; return
+        m.data = value.reshape(p.shape).to(p.device); del m.master_kind; return
     check_store(store, p.dtype)
-    low = torch.empty_like(p, dtype=torch.int16) if store == 'split' else None       # laid out as the param
-    m.bf16_master = Bf16Master(p, low)
-    m.bf16_master.set_(value)
+    # the low half laid out as the param
+    m.master_kind = SplitMaster(m, p, torch.empty_like(p, dtype=torch.int16)) if store == 'split' else RoundedMaster(m, p)
+    m.master_kind.set_(value)
     m.data = _stand_in(p.shape, p.device)
 
 def _mix(*xs) -> int:
@@ -334,7 +383,7 @@ def _mix(*xs) -> int:
 
 def _state_stride(states, m, p):
     "The memory layout of a bf16 master's low half, or of its optimizer state (what must follow its param's)"
-    bm = bf16_master(m)
+    bm = master_kind(m)
     if bm.low is not None: return bm.low.stride()
     return next(
         (v.stride() for st in states for v in st.get(m, {}).values() if isinstance(v, torch.Tensor) and v.shape == p.shape), p.stride())
@@ -467,7 +516,7 @@ class Fp32Bucket(_PerParamState):
             else: lists.fresh(p.grad, gbuf)
             m.grad = gbuf
     def weights_out(self) -> tuple: return [m for _, m, _ in self.pairs], [p for p, _, _ in self.pairs]
-    def follow_layout(self, states:list, masters_of:dict) -> dict:
+    def follow_layout(self, states:list, record:Masters) -> dict:
         ("Lay out each master, its state and a new grad buffer as its param, where the param's layout changed "
          "(`to_channelslast()`); the new pairs by id of the param")
         res = {}
@@ -515,7 +564,7 @@ class FlatBucket:
         for fm, ps, _ in self.flats:
             st = state.pop(fm, None)
             if st is not None: state.update(split_flat_state(st, {p: views[p] for p in ps}, fm.data))
-    def follow_layout(self, states:list, masters_of:dict) -> dict:
+    def follow_layout(self, states:list, record:Masters) -> dict:
         ("Permute each moved param's slice of its flat master, flat grad and flat state into the param's layout, in "
          "place; the new views by id of the param")
         res, flat_of = {}, {id(p): (fm, g) for fm, ps, g in self.flats for p in ps}
@@ -530,7 +579,7 @@ class FlatBucket:
                     t.as_strided(p.shape, p.stride(), t.storage_offset() + off).copy_(flat_slice(t, m, fm.data))
             view = fm.data.as_strided(p.shape, p.stride(), fm.data.storage_offset() + off)
             res[id(p)] = Pair(p, view, g.as_strided(p.shape, p.stride(), g.storage_offset() + off))
-            masters_of[p] = view
+            record[p] = view
         return res
 
 class Bf16Bucket(_PerParamState):
@@ -548,12 +597,12 @@ class Bf16Bucket(_PerParamState):
                 m.grad = torch.empty_strided(p.shape, p.stride(), dtype=torch.float32, device=p.device)
                 lists.fresh(p.grad, m.grad)
     def weights_out(self) -> tuple: return [], []
-    def follow_layout(self, states:list, masters_of:dict) -> dict:
+    def follow_layout(self, states:list, record:Masters) -> dict:
         ("Lay out each low half and the optimizer state as its param (the param is the master's high half: it moved "
          "already)")
         res = {}
         for p, m, _ in self.pairs:
-            bm = bf16_master(m)
+            bm = master_kind(m)
             if not _moves(p, _state_stride(states, m, p)): continue
             if bm.low is not None: bm.low = _like(p, bm.low)
             _relayout_state(states, m, p)
@@ -562,7 +611,7 @@ class Bf16Bucket(_PerParamState):
         return res
     def materialize(self):
         "Give each master its fp32 value as data, for an optimizer's own step"
-        self._live = [(bf16_master(m), m) for _, m, _ in self.pairs]
+        self._live = [(master_kind(m), m) for _, m, _ in self.pairs]
         for s, m in self._live: m.data = s.value()
     def store_materialized(self):
         ("Put the materialised masters' current values into the bf16 params (rounded to nearest), for a closure to "
@@ -593,7 +642,7 @@ class RemoteBucket(_PerParamState):
     def weights_out(self) -> tuple: return [], []
     def grads_of(self) -> list:
         return []                                         # their grads were dropped (the owner holds the masters')
-    def follow_layout(self, states:list, masters_of:dict) -> dict: return {}     # stand-ins: nothing to lay out
+    def follow_layout(self, states:list, record:Masters) -> dict: return {}     # stand-ins: nothing to lay out
 
 # %% ../nbs/13_master.ipynb #mroom1
 class MasterShards:
@@ -603,10 +652,10 @@ class MasterShards:
         ("The 4-byte stand-in of the flat master of half params `ps` that rank `owner` keeps (in the optimizer, so "
          "freezing reaches it), and a stand-in per param")
         fm = nn.Parameter(_stand_in((sum(p.numel() for p in ps),), ps[0].device), requires_grad=requires_grad)
-        fm.remote_master = RemoteMaster(fm, owner)
+        fm.master_kind = RemoteMaster(fm, fm, owner)
         for p in ps:
             m = masters[p]
-            m.data, m.grad, m.remote_master = _stand_in(p.shape, p.device), None, RemoteMaster(p, owner)
+            m.data, m.grad, m.master_kind = _stand_in(p.shape, p.device), None, RemoteMaster(m, p, owner)
             self._flat_of[p] = fm
             self.pairs.append(Pair(p, m))
         return fm
@@ -616,8 +665,8 @@ class MasterShards:
         ids = {id(p) for p in half}
         for i, (p, m, g) in enumerate(self.pairs):
             if id(p) in ids and not self.shards.mine(p):
-                m.data, m.grad, m.remote_master = _stand_in(p.shape,
-                                                            p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
+                m.data, m.grad = _stand_in(p.shape, p.device), None
+                m.master_kind = RemoteMaster(m, p, self.shards.owner[id(p)])
                 self.pairs[i] = Pair(p, m)
         self.remote_own |= {p for p in own if not self.shards.mine(p)}
 
@@ -626,7 +675,7 @@ class MasterShards:
         if self.shards is None: return
         for state in states:
             for k in [t for p, m,
-                      _ in self.pairs if remote_master(m) is not None for t in (m, p)] + list(self.remote_own):
+                      _ in self.pairs if isinstance(master_kind(m), RemoteMaster) for t in (m, p)] + list(self.remote_own):
                 state.pop(k, None)   # (flat: keyed by the param)
 
     def gather_shards(self):
@@ -639,20 +688,20 @@ class MasterShards:
          "collective: every rank calls it); with `gather=False` the masters take the half params' values, for a load "
          "to overwrite. Returns the (param, master) pairs that were remote")
         sh = self.shards
-        remote = [(i, p, m) for i, (p, m, _) in enumerate(self.pairs) if remote_master(m) is not None]
+        remote = [(i, p, m) for i, (p, m, _) in enumerate(self.pairs) if isinstance(master_kind(m), RemoteMaster)]
         own_at = {id(p): len(self.pairs) + j for j, p in enumerate(self.own)}
         if gather and sh is not None:
             # where each param's state is kept (flat: per param, while gathered)
             keys = [p if self.flat else m for p, m, _ in self.pairs] + self.own
             per_param = [self._per_param_state(st) for st in states]
-            mine = {i: (self.pairs[i][1].detach().cpu() if i < len(self.pairs) else None, [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n, v in st[k].items()} if k in st else None for st in per_param]) for i, k in enumerate(keys) if (i >= len(self.pairs) or remote_master(self.pairs[i][1]) is None) and k not in self.remote_own}
+            mine = {i: (self.pairs[i][1].detach().cpu() if i < len(self.pairs) else None, [{n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n, v in st[k].items()} if k in st else None for st in per_param]) for i, k in enumerate(keys) if (i >= len(self.pairs) or not isinstance(master_kind(self.pairs[i][1]), RemoteMaster)) and k not in self.remote_own}
             got = {i: v for part in sh.gather_objects(mine) for i, v in part.items()}
             for k, i in [(keys[i], i) for i, p, m in remote] + [(p, own_at[id(p)]) for p in self.remote_own]:
                 for st, v in zip(states, got[i][1]):
                     if v is not None:
                         st[k] = {n: (t.to(k.device) if isinstance(t, torch.Tensor) and t.dim() > 0 else t) for n, t in v.items()}
         for i, p, m in remote:
-            del m.remote_master
+            del m.master_kind
             m.data = got[i][0].to(p.device) if gather and sh is not None else p.detach().float()
         return [(p, m) for _, p, m in remote]
 
@@ -672,8 +721,8 @@ class MasterShards:
         try: yield
         finally:
             for p, m in remote:
-                m.data, m.grad, m.remote_master = _stand_in(p.shape,
-                                                            p.device), None, RemoteMaster(p, self.shards.owner[id(p)])
+                m.data, m.grad = _stand_in(p.shape, p.device), None
+                m.master_kind = RemoteMaster(m, p, self.shards.owner[id(p)])
             self.drop_remote_state(states)
 
 # %% ../nbs/13_master.ipynb #mroom0
@@ -826,7 +875,7 @@ class MasterParams(MasterShards, MasterGrads):
     "fp32 masters for groups of model params: one per half param, or one flat tensor per group and key"
     def __init__(self,
         groups:list,              # lists of model params, as the optimizer holds them
-        masters:dict,             # {half model param: fp32 master}, from `convert_model`
+        masters:Masters,          # the record of the half params' masters (`convert_model`'s, or read through it)
         flat:bool=False,          # one flat fp32 master per group (and key)
         key=None,                 # `key(p)`: params with different keys never share a flat master
         names:dict=None,          # {param: name}, for messages
@@ -843,7 +892,7 @@ class MasterParams(MasterShards, MasterGrads):
             raise ValueError("sharded masters are fp32 masters: pass masters='fp32' with shard=True "
                              f"(masters={store!r} keeps them in the bf16 weights, which every rank holds)")
         self.shards, self.remote_own, self._remote_grads = shards, set(), []
-        self.flat, self.names, self.impl, self._masters_of, self.store = flat, names or {}, impl, masters, store
+        self.flat, self.names, self.impl, self.record, self.store = flat, names or {}, impl, masters, store
         self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
         # clearing zeroes (fastai) or drops grads; params with a grad since the last drop
         self.keep_zero_grads, self._graded = False, set()
@@ -900,7 +949,8 @@ class MasterParams(MasterShards, MasterGrads):
          "maps every step reads, from `pairs`")
         local, bf16, remote = [], [], []
         for t in self.pairs:
-            (remote if remote_master(t[1]) is not None else bf16 if bf16_master(t[1]) is not None else local).append(t)
+            kind = master_kind(t[1]).store
+            (remote if kind == 'remote' else local if kind == 'fp32' else bf16).append(t)
         self.buckets = [b for b in (FlatBucket(self.flats, local) if self.flat else Fp32Bucket(local),
                                     Bf16Bucket(bf16), RemoteBucket(remote)) if b.pairs]
         outs = [b.weights_out() for b in self.buckets]
@@ -908,7 +958,7 @@ class MasterParams(MasterShards, MasterGrads):
         self._copy_lists = [m for ms, _ in outs for m in ms], [p for _, ps in outs for p in ps]
         # master -> half param, every fused step
         self._half_of = {id(m): p for p, m, _ in self.pairs}
-        self._bf16_of = {id(m): bf16_master(m) for _, m, _ in bf16}   # master -> where it lives, without an fp32 copy
+        self._bf16_of = {id(m): master_kind(m) for _, m, _ in bf16}   # master -> where it lives, without an fp32 copy
         # a rounding stream's index: masters, then fp32 params
         self._index_of = {id(m): i for i, m in enumerate([m for _, m, _ in self.pairs] + self.own)}
         # half param -> its master and grad buffer
@@ -1037,7 +1087,7 @@ class MasterParams(MasterShards, MasterGrads):
         ("Give each master, its grad buffer and its optimizer state (in `states`) its half param's memory layout, "
          "when the model's changed (`to_channelslast()`); True if any moved")
         moved = {}
-        for b in self.buckets: moved.update(b.follow_layout(states, self._masters_of))
+        for b in self.buckets: moved.update(b.follow_layout(states, self.record))
         if not moved: return False
         self.pairs = [moved.get(id(pair.param), pair) for pair in self.pairs]
         self._index()

@@ -5,7 +5,7 @@ import pytest, torch
 from torch import nn
 from mixedprec import ops, amp
 from mixedprec.ops import split_bf16_ref, join_bf16_ref, round_stochastic_ref, rounding_bits_ref, sgd_step_, adam_step_
-from mixedprec.master import MasterParams, master_value, bf16_master, check_store, mark_written
+from mixedprec.master import MasterParams, master_kind, check_store, mark_written
 from mixedprec.convert import convert_model
 from mixedprec.engine import StepEngine, settings
 from mixedprec.scaler import LossScaler
@@ -231,7 +231,7 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
                               scaler=LossScaler(1., dynamic=False))
         for _ in range(steps):
             e.scale((w.float() - 250).pow(2).sum()).backward(); e.unscale(); e.step(); e.zero_grad()
-        return master_value(e.masters.pairs[0][1]).mean().item(), w.detach().float().mean().item()
+        return master_kind(e.masters.pairs[0][1]).value().mean().item(), w.detach().float().mean().item()
     assert run('plain') == 256.
     fp32, _ = run('fp32')
     assert 251.5 < fp32 < 252.5                                    # 6 * 0.998**600 = 1.8 from the target, as in fp32
@@ -244,9 +244,9 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
 def test_bf16_masters_keep_no_fp32_copy_of_the_weights():
     model, e, conv = _engine('split')
     for p, m, _ in e.masters.pairs:
-        assert m.untyped_storage().nbytes() == 4 and bf16_master(m).low.dtype == torch.int16 and bf16_master(m).param is p
+        assert m.untyped_storage().nbytes() == 4 and master_kind(m).low.dtype == torch.int16 and master_kind(m).param is p
     model, e, conv = _engine('none')
-    assert all(m.untyped_storage().nbytes() == 4 and bf16_master(m).low is None for _, m, _ in e.masters.pairs)
+    assert all(m.untyped_storage().nbytes() == 4 and master_kind(m).low is None for _, m, _ in e.masters.pairs)
     x, y = digits()
     e.scale(nn.functional.cross_entropy(model(x[:8].bfloat16()).float(),
                                         y[:8])).backward(); e.unscale(); e.step(); e.zero_grad()
@@ -279,7 +279,7 @@ def test_fastai_to_bf16_with_bf16_masters_trains_like_fp32_masters(store):
     assert learn.mixed_precision.engine.plan is not None           # fastai's Adam, fused
     if store == 'split':
         for a, b in zip(masters_of(ref), masters_of(learn)):
-            torch.testing.assert_close(master_value(b), master_value(a), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(master_kind(b).value(), master_kind(a).value(), rtol=1e-2, atol=1e-2)
     else:
         # rounding noise moves small weights; the fit is as good
         assert learn.validate()[0] < 1.5 * ref.validate()[0]
@@ -289,31 +289,31 @@ def test_fastai_to_bf16_with_bf16_masters_trains_like_fp32_masters(store):
 
 def test_fastai_save_and_load_round_trip_split_masters_exactly_and_into_fp32(tmp_path):
     learn = synth_learner(path=tmp_path); learn.to_bf16(masters='split'); learn.fit(2, 1e-2)
-    saved = [master_value(m).clone() for m in masters_of(learn)]
+    saved = [master_kind(m).value().clone() for m in masters_of(learn)]
     learn.save('split')
     other = synth_learner(path=tmp_path, seed=7); other.to_bf16(masters='split'); other.fit(1, 1e-2)
     other.load('split')
-    for a, b in zip(saved, masters_of(other)): assert torch.equal(a, master_value(b))
+    for a, b in zip(saved, masters_of(other)): assert torch.equal(a, master_kind(b).value())
     other.fit(1, 1e-2)                                              # and it trains on from there
     plain = synth_learner(path=tmp_path, seed=7); plain.create_opt(); plain.load('split')
     for a, p in zip(saved, plain.model.parameters()): assert torch.equal(a, p.detach())
     fp32m = synth_learner(path=tmp_path, seed=7); fp32m.to_bf16(); fp32m.load('split')
-    for a, b in zip(saved, masters_of(fp32m)): assert torch.equal(a, master_value(b))
+    for a, b in zip(saved, masters_of(fp32m)): assert torch.equal(a, master_kind(b).value())
 
 @pytest.mark.parametrize("store", ['split', 'none'])
 def test_a_copy_of_a_bf16_master_model_holds_fp32_masters_and_the_learner_copy_trains_on(store):
     learn = synth_learner(); learn.to_bf16(masters=store); learn.fit(1, 1e-2)
     conv = learn.mixed_precision.conversion
-    saved = [master_value(m).clone() for m in conv.masters.values()]
+    saved = [master_kind(m).value().clone() for m in conv.masters.values()]
     clone = pickle.loads(pickle.dumps(conv))
-    assert all(bf16_master(m) is None and m.dtype == torch.float32 and torch.equal(a, m.detach()) for a, m in zip(saved, clone.masters.values()))
+    assert all(master_kind(m).store == "fp32" and m.dtype == torch.float32 and torch.equal(a, m.detach()) for a, m in zip(saved, clone.masters.values()))
     # the original keeps its bf16 masters
-    assert all(bf16_master(m) is not None for m in conv.masters.values())
+    assert all(master_kind(m).store == store for m in conv.masters.values())
     twin = copy.deepcopy(learn)
     # the copied Learner keeps its masters in bf16 again at its fit
     twin.fit(1, 1e-2); learn.fit(1, 1e-2)
-    assert all(bf16_master(m) is not None for m in twin.mixed_precision.conversion.masters.values())
-    for a, b in zip(masters_of(twin), masters_of(learn)): assert torch.equal(master_value(a), master_value(b))
+    assert all(master_kind(m).store == store for m in twin.mixed_precision.conversion.masters.values())
+    for a, b in zip(masters_of(twin), masters_of(learn)): assert torch.equal(master_kind(a).value(), master_kind(b).value())
 
 @pytest.mark.parametrize("store", ['split', 'none'])
 def test_an_ema_of_a_bf16_master_model_by_its_copys_state_dict_is_the_fp32_ema_of_the_masters(store):
@@ -416,9 +416,9 @@ def test_split_masters_follow_channels_last():
     b = learner(); b.to_bf16(masters='split'); b.to_channelslast(); b.fit(1, 1e-2)
     conv_w = b.model[0].weight
     assert conv_w.is_contiguous(memory_format=torch.channels_last)
-    assert bf16_master(b.mixed_precision.conversion.masters[conv_w]).low.stride() == conv_w.stride()
+    assert master_kind(b.mixed_precision.conversion.masters[conv_w]).low.stride() == conv_w.stride()
     for p, q in zip(masters_of(a), masters_of(b)):
-        torch.testing.assert_close(master_value(p), master_value(q), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(master_kind(p).value(), master_kind(q).value(), rtol=2e-2, atol=2e-2)
 
 def test_overflow_diagnostics_are_the_same_in_every_mode():
     names = {}
@@ -490,10 +490,10 @@ def test_fastai_split_masters_follow_the_model_to_the_gpu():
         learn = synth_learner()
         if device == 'cuda': learn.dls.to('cuda')                  # fastai moves the model at fit
         learn.to_bf16(masters=masters); learn.fit(1, 1e-2)
-        return [master_value(m).cpu() for m in masters_of(learn)], learn
+        return [master_kind(m).value().cpu() for m in masters_of(learn)], learn
     split, learn = run('split')
     for m in learn.mixed_precision.conversion.masters.values():
-        assert bf16_master(m).low.device.type == 'cuda' and bf16_master(m).param.device.type == 'cuda'
+        assert master_kind(m).low.device.type == 'cuda' and master_kind(m).param.device.type == 'cuda'
     fp32, _ = run('fp32')
     for a, b in zip(split, fp32): torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     gap = lambda xs, ys: max((x - y).abs().max().item() for x, y in zip(xs, ys))
@@ -525,7 +525,7 @@ def test_an_interrupted_fit_with_split_masters_leaves_a_usable_learner():
             if self.train_iter == 3: raise KeyboardInterrupt
     learn = synth_learner(); learn.to_bf16(masters='split')
     with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2, cbs=Interrupt())
-    masters = [master_value(m).clone() for m in learn.mixed_precision.conversion.masters.values()]
+    masters = [master_kind(m).value().clone() for m in learn.mixed_precision.conversion.masters.values()]
     for p, m in zip(learn.mixed_precision.conversion.masters, masters):
         assert torch.equal(bits16(p.detach()), bits16(split_bf16_ref(m)[0]))
     learn.fit(1, 1e-2)                                              # trains on

@@ -396,12 +396,14 @@ def test_a_hand_made_state_dict_without_batchnorms_step_count_loads_as_in_torch(
 def test_learn_load_checks_each_tensor_once(tmp_path, monkeypatch):
     # learn.load checks the model's state and the optimizer's before anything changes; the model's own load hook then
     # takes the checked state without checking it again (it used to run every check twice)
-    import mixedprec.convert as convert
+    import mixedprec.convert as convert, mixedprec.master
     learn = synth_learner(path=tmp_path, opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
     learn.fit(1); learn.save('once')
     calls = []
     real = convert.check_master_value
-    monkeypatch.setattr(convert, 'check_master_value', lambda *a, **k: (calls.append(a[2]), real(*a, **k))[1])
+    # the masters' record (mixedprec.master) checks the masters; convert checks the fp32 params it keeps
+    for module in (convert, mixedprec.master):
+        monkeypatch.setattr(module, 'check_master_value', lambda *a, **k: (calls.append(a[2]), real(*a, **k))[1])
     learn.load('once')
     assert len(calls) == len(set(calls)) == len(list(learn.model.parameters()))
     learn.model.load_state_dict(learn.model.state_dict())          # a direct load still checks, once

@@ -13,7 +13,7 @@ from mixedprec.callback import MixedPrecision, MixedPrecisionOpt
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import ScalingError
 from mixedprec import amp
-from mixedprec.master import master_value
+from mixedprec.master import master_kind
 from helpers import synth_learner, masters_of, Record, mlp, quiet
 
 def relu_bn_mlp(seed=0):
@@ -255,7 +255,7 @@ def test_a_copied_learner_trains_on_as_the_original(how, setup):
     twin = copy.deepcopy(learn) if how == "deepcopy" else pickle.loads(pickle.dumps(learn))
     learn.fit(1); twin.fit(1)
     assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
-    assert all(torch.equal(master_value(a), master_value(b)) for a, b in zip(masters_of(learn), masters_of(twin)))
+    assert all(torch.equal(master_kind(a).value(), master_kind(b).value()) for a, b in zip(masters_of(learn), masters_of(twin)))
 
 
 def test_a_copied_model_keeps_its_masters_for_the_checkpoint():
@@ -791,5 +791,5 @@ def test_a_clamp_through_data_in_a_callback_reaches_every_kind_of_master(kw):
     learn.fit(3, cbs=Record(-1, after_step=clamp))
     # each step starts from the clamp, so the masters end within one Adam step (about lr) of it (untaken: 0.2 and more)
     mp = learn.mixed_precision
-    masters = [master_value(mp.conversion.masters[p]) for p in learn.model[0].parameters()]
+    masters = [master_kind(mp.conversion.masters[p]).value() for p in learn.model[0].parameters()]
     assert all(m.abs().max() <= 0.05 + 1.5e-2 for m in masters), [m.abs().max() for m in masters]

@@ -189,15 +189,15 @@ def test_a_param_another_rank_owns_that_got_no_grad_is_passed_over(flat):
     ("A branch unused on some batches (no grad) whose master another rank keeps: flat sharded masters crashed at the "
      "unscale ('NoneType' has no zero_)")
     from torch import nn
-    from mixedprec.master import MasterParams, remote_master
-    from mixedprec.convert import masters_for
+    from mixedprec.master import MasterParams, Masters, master_kind, RemoteMaster
+
     from mixedprec.distributed import Shards
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).half()
     params = list(model.parameters())
     # rank 0 of a simulated 2-rank world
-    ms = MasterParams([params], masters_for(params), flat=flat, shards=Shards(params, world=2, rank=0))
-    remote = [p for p, m, _ in ms.pairs if remote_master(m) is not None]
-    local = [p for p, m, _ in ms.pairs if remote_master(m) is None]
+    ms = MasterParams([params], Masters().add_missing(params), flat=flat, shards=Shards(params, world=2, rank=0))
+    remote = [p for p, m, _ in ms.pairs if isinstance(master_kind(m), RemoteMaster)]
+    local = [p for p, m, _ in ms.pairs if not isinstance(master_kind(m), RemoteMaster)]
     assert remote and local
     for p in local: p.grad = torch.full_like(p, 2.)
     assert not bool(ms.grads_to_masters(0.5))
