@@ -51,8 +51,8 @@ test-builds: $(STAMP)    # the tests' own compiles (the CUDA emulator; nvcc's bu
 export-check: $(STAMP)
 	bash .ci/check_export.sh
 
-# lines of at most 120 characters (under 2% over), classes of at most 250 lines, exported cells of at most 100: the rooms
-# over them today are listed in .ci/house_rules.py with their sizes as ceilings
+# lines of at most 120 characters (under 2% over), classes of at most 250 lines (with their @patch methods), exported
+# cells of at most 100
 house-rules: $(STAMP)
 	$(BIN)/python .ci/house_rules.py
 
@@ -77,8 +77,9 @@ test-torch-range: $(STAMP)
 # wheels in .whl/ (ignored by git), at this venv's versions: bench/gpu.sh installs them on a machine that reaches
 # no package index
 # (fastprogress 1.1 imports fasthtml, a web framework with many needs of its own; 1.0.3, which fastai 2.8 accepts,
-# does not)
-GPU_WHEELS := fastai fastcore fastdownload fasttransform plum-dispatch beartype fastprogress==1.0.3
+# does not); pytest-xdist (and execnet) spread bench/gpu.sh's CUDA tests over processes
+GPU_WHEELS := fastai fastcore fastdownload fasttransform plum-dispatch beartype fastprogress==1.0.3 \
+	pytest-xdist==3.8.0 execnet==2.1.2
 # the GPU machine's Python
 GPU_PYTHON ?= 3.12
 GPU_PLATFORM := --python-version $(GPU_PYTHON) --implementation cp \

@@ -66,7 +66,7 @@ def split_source(src:str) -> list:
     pieces, chunk = [first_part], []
     for st in moved:
         fn = _patched(st, body, node.name, _first_line(st, body))
-        if chunk and len('\n'.join(chunk + [fn]).split('\n')) + 2 > CELL: pieces.append('\n\n'.join(chunk)); chunk = []
+        if chunk and 1 + len('\n\n'.join(chunk + [fn]).split('\n')) > CELL: pieces.append('\n\n'.join(chunk)); chunk = []
         chunk.append(fn)
     if chunk: pieces.append('\n\n'.join(chunk))
     rest = '\n'.join(body[node.end_lineno:]).strip('\n')

@@ -64,14 +64,14 @@ def _unique_bytes(tensors) -> int:
 
 def persistent_bytes(model, opt) -> dict:
     "Bytes held between steps: the model's weights, the masters (fp32, or int16 low halves), the optimizer state, grad buffers"
-    from mixedprec.master import bf16_master
+    from mixedprec.master import master_kind
     params = list(model.parameters())
     e = getattr(opt, '_mixedprec_engine', None)
     masters, grads = [], [p.grad for p in params if p.grad is not None]
     if e is not None:
         for p, m, g in e.masters.pairs:
-            bm = bf16_master(m)
-            masters.append(bm.low if bm is not None and bm.low is not None else m if bm is None else torch.empty(0))
+            kind = master_kind(m).store         # fp32: the master; split: its int16 low half; none: nothing of its own
+            masters.append(m if kind == 'fp32' else master_kind(m).low if kind == 'split' else torch.empty(0))
             if g is not None: grads.append(g)
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return dict(weights=_unique_bytes(params), masters=_unique_bytes(masters), state=_unique_bytes(state), grads=_unique_bytes(grads))

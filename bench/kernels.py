@@ -108,11 +108,10 @@ def run(shapes, repeat, device):
     add('full step (Adam)', 'fused', fused_step, step_bytes)
     # fastai's Adam over fp32 masters of half params: its own step, and the callback's fused step (which also writes the half params)
     from fastai.optimizer import Adam
-    from mixedprec.master import MasterParams
-    from mixedprec.convert import masters_for
+    from mixedprec.master import MasterParams, Masters
     from mixedprec.engine import fused_plan, fused_opt_step
     halves = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in p16]
-    mp = MasterParams([halves], masters_for(halves))
+    mp = MasterParams([halves], Masters.for_params(halves))
     for m, g in zip(mp.master_params, g32): m.grad = g
     opt_fastai, opt_fused = Adam(mp.master_params, lr=1e-3), Adam(mp.master_params, lr=1e-3)     # two state sets
     plan, clean = fused_plan(opt_fused), torch.zeros((), dtype=torch.bool, device=device)

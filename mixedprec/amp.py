@@ -16,7 +16,8 @@ from .scaler import LossScaler
 from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
-from .master import check_store, check_state_store, Masters
+from .master import check_store, Masters
+from .state import check_state_store
 from .distributed import refuse_fsdp2
 
 # %% ../nbs/17_amp.ipynb #0004312e

@@ -27,8 +27,8 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow
-from .master import (check_store, check_state_store, master_kind, Bf16Master, RemoteMaster, CheckpointError,
-                              check_param_state)
+from .master import check_store, master_kind, Bf16Master, RemoteMaster, CheckpointError, check_param_state
+from .state import check_state_store
 from .engine import StepEngine, unscale_into, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
 from .distributed import world_size, rank, barrier, refuse_fsdp2
 from fastcore.xtras import join_path_file
@@ -159,75 +159,82 @@ class FastaiMasters:
         self.conversion.follow_devices()
         adapter_for(_raw_opt(self.learn)).state_to_devices()
 
-    def __getstate__(self):
-        ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
-         "params each flat master holds, and whose each bf16 master is")
-        flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-        bf16s = [(m, p) for p, m in self.conversion.masters.items()
-                 if isinstance(master_kind(m), Bf16Master)] if self.conversion is not None else None
-        return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
+# %% ../nbs/15_callback.ipynb #add722dd
+@patch
+def __getstate__(self:FastaiMasters):
+    ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
+     "params each flat master holds, and whose each bf16 master is")
+    flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
+    bf16s = [(m, p) for p, m in self.conversion.masters.items()
+             if isinstance(master_kind(m), Bf16Master)] if self.conversion is not None else None
+    return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
 
-    def __setstate__(self, state:dict):
-        "Unpickle: the step engine is made anew at the next optimizer (`attach_opt` puts the copied masters back first)"
-        self.__dict__.update({**state, 'engine': None, 'state_io': None})
+@patch
+def __setstate__(self:FastaiMasters, state:dict):
+    "Unpickle: the step engine is made anew at the next optimizer (`attach_opt` puts the copied masters back first)"
+    self.__dict__.update({**state, 'engine': None, 'state_io': None})
 
-    def _check_trainable(self):
-        ("Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, "
-         "and a change made through `.data` since the last step is taken (each step takes them too)")
-        self._checked = True
-        # changes through `.data` since the last step: the masters before anything reads them
-        self.conversion.take_data_edits()
-        model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
-        if not model_params:
-            raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
-                             "(`learn.unfreeze()`), or use `get_preds` for inference")
-        if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
-        # nothing converted (every module kept in fp32): fastai's optimizer holds the params
-        elif not self.conversion.masters:
-            opt = _raw_opt(self.learn)
-            held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
-        else: held = set()
-        missing = [n for n, p in model_params if id(p) not in held]
-        if missing:
-            refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
-        if missing:
-            raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
-                             "were replaced after the "
-                                     "optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after "
-                                     "changing the model, so they get masters and an optimizer.")
+@patch
+def _check_trainable(self:FastaiMasters):
+    ("Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, "
+     "and a change made through `.data` since the last step is taken (each step takes them too)")
+    self._checked = True
+    # changes through `.data` since the last step: the masters before anything reads them
+    self.conversion.take_data_edits()
+    model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
+    if not model_params:
+        raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
+                         "(`learn.unfreeze()`), or use `get_preds` for inference")
+    if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
+    # nothing converted (every module kept in fp32): fastai's optimizer holds the params
+    elif not self.conversion.masters:
+        opt = _raw_opt(self.learn)
+        held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
+    else: held = set()
+    missing = [n for n, p in model_params if id(p) not in held]
+    if missing:
+        refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
+    if missing:
+        raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
+                         "were replaced after the "
+                                 "optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after "
+                                 "changing the model, so they get masters and an optimizer.")
 
-    def check_whole(self):
-        ("Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would "
-         "miss them")
-        if self.masters is not None and any(isinstance(master_kind(m), RemoteMaster) for _, m, _ in self.masters.pairs):
-            raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call "
-                               "`learn.save()` on every rank (it gathers "
-                               "the shards), or read the state inside `with learn.mixed_precision.consolidated():` "
-                               "entered on every rank")
+@patch
+def check_whole(self:FastaiMasters):
+    ("Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would "
+     "miss them")
+    if self.masters is not None and any(isinstance(master_kind(m), RemoteMaster) for _, m, _ in self.masters.pairs):
+        raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call "
+                           "`learn.save()` on every rank (it gathers "
+                           "the shards), or read the state inside `with learn.mixed_precision.consolidated():` "
+                           "entered on every rank")
 
-    def state_dict(self) -> dict:
-        "The scaler state and the fp32 masters, one per model param"
-        self.check_whole()
-        masters = self.conversion.masters if self.conversion else {}
-        return {'scaler': self.scaler.state_dict(),
-                'masters': [
-                    masters.value(p).clone() if p in masters else None for p in self.learn.model.parameters()]}
+@patch
+def state_dict(self:FastaiMasters) -> dict:
+    "The scaler state and the fp32 masters, one per model param"
+    self.check_whole()
+    masters = self.conversion.masters if self.conversion else {}
+    return {'scaler': self.scaler.state_dict(),
+            'masters': [
+                masters.value(p).clone() if p in masters else None for p in self.learn.model.parameters()]}
 
-    def load_state_dict(self, sd:dict):
-        ("Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything "
-         "changes")
-        self.prepare()
-        params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
-        if len(saved) != len(params):
-            raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
-                                  "params: it comes from another model; nothing was loaded")
-        names = {p: f"master {i} ({n})" for i, (n, p) in enumerate(self.learn.model.named_parameters())}
-        found = {p: v for p, v in zip(params, saved) if v is not None and p in masters}
-        masters.check(found, names, "the state_dict")
-        self.scaler.check_state(sd.get('scaler'))
-        self.scaler.load_state_dict(sd['scaler'])
-        masters.load(found)
-        return self
+@patch
+def load_state_dict(self:FastaiMasters, sd:dict):
+    ("Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything "
+     "changes")
+    self.prepare()
+    params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
+    if len(saved) != len(params):
+        raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
+                              "params: it comes from another model; nothing was loaded")
+    names = {p: f"master {i} ({n})" for i, (n, p) in enumerate(self.learn.model.named_parameters())}
+    found = {p: v for p, v in zip(params, saved) if v is not None and p in masters}
+    masters.check(found, names, "the state_dict")
+    self.scaler.check_state(sd.get('scaler'))
+    self.scaler.load_state_dict(sd['scaler'])
+    masters.load(found)
+    return self
 
 # %% ../nbs/15_callback.ipynb #4d846810
 class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
@@ -318,161 +325,185 @@ class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonN
     def model_pgs(self) -> list:
         "The half model's params, by optimizer group (fastai's `NonNativeMixedPrecision` name)"
         return self.masters.model_groups
-    @property
-    def master_pgs(self) -> list:
-        "The fp32 masters the optimizer steps, by group (fastai's `NonNativeMixedPrecision` name)"
-        return self.masters.groups
 
-    @property
-    def loss_scale(self) -> float:
-        "The current loss scale (the scaler's books catch up first: a host read on a GPU)"
+# %% ../nbs/15_callback.ipynb #fd64ab13
+@patch(as_prop=True)
+def master_pgs(self:MixedPrecision) -> list:
+    "The fp32 masters the optimizer steps, by group (fastai's `NonNativeMixedPrecision` name)"
+    return self.masters.groups
+
+@patch(as_prop=True)
+def loss_scale(self:MixedPrecision) -> float:
+    "The current loss scale (the scaler's books catch up first: a host read on a GPU)"
+    self.scaler.drain()
+    return self.scaler.scale
+
+@patch(as_prop=True)
+def skipped(self:MixedPrecision) -> bool:
+    "True if the last optimizer step was skipped (the books catch up first)"
+    self.scaler.drain()
+    return self.scaler.skipped
+
+@patch(as_prop=True)
+def history(self:MixedPrecision):
+    "A `StepRecord` per optimizer step (the books catch up first)"
+    self.scaler.drain()
+    return self.scaler.history
+
+@patch
+def plot(self:MixedPrecision, ax=None):
+    "Plot the loss scale and the skipped steps against the step"
+    return plot_history(self.history, ax)
+
+@patch
+def prepare(self:MixedPrecision):
+    "Convert the model to the half dtype (once), keeping fp32 masters of its weights"
+    if self.conversion is None:
+        self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True,
+                                        entries=_called_alone(self.learn.model))
+        # nothing to cast: the cast hooks go, and the callback does nothing
+        if not self.conversion.masters and not self.conversion.buffers:
+            self.conversion.undo()
+            floats = any(p.is_floating_point() for p in self.learn.model.parameters())
+            why = ("every module with params is of a type kept in fp32: "
+                   f"{', '.join(t.__name__ for t in self.keep_fp32)}" if floats else
+                   "it has no float params or buffers")
+            warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and "
+                      "fastai's optimizer "
+                      f"steps the model's params itself" + (
+                          ": train in fp32, or keep fewer module types in fp32" if floats else ""),
+                      ('nothing converted', id(self)))
+        p = next(iter(self.conversion.masters), None)
+        convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
+        note = speed_note(self.dtype, p.device, convs=convs) if p is not None else None
+        if note: warn_once(note)
+    return self
+
+@patch
+def after_create(self:MixedPrecision): self.prepare()
+
+@patch
+def before_fit(self:MixedPrecision):
+    ("Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step "
+     "engine's")
+    self.prepare()
+    cast_back = [p for p in self.conversion.masters if p.dtype != self.dtype]
+    if cast_back:
+        raise ValueError(f"the model's weights are {cast_back[0].dtype} again (`model.float()` after "
+                         "`to_fp16()`?) while mixed precision is on, "
+                                   f"so inputs would be cast to {self.dtype} for them: leave mixed precision "
+                                   "with `learn.to_fp32()` (the model gets the fp32 masters), "
+                                   f"or convert anew with `learn.to_fp16()` / `to_bf16()`")
+    if any(isinstance(cb, GradientClip) for cb in self.learn.cbs):
+        raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never "
+                         "sees under mixedprec. "
+                         "Remove it and pass the max norm to mixedprec instead: `learn.to_fp16(clip=max_norm)`.")
+    if self.table: self._add_table_metrics()
+    self._checked = False
+    if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs):
+        self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
+    changed = self.conversion.unconverted()
+    if changed:
+        raise ValueError("the model has fp32 params that were added or replaced after `to_fp16()` "
+                         f"({', '.join(changed[:5])}). "
+                                 "Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so "
+                                 "they are converted and get masters.")
+    if getattr(self.learn, 'opt', None) is None or not self.conversion.masters: return
+    if any(m.device != p.device for p, m in self.conversion.masters.items()): self.follow_model_device()
+    self.attach_opt()
+    # fastai's ChannelsLast (order -1) has just laid the model out anew
+    self.engine.follow_layouts()
+    if not self.masters.sync_requires_grad():        # requires_grad changed within a flat master: lay them out anew
+        self.release_opt(); self.attach_opt()
+    for p in self.learn.model.parameters(): p.grad = None
+    self.engine.choose()
+
+@patch
+def after_pred(self:MixedPrecision):
+    "Cast every floating leaf of the prediction to fp32"
+    self.learn.pred = to_fp32(self.learn.pred)
+
+# %% ../nbs/15_callback.ipynb #ffbc0139
+@patch
+def before_backward(self:MixedPrecision):
+    "Scale the loss (noting, on the device, whether it is finite)"
+    if not self._checked: self._check_trainable()
+    if self.engine is not None:
+        self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
+
+@patch
+def before_step(self:MixedPrecision):
+    ("Unscale into the master grads (check, clip, update the scale); cancel the step if it is skipped. fastai's "
+     "`opt.step()` is then the engine's")
+    xb, e = self.learn.xb, self.engine
+    if e is None: return                         # nothing was converted: nothing to unscale
+    e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
+              forward_overflow=lambda: self._forward_overflow(xb))                  # run when training stops
+    # a skip decided on the host: cancelled, as fastai's own MixedPrecision does
+    if not e.on_device and e.must_skip():
+        e.discard()
+        raise CancelStepException()
+
+@patch
+def after_fit(self:MixedPrecision):
+    ("Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the "
+     "metrics")
+    opt = getattr(self.learn, 'opt', None)
+    if self.engine is not None and opt is not None:
+        # the last step into the books (naming overflowed params reads the master grads)
         self.scaler.drain()
-        return self.scaler.scale
-    @property
-    def skipped(self) -> bool:
-        "True if the last optimizer step was skipped (the books catch up first)"
+        self.engine.own_layout()
+    if self._kept_history is not None:
         self.scaler.drain()
-        return self.scaler.skipped
-    @property
-    def history(self):
-        "A `StepRecord` per optimizer step (the books catch up first)"
-        self.scaler.drain()
-        return self.scaler.history
-    def plot(self, ax=None):
-        "Plot the loss scale and the skipped steps against the step"
-        return plot_history(self.history, ax)
+        while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()
+        self._kept_history = None
+    # the table columns hold bound methods, which `export` need not pickle
+    if self.table:
+        self.learn.metrics = [
+            m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
 
-    def prepare(self):
-        "Convert the model to the half dtype (once), keeping fp32 masters of its weights"
-        if self.conversion is None:
-            self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True,
-                                            entries=_called_alone(self.learn.model))
-            # nothing to cast: the cast hooks go, and the callback does nothing
-            if not self.conversion.masters and not self.conversion.buffers:
-                self.conversion.undo()
-                floats = any(p.is_floating_point() for p in self.learn.model.parameters())
-                why = ("every module with params is of a type kept in fp32: "
-                       f"{', '.join(t.__name__ for t in self.keep_fp32)}" if floats else
-                       "it has no float params or buffers")
-                warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and "
-                          "fastai's optimizer "
-                          f"steps the model's params itself" + (
-                              ": train in fp32, or keep fewer module types in fp32" if floats else ""),
-                          ('nothing converted', id(self)))
-            p = next(iter(self.conversion.masters), None)
-            convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
-            note = speed_note(self.dtype, p.device, convs=convs) if p is not None else None
-            if note: warn_once(note)
-        return self
+@patch
+def _forward_overflow(self:MixedPrecision, xb) -> str:
+    ("This batch's forward pass run again under `watch_overflow` (the buffers put back after): a sentence on the "
+     "first op that overflowed, or ''")
+    model, watch = self.learn.model, None
+    kept = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad(), watch_overflow(model) as watch: model(*xb)
+    except Exception: return ''                     # the diagnosis must not hide the error it explains
+    finally:
+        with torch.no_grad():
+            for b, v in kept: b.copy_(v)
+    if watch is None or watch.first is None: return ''
+    return ("This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at "
+            f"{watch.first}. {watch.first.advice()}.")
 
-    def after_create(self): self.prepare()
+@patch
+def _add_table_metrics(self:MixedPrecision):
+    "Add the loss scale and the epoch's skipped steps to the Learner's metrics, for this fit"
+    names = [getattr(m, 'name', None) for m in self.learn.metrics]
+    if 'loss_scale' in names: return
+    self.learn.metrics = list(self.learn.metrics) + [ValueMetric(self._table_scale, 'loss_scale'),
+                                                     ValueMetric(self._table_skipped, 'skipped')]
 
-    def before_fit(self):
-        ("Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step "
-         "engine's")
-        self.prepare()
-        cast_back = [p for p in self.conversion.masters if p.dtype != self.dtype]
-        if cast_back:
-            raise ValueError(f"the model's weights are {cast_back[0].dtype} again (`model.float()` after "
-                             "`to_fp16()`?) while mixed precision is on, "
-                                       f"so inputs would be cast to {self.dtype} for them: leave mixed precision "
-                                       "with `learn.to_fp32()` (the model gets the fp32 masters), "
-                                       f"or convert anew with `learn.to_fp16()` / `to_bf16()`")
-        if any(isinstance(cb, GradientClip) for cb in self.learn.cbs):
-            raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never "
-                             "sees under mixedprec. "
-                             "Remove it and pass the max norm to mixedprec instead: `learn.to_fp16(clip=max_norm)`.")
-        if self.table: self._add_table_metrics()
-        self._checked = False
-        if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs):
-            self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
-        changed = self.conversion.unconverted()
-        if changed:
-            raise ValueError("the model has fp32 params that were added or replaced after `to_fp16()` "
-                             f"({', '.join(changed[:5])}). "
-                                     "Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so "
-                                     "they are converted and get masters.")
-        if getattr(self.learn, 'opt', None) is None or not self.conversion.masters: return
-        if any(m.device != p.device for p, m in self.conversion.masters.items()): self.follow_model_device()
-        self.attach_opt()
-        # fastai's ChannelsLast (order -1) has just laid the model out anew
-        self.engine.follow_layouts()
-        if not self.masters.sync_requires_grad():        # requires_grad changed within a flat master: lay them out anew
-            self.release_opt(); self.attach_opt()
-        for p in self.learn.model.parameters(): p.grad = None
-        self.engine.choose()
+@patch
+def before_train(self:MixedPrecision): self._epoch_skipped = self.scaler.n_skipped
 
-    def after_pred(self):
-        "Cast every floating leaf of the prediction to fp32"
-        self.learn.pred = to_fp32(self.learn.pred)
+@patch
+def _table_scale(self:MixedPrecision):
+    "The scale for the table: an int when it is one (fastai prints floats with 6 decimals, wider than the column)"
+    s = self.loss_scale
+    return int(s) if s >= 1 and s == int(s) else s
 
-    def before_backward(self):
-        "Scale the loss (noting, on the device, whether it is finite)"
-        if not self._checked: self._check_trainable()
-        if self.engine is not None:
-            self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
+@patch
+def _table_skipped(self:MixedPrecision): self.scaler.drain(); return self.scaler.n_skipped - self._epoch_skipped
 
-    def before_step(self):
-        ("Unscale into the master grads (check, clip, update the scale); cancel the step if it is skipped. fastai's "
-         "`opt.step()` is then the engine's")
-        xb, e = self.learn.xb, self.engine
-        if e is None: return                         # nothing was converted: nothing to unscale
-        e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
-                  forward_overflow=lambda: self._forward_overflow(xb))                  # run when training stops
-        # a skip decided on the host: cancelled, as fastai's own MixedPrecision does
-        if not e.on_device and e.must_skip():
-            e.discard()
-            raise CancelStepException()
-
-    def after_fit(self):
-        ("Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the "
-         "metrics")
-        opt = getattr(self.learn, 'opt', None)
-        if self.engine is not None and opt is not None:
-            # the last step into the books (naming overflowed params reads the master grads)
-            self.scaler.drain()
-            self.engine.own_layout()
-        if self._kept_history is not None:
-            self.scaler.drain()
-            while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()
-            self._kept_history = None
-        # the table columns hold bound methods, which `export` need not pickle
-        if self.table:
-            self.learn.metrics = [
-                m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
-
-    # fastai v1's hook names, for readers of the seed
-    on_train_begin, on_loss_begin, on_backward_begin, on_backward_end, on_step_end, on_train_end = before_fit, after_pred, before_backward, before_step, after_step, after_fit
-
-    def _forward_overflow(self, xb) -> str:
-        ("This batch's forward pass run again under `watch_overflow` (the buffers put back after): a sentence on the "
-         "first op that overflowed, or ''")
-        model, watch = self.learn.model, None
-        kept = [(b, b.detach().clone()) for b in model.buffers()]
-        try:
-            with torch.no_grad(), watch_overflow(model) as watch: model(*xb)
-        except Exception: return ''                     # the diagnosis must not hide the error it explains
-        finally:
-            with torch.no_grad():
-                for b, v in kept: b.copy_(v)
-        if watch is None or watch.first is None: return ''
-        return ("This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at "
-                f"{watch.first}. {watch.first.advice()}.")
-
-    def _add_table_metrics(self):
-        "Add the loss scale and the epoch's skipped steps to the Learner's metrics, for this fit"
-        names = [getattr(m, 'name', None) for m in self.learn.metrics]
-        if 'loss_scale' in names: return
-        self.learn.metrics = list(self.learn.metrics) + [ValueMetric(self._table_scale, 'loss_scale'),
-                                                         ValueMetric(self._table_skipped, 'skipped')]
-
-    def before_train(self): self._epoch_skipped = self.scaler.n_skipped
-    def _table_scale(self):
-        "The scale for the table: an int when it is one (fastai prints floats with 6 decimals, wider than the column)"
-        s = self.loss_scale
-        return int(s) if s >= 1 and s == int(s) else s
-    def _table_skipped(self): self.scaler.drain(); return self.scaler.n_skipped - self._epoch_skipped
-
+# %% ../nbs/15_callback.ipynb #b7f1a2c3
+# fastai v1's hook names, for readers of the seed
+MixedPrecision.on_train_begin, MixedPrecision.on_loss_begin = MixedPrecision.before_fit, MixedPrecision.after_pred
+MixedPrecision.on_backward_begin = MixedPrecision.before_backward
+MixedPrecision.on_backward_end, MixedPrecision.on_step_end = MixedPrecision.before_step, MixedPrecision.after_step
+MixedPrecision.on_train_end = MixedPrecision.after_fit
 
 # %% ../nbs/15_callback.ipynb #ae1c62a9
 def _plain(o):

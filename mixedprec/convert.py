@@ -408,6 +408,7 @@ def check_state_keys(module, state_dict, prefix:str=''):
                            "comes from another model "
                            f"(or pass strict=False); nothing was loaded")
 
+# %% ../nbs/12_convert.ipynb #fc9fb611
 def _kept_modules(model, keep):
     "Ids of every module inside a module of a `keep` type"
     kept = set()

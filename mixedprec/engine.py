@@ -23,9 +23,10 @@ from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
 from torch import nn
 from fastcore.foundation import L
-from .master import (MasterParams, Masters, clip_grads_, master_kind, CheckpointError,
-                              fp32_state, split_flat_state, flat_slice, _like, _mix, check_state_store,
-                                  check_param_state, keep_state_as, is_codes, is_scales, SCALES)
+from fastcore.basics import patch
+from .master import (MasterParams, Masters, clip_grads_, master_kind, CheckpointError, split_flat_state,
+                              flat_slice, _mix, check_param_state)
+from .state import _like, SCALES, Int8State, fp32_state, check_state_store, state_store
 from .distributed import agree, sum_over_ranks, Shards, rank0s
 
 # %% ../nbs/14_engine.ipynb #e0000007
@@ -254,7 +255,7 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
         st = state[p]
         # new state is laid out as the tensor the kernels step
         like = bf16_of[id(p)].param if id(p) in bf16_of else p
-        keep = lambda k: keep_state_as(st, k, like, store, signed=k != names['sqr'])
+        keep = lambda k: state_store(store).keep(st, k, like, signed=k != names['sqr'])
         # state made elsewhere (a load, the optimizer's own step): as kept here
         for k in (names['buf'],) if kind == 'sgd' else (names['avg'], names['sqr']):
             if st.get(k) is not None: keep(k)
@@ -475,7 +476,8 @@ class EngineCheckpoint:
         ("Load a (checked) torch optimizer state dict into the optimizer over the masters. torch casts every state "
          "tensor to its param's dtype, which would turn 8-bit codes into floats and train on garbage: those and "
          "their scales are put back as saved (decoded, where this engine does not keep 8-bit state)")
-        codes = {i: {k: v for k, v in s.items() if is_codes(s, k) or is_scales(s, k)} for i, s in opt_sd['state'].items()}
+        codes = {i: {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
+                 for i, s in opt_sd['state'].items()}
         # sharded masters: every rank loads the whole state and keeps its shard's
         with self.consolidated(gather=False):
             self.optimizer.load_state_dict(opt_sd)
@@ -633,158 +635,173 @@ class StepEngine(EngineLayout, EngineCheckpoint):
          "True: skip), kept until `step`")
         return unscale_into([self], self.scaler, self.clip, input_finite, forward_overflow)
 
-    def scaled(self, finite):
-        "A loss was scaled for this engine's grads: note whether it was finite; unscaled grads held already are set aside, to be added after the new ones' unscale"
-        if finite is not None: self.loss_finite = finite if self.loss_finite is None else self.loss_finite & finite
-        self.masters.drop_lent_grads()                              # the half params' grads are the backward's again
-        if self.stage == Stage.UNSCALED: self.masters.stash_own_grads()
-        self.stage = Stage.SCALED
+# %% ../nbs/14_engine.ipynb #d19c8a81
+@patch
+def scaled(self:StepEngine, finite):
+    "A loss was scaled for this engine's grads: note whether it was finite; unscaled grads held already are set aside, to be added after the new ones' unscale"
+    if finite is not None: self.loss_finite = finite if self.loss_finite is None else self.loss_finite & finite
+    self.masters.drop_lent_grads()                              # the half params' grads are the backward's again
+    if self.stage == Stage.UNSCALED: self.masters.stash_own_grads()
+    self.stage = Stage.SCALED
 
-    def unscaled(self, inv:torch.Tensor, scaler:LossScaler) -> tuple:
-        "Unscale the half grads by `inv` into the masters (added to what they hold while accumulating): their overflow flag, and whether the losses scaled since were finite (or None)"
-        if not self._layouts_followed: self.follow_layouts()        # once: a model laid out anew after the front end took it
-        if not self.accumulating: self.choose()
-        if not self.masters.sync_requires_grad():
-            raise RuntimeError("a param's requires_grad changed inside a flat master, whose params share one: change it "
-                               "between fits (mixedprec lays the flat masters out anew at the next fit), or use per-param "
-                               "masters (flat_master=False)")
-        flag, finite = self.masters.grads_to_masters(inv, accumulate=self.accumulating), self.loss_finite
-        self.loss_finite, self.stage = None, Stage.UNSCALED
-        self.scalers.add(scaler)
-        return flag, finite
+@patch
+def unscaled(self:StepEngine, inv:torch.Tensor, scaler:LossScaler) -> tuple:
+    "Unscale the half grads by `inv` into the masters (added to what they hold while accumulating): their overflow flag, and whether the losses scaled since were finite (or None)"
+    if not self._layouts_followed: self.follow_layouts()        # once: a model laid out anew after the front end took it
+    if not self.accumulating: self.choose()
+    if not self.masters.sync_requires_grad():
+        raise RuntimeError("a param's requires_grad changed inside a flat master, whose params share one: change it "
+                           "between fits (mixedprec lays the flat masters out anew at the next fit), or use per-param "
+                           "masters (flat_master=False)")
+    flag, finite = self.masters.grads_to_masters(inv, accumulate=self.accumulating), self.loss_finite
+    self.loss_finite, self.stage = None, Stage.UNSCALED
+    self.scalers.add(scaler)
+    return flag, finite
 
-    def decided(self, skip:torch.Tensor):
-        "The decision of an unscale (True: skip), or-ed into the pending one while accumulating"
-        self.found, self._skip = (skip if self.found is None else self.found | skip), None
+@patch
+def decided(self:StepEngine, skip:torch.Tensor):
+    "The decision of an unscale (True: skip), or-ed into the pending one while accumulating"
+    self.found, self._skip = (skip if self.found is None else self.found | skip), None
 
-    def must_skip(self) -> bool:
-        ("The pending decision, read on the host: True if the step will be skipped. The one place a host read "
-         "decides a step")
-        if self.found is None: return False
-        if self._skip is None: self._skip = bool(self.found.item())
-        return self._skip
+@patch
+def must_skip(self:StepEngine) -> bool:
+    ("The pending decision, read on the host: True if the step will be skipped. The one place a host read "
+     "decides a step")
+    if self.found is None: return False
+    if self._skip is None: self._skip = bool(self.found.item())
+    return self._skip
 
-    def skip_anyway(self):
-        "Skip the pending step whatever was decided (a clip's non-finite norm found after the decision)"
-        self.found = torch.ones((), dtype=torch.bool, device=self.device)
-        self._skip, self.on_device = True, False
+@patch
+def skip_anyway(self:StepEngine):
+    "Skip the pending step whatever was decided (a clip's non-finite norm found after the decision)"
+    self.found = torch.ones((), dtype=torch.bool, device=self.device)
+    self._skip, self.on_device = True, False
 
-    def settle_books(self):
-        "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
-        for s in self.scalers: s.drain()
+@patch
+def settle_books(self:StepEngine):
+    "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
+    for s in self.scalers: s.drain()
 
-    def discard(self):
-        "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
-        self.settle_books()
-        self.masters.zero_grads()
-        self.last_found, self.found, self._skip, self.stage = self.found, None, None, Stage.READY
+@patch
+def discard(self:StepEngine):
+    "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
+    self.settle_books()
+    self.masters.zero_grads()
+    self.last_found, self.found, self._skip, self.stage = self.found, None, None, Stage.READY
 
-    def step(self, closure=None):
-        ("Step or skip by the pending decision: the fused kernels (reading it on the device), or the optimizer's own "
-         "step and the master copy")
-        found, plan = self.found, self.plan
-        if found is None and closure is None:
-            self._check_scaled()
-            # nothing unscaled since the last step: a second `step()` does not repeat the first
-            return None
-        # the model is the user's handle: in-place edits since the last step (a clamp) are where the step starts
-        self.masters.take_model_edits()
-        self.stepping = True
-        try:
-            if found is not None and self.on_device: res = self._fused(found)
-            elif self.must_skip():                 # the books name the overflowed params before their grads are zeroed
-                self.settle_books(); self.masters.zero_grads(); return None
-            elif plan is not None and closure is None:
-                res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
-            else: res = self._own_step(closure)
-            # sharded masters: each rank stepped its own; every rank gets all the half params
-            self.masters.gather_shards()
-            return res
-        finally:
-            self.stepping = False
-            self.masters.drop_lent_grads()
-            self.last_found, self.found, self._skip, self.stage = found, None, None, Stage.STEPPED
-            self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
-
-    def _fused(self, found):
-        ("The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper "
-         "(`Optimizer.profile_hook_step`), so its step hooks (`register_step_pre_hook`/`post_hook`, global ones too) "
-         "run as for its own step")
-        opt = self.optimizer
-        run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl, self.state)
-        if isinstance(opt, torch.optim.Optimizer):
-            opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
-            torch.optim.Optimizer.profile_hook_step(run)(opt)
-        else: run(opt)
-        # the kernels keep the state in their layout (fastai's step counts as tensors)
-        self._own_layout_due = True
-
-    def _own_step(self, closure=None):
-        ("The optimizer's own step (as it was before a front end replaced it), then the master copy, also after an "
-         "exception")
-        opt = self.optimizer
-        if self._own_layout_due: self.own_layout()
-        # the fused steps take edits through `.data` as they read the masters; this step reads them here
-        self.masters.adopt_data_edits()
-        restore = self.masters.hold_gradless(opt.state) if self.masters.flat else None
-        own = self._own or partial(type(opt).step, opt)
-        if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
-        self.masters.materialize()                # bf16 masters without an fp32 copy get one for the length of the step
-        def evaluate():
-            ("The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several "
-             "points in one step)")
-            self.masters.masters_to_model()
-            self.masters.store_materialized()
-            return closure()
-        try: return own(evaluate) if closure is not None else own()
-        finally:
-            if restore is not None: restore()
-            self.masters.release(opt.state)
-            self.masters.masters_to_model()
-
-    def _check_scaled(self):
-        ("Raise when the half model holds grads that no unscale took in: a backward without the scaling call, which "
-         "would train nothing")
-        if self.masters.raw_grads():
-            raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this "
-                               "step would train nothing"
-                               + (f": {self.hint}" if self.hint else ''))
-
-    def zero_grad(self, set_to_none:bool=True, masters:bool=True):
-        ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
-         "(zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own "
-         "`zero_grad` clears the masters'")
+@patch
+def step(self:StepEngine, closure=None):
+    ("Step or skip by the pending decision: the fused kernels (reading it on the device), or the optimizer's own "
+     "step and the master copy")
+    found, plan = self.found, self.plan
+    if found is None and closure is None:
+        self._check_scaled()
+        # nothing unscaled since the last step: a second `step()` does not repeat the first
+        return None
+    # the model is the user's handle: in-place edits since the last step (a clamp) are where the step starts
+    self.masters.take_model_edits()
+    self.stepping = True
+    try:
+        if found is not None and self.on_device: res = self._fused(found)
+        elif self.must_skip():                 # the books name the overflowed params before their grads are zeroed
+            self.settle_books(); self.masters.zero_grads(); return None
+        elif plan is not None and closure is None:
+            res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
+        else: res = self._own_step(closure)
+        # sharded masters: each rank stepped its own; every rank gets all the half params
+        self.masters.gather_shards()
+        return res
+    finally:
+        self.stepping = False
         self.masters.drop_lent_grads()
-        if not set_to_none:                # zeroed in place: steps not yet in the books keep which params overflowed
-            for s in self.scalers: s.freeze_names()
-        for p in chain(*self.masters.model_groups, *(self.masters.groups if masters else ())):
-            if p.grad is None: continue
-            if set_to_none: p.grad = None
-            else: p.grad.detach_(); p.grad.zero_()
-        self.masters.clearing(set_to_none)
-        # a decision about grads that are gone is dropped with them
-        self.found, self._skip, self.stage = None, None, Stage.READY
+        self.last_found, self.found, self._skip, self.stage = found, None, None, Stage.STEPPED
+        self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
 
-    def last_skipped(self) -> bool:
-        "True if the last step was skipped (a host read when it was decided on the device)"
-        return bool(self.last_found) if self.last_found is not None else False
+@patch
+def _fused(self:StepEngine, found):
+    ("The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper "
+     "(`Optimizer.profile_hook_step`), so its step hooks (`register_step_pre_hook`/`post_hook`, global ones too) "
+     "run as for its own step")
+    opt = self.optimizer
+    run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl, self.state)
+    if isinstance(opt, torch.optim.Optimizer):
+        opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
+        torch.optim.Optimizer.profile_hook_step(run)(opt)
+    else: run(opt)
+    # the kernels keep the state in their layout (fastai's step counts as tensors)
+    self._own_layout_due = True
 
-    def clip_now(self, max_norm:float, norm_type:float=2.) -> float:
-        ("Clip the master grads of the pending step by their global norm; a non-finite norm skips the step. Returns "
-         "the norm")
-        if self.stage != Stage.UNSCALED:
-            raise RuntimeError("clipping needs the unscaled grads of a pending step, and the step protocol is at "
-                               f"stage {self.stage.name}: clip after the "
-                               "backward's unscale (FP16_Optimizer: after `optimizer.backward(loss)`; amp: after "
-                               "the `scale_loss` block) and before `step()`")
-        if norm_type == 2: norm = _clip([self.masters], max_norm).item()
-        elif self.masters.shards is not None:
-            raise ValueError(
-                f"sharded masters clip by the global L2 norm only (norm_type=2), not norm_type={norm_type}")
-        else: norm = torch.nn.utils.clip_grad_norm_(self.masters.master_params, max_norm, norm_type).item()
-        if not torch.isfinite(torch.tensor(norm)): self.skip_anyway()
-        return norm
+# %% ../nbs/14_engine.ipynb #831df7f3
+@patch
+def _own_step(self:StepEngine, closure=None):
+    ("The optimizer's own step (as it was before a front end replaced it), then the master copy, also after an "
+     "exception")
+    opt = self.optimizer
+    if self._own_layout_due: self.own_layout()
+    # the fused steps take edits through `.data` as they read the masters; this step reads them here
+    self.masters.adopt_data_edits()
+    restore = self.masters.hold_gradless(opt.state) if self.masters.flat else None
+    own = self._own or partial(type(opt).step, opt)
+    if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
+    self.masters.materialize()                # bf16 masters without an fp32 copy get one for the length of the step
+    def evaluate():
+        ("The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several "
+         "points in one step)")
+        self.masters.masters_to_model()
+        self.masters.store_materialized()
+        return closure()
+    try: return own(evaluate) if closure is not None else own()
+    finally:
+        if restore is not None: restore()
+        self.masters.release(opt.state)
+        self.masters.masters_to_model()
 
+@patch
+def _check_scaled(self:StepEngine):
+    ("Raise when the half model holds grads that no unscale took in: a backward without the scaling call, which "
+     "would train nothing")
+    if self.masters.raw_grads():
+        raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this "
+                           "step would train nothing"
+                           + (f": {self.hint}" if self.hint else ''))
+
+@patch
+def zero_grad(self:StepEngine, set_to_none:bool=True, masters:bool=True):
+    ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
+     "(zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own "
+     "`zero_grad` clears the masters'")
+    self.masters.drop_lent_grads()
+    if not set_to_none:                # zeroed in place: steps not yet in the books keep which params overflowed
+        for s in self.scalers: s.freeze_names()
+    for p in chain(*self.masters.model_groups, *(self.masters.groups if masters else ())):
+        if p.grad is None: continue
+        if set_to_none: p.grad = None
+        else: p.grad.detach_(); p.grad.zero_()
+    self.masters.clearing(set_to_none)
+    # a decision about grads that are gone is dropped with them
+    self.found, self._skip, self.stage = None, None, Stage.READY
+
+@patch
+def last_skipped(self:StepEngine) -> bool:
+    "True if the last step was skipped (a host read when it was decided on the device)"
+    return bool(self.last_found) if self.last_found is not None else False
+
+@patch
+def clip_now(self:StepEngine, max_norm:float, norm_type:float=2.) -> float:
+    ("Clip the master grads of the pending step by their global norm; a non-finite norm skips the step. Returns "
+     "the norm")
+    if self.stage != Stage.UNSCALED:
+        raise RuntimeError("clipping needs the unscaled grads of a pending step, and the step protocol is at "
+                           f"stage {self.stage.name}: clip after the "
+                           "backward's unscale (FP16_Optimizer: after `optimizer.backward(loss)`; amp: after "
+                           "the `scale_loss` block) and before `step()`")
+    if norm_type == 2: norm = _clip([self.masters], max_norm).item()
+    elif self.masters.shards is not None:
+        raise ValueError(
+            f"sharded masters clip by the global L2 norm only (norm_type=2), not norm_type={norm_type}")
+    else: norm = torch.nn.utils.clip_grad_norm_(self.masters.master_params, max_norm, norm_type).item()
+    if not torch.isfinite(torch.tensor(norm)): self.skip_anyway()
+    return norm
 
 # %% ../nbs/14_engine.ipynb #242accc6
 def _write_error(path, e:BaseException) -> str:

@@ -7,6 +7,7 @@ __all__ = ['FP16_Optimizer']
 
 # %% ../nbs/16_fp16_optimizer.ipynb #afa52880
 import torch
+from fastcore.basics import patch
 from .scaler import LossScaler, ScalingError
 from .master import Masters
 from .engine import StepEngine, Stage
@@ -119,60 +120,74 @@ class FP16_Optimizer:
                                f"params that train, then FP16_Optimizer. With FSDP2: {FSDP2_ADVICE}")
         if update_master_grads: self.update_master_grads()
 
-    def update_master_grads(self):
-        ("Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale (once per "
-         "backward: a second call changes nothing, as in apex)")
-        if self.engine.stage == Stage.UNSCALED: return
-        self.engine.unscale()
 
-    def step(self, closure=None):
-        "Step the fp32 masters and copy them into the model; skip when the grads overflowed"
-        if closure is None: return self.engine.step()
-        def wrapped(max_retries:int=64):
-            "The closure (which must call `self.backward(loss)`), re-run while it overflows"
-            loss = closure()
-            for _ in range(max_retries):
-                if not self.engine.must_skip(): return loss
-                self.engine.discard()
-                loss = closure()
-            raise ScalingError(f"the closure still overflowed after {max_retries} retries at loss scale "
-                               f"{self.loss_scale:g}")
-        return self.engine.step(closure=wrapped)
 
-    def zero_grad(self, set_grads_to_None:bool=True):
-        "Clear the model's and the masters' grads"
-        self.engine.zero_grad(set_grads_to_None)
 
-    def clip_master_grads(self, max_norm:float, norm_type:float=2) -> float:
-        ("Clip the fp32 master grads by their global norm; returns the norm, or -1 when the grads overflowed (a "
-         "non-finite norm skips the step)")
-        if self.overflow: return -1
-        norm = self.engine.clip_now(max_norm, norm_type)
-        return -1 if self.engine.must_skip() else norm
 
-    def state_dict(self) -> dict:
-        ("The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters (sharded: of every "
-         "rank, gathered)")
-        # sharded masters: gathered from every rank (each rank must call this), the same on all
-        with self.engine.consolidated():
-            return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
-                    'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
 
-    def load_state_dict(self, sd:dict):
-        ("Restore the scaler, the wrapped optimizer and the fp32 masters (and the half params from them); everything "
-         "is checked before anything changes")
-        missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
-        if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
-        self.engine.check_masters(sd['fp32_from_fp16'])
-        self.engine.check_optimizer_state(sd['optimizer_state_dict'])
-        self.scaler.check_state(sd['loss_scaler'])
-        self.scaler.load_state_dict(sd['loss_scaler'])
-        # sharded masters: every rank loads all, then keeps its shard
-        self.engine.load_optimizer_state(sd['optimizer_state_dict'])
-        with self.engine.consolidated(gather=False): self.engine.load_masters(sd['fp32_from_fp16'])
         # 'overflow' is kept for apex's readers only: it tells of a step taken (or skipped) before the save, and the
         # grads it was about are not in the checkpoint
 
-    def add_param_group(self, param_group:dict):
-        "Add a param group (half params get fp32 masters), keeping the state of the existing ones"
-        self.engine.add_param_group(param_group)
+# %% ../nbs/16_fp16_optimizer.ipynb #74c92614
+@patch
+def update_master_grads(self:FP16_Optimizer):
+    ("Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale (once per "
+     "backward: a second call changes nothing, as in apex)")
+    if self.engine.stage == Stage.UNSCALED: return
+    self.engine.unscale()
+
+@patch
+def step(self:FP16_Optimizer, closure=None):
+    "Step the fp32 masters and copy them into the model; skip when the grads overflowed"
+    if closure is None: return self.engine.step()
+    def wrapped(max_retries:int=64):
+        "The closure (which must call `self.backward(loss)`), re-run while it overflows"
+        loss = closure()
+        for _ in range(max_retries):
+            if not self.engine.must_skip(): return loss
+            self.engine.discard()
+            loss = closure()
+        raise ScalingError(f"the closure still overflowed after {max_retries} retries at loss scale "
+                           f"{self.loss_scale:g}")
+    return self.engine.step(closure=wrapped)
+
+@patch
+def zero_grad(self:FP16_Optimizer, set_grads_to_None:bool=True):
+    "Clear the model's and the masters' grads"
+    self.engine.zero_grad(set_grads_to_None)
+
+@patch
+def clip_master_grads(self:FP16_Optimizer, max_norm:float, norm_type:float=2) -> float:
+    ("Clip the fp32 master grads by their global norm; returns the norm, or -1 when the grads overflowed (a "
+     "non-finite norm skips the step)")
+    if self.overflow: return -1
+    norm = self.engine.clip_now(max_norm, norm_type)
+    return -1 if self.engine.must_skip() else norm
+
+@patch
+def state_dict(self:FP16_Optimizer) -> dict:
+    ("The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters (sharded: of every "
+     "rank, gathered)")
+    # sharded masters: gathered from every rank (each rank must call this), the same on all
+    with self.engine.consolidated():
+        return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
+                'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
+
+@patch
+def load_state_dict(self:FP16_Optimizer, sd:dict):
+    ("Restore the scaler, the wrapped optimizer and the fp32 masters (and the half params from them); everything "
+     "is checked before anything changes")
+    missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
+    if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
+    self.engine.check_masters(sd['fp32_from_fp16'])
+    self.engine.check_optimizer_state(sd['optimizer_state_dict'])
+    self.scaler.check_state(sd['loss_scaler'])
+    self.scaler.load_state_dict(sd['loss_scaler'])
+    # sharded masters: every rank loads all, then keeps its shard
+    self.engine.load_optimizer_state(sd['optimizer_state_dict'])
+    with self.engine.consolidated(gather=False): self.engine.load_masters(sd['fp32_from_fp16'])
+
+@patch
+def add_param_group(self:FP16_Optimizer, param_group:dict):
+    "Add a param group (half params get fp32 masters), keeping the state of the existing ones"
+    self.engine.add_param_group(param_group)

@@ -9,6 +9,7 @@ __all__ = ['StepRecord', 'CODES', 'REASONS', 'ScalingError', 'ScalerHealth', 'Lo
 import math, warnings
 from collections import deque, namedtuple
 import torch
+from fastcore.basics import patch
 
 # %% ../nbs/11_scaler.ipynb #2ac694e1
 class ScalingError(RuntimeError):
@@ -157,118 +158,14 @@ class LossScaler(ScalerHealth):
             self._tensors = _ScaleTensors(self._scale, self._noskip, device)
         return self._tensors.scale, self._tensors.inv
 
-    def advance(self, code:torch.Tensor, grad_norm:torch.Tensor=None, name_params=None, input_finite=True,
-                hopeless_raises:bool=True, diagnose=None) -> torch.Tensor:
-        ("The rules, as tensor ops on `code`'s device, for one step whose outcome `code` indexes `CODES`; returns "
-         "the skip flag. The host's books follow at `drain`, which raises `ScalingError` when scaling cannot help "
-         "(unless `hopeless_raises=False`), naming the params (`name_params()`) and what `diagnose()` finds")
-        d = self._tensors
-        if d is None or d.scale64.device != code.device:
-            raise RuntimeError("call tensors(device) first: advance needs the scale on the code's device")
-        clean, grads_bad = code == 0, (code == 1) | (code == 3)
-        before = d.scale64
-        noskip = torch.where(clean, d.noskip + 1, torch.where(grads_bad, 0, d.noskip))
-        if self.dynamic:
-            grow = clean & (noskip >= self.max_noskip)
-            up, down = (
-                d.scale64 * self.factor).clamp(max=self.max_scale), (d.scale64 / self.factor).clamp(min=self.min_scale)
-            d.scale64 = torch.where(grow, up, torch.where(grads_bad, down, d.scale64))
-            noskip = torch.where(grow, 0, noskip)
-            d.refresh()
-        d.noskip = noskip
-        norm = grad_norm.double().reshape(()) if grad_norm is not None else torch.zeros_like(before)
-        vals, event = torch.stack([code.double(), norm, before, d.scale64, noskip.double()]), None
-        # to pinned host memory without waiting; `drain` waits only if it must
-        if vals.is_cuda:
-            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-            host.copy_(vals, non_blocking=True)
-            event, vals = torch.cuda.Event(), host
-            event.record()
-        self._pending.append((vals, event, grad_norm is not None, name_params, input_finite, hopeless_raises, diagnose))
-        if event is None: self.drain()
-        return ~clean
 
-    def freeze_names(self):
-        "Steps not yet in the books keep which params overflowed (on the device), before their grads are zeroed"
-        for entry in self._pending:
-            if hasattr(entry[3], 'freeze'): entry[3].freeze()
 
-    def drain(self):
-        ("Catch the host's books up with every step `advance` took, in order (waiting for a copy that has not "
-         "landed): scale, counters, history, messages, `ScalingError`")
-        while self._pending:
-            vals, event, has_norm, name_params, input_finite, raises, diagnose = self._pending.popleft()
-            if event is not None and not event.query(): self.waits += 1; event.synchronize()
-            code, norm, before, after, noskip = vals.tolist()
-            code = int(code)
-            reason = CODES[code] if code else None
-            if code == 2 and not (input_finite() if callable(input_finite) else bool(input_finite)):
-                reason = 'nonfinite_input'
-            params = tuple(name_params() or ()) if code in (1, 3) and name_params is not None else ()
-            self._book(code, reason, before, after, int(noskip), norm if has_norm and code in (0, 3) else None,
-                       params or None)
-            msg = self.hopeless() if raises else None
-            if not msg: continue
-            msg += f" Params with non-finite grads: {', '.join(params)}." if params else ''
-            # e.g. weights already inf/NaN: then that is the news, not the data
-            cause = diagnose().strip() if diagnose else ''
-            raise ScalingError(f"{cause} What the loss scaler saw: {msg}" if cause else msg)
 
-    def _book(self, code, reason, before, after, noskip, norm, params):
-        "Write one step into the books: counters, history, a message"
-        self.n_steps += 1
-        if code == 0: self.overflows_at_min = self.bad_losses = 0
-        elif code == 2: self.bad_losses += 1
-        else:
-            self.bad_losses = 0
-            if self.dynamic and before <= self.min_scale: self.overflows_at_min += 1
-        self._scale, self._noskip, self.skipped = after, noskip, code != 0
-        self.n_skipped += self.skipped
-        rec = StepRecord(self.n_steps, before, self.skipped, reason, norm, params)
-        self.history.append(rec)
-        if self.verbose: self._say(rec)
-        overflow = code in (1, 3)
-        # the first search for a scale (2**16 halved until clean) is not judged
-        if self.n_steps > self.n_skipped:
-            self._recent.append((overflow, overflow and self.dynamic and before <= self.min_scale))
-        share, at_min = self._shares()
-        if share > self.max_skip_share and not self._warned_share and not at_min > self.max_skip_share:
-            self._warned_share = True
-            where = f" The last overflow was in {', '.join(params[:3])}." if params else ''
-            warnings.warn(f"mixedprec: {share:.0%} of the last {len(self._recent)} optimizer steps were skipped "
-                          "because the grads overflowed "
-                          f"(loss scale now {after:g}), so the model trains on the rest only.{where} Overflows that "
-                          "keep coming at a steady scale mean "
-                          "some grads are beyond half precision's range: train in bf16, or keep the modules that "
-                          "overflow in fp32." + self._advice(), stacklevel=2)
 
-    def update(self, found_inf:bool, reason:str='overflow', grad_norm:float=None, params:tuple=None) -> bool:
-        ("One step's outcome from the host, through the same rules (`advance`, on the scaler's device or the CPU), "
-         "taken in at once; True if the step must be skipped (`hopeless()` says when scaling cannot help)")
-        if reason not in REASONS: raise ValueError(f"unknown reason {reason!r}; one of {REASONS}")
-        device = self._tensors.scale64.device if self._tensors is not None else torch.device('cpu')
-        self.tensors(device)
-        code = torch.tensor(_CODE_OF[reason] if found_inf else 0, device=device)
-        norm = torch.tensor(float(grad_norm), device=device) if grad_norm is not None else None
-        self.advance(code, norm, (lambda: params) if params else None, reason != 'nonfinite_input',
-                     hopeless_raises=False)
-        self.drain()
-        return self.skipped
 
     _STATE = ('scale', 'dynamic', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'noskip', 'n_steps', 'n_skipped',
               'overflows_at_min', 'bad_losses')
-    def state_dict(self) -> dict:
-        "The scaler's state as plain Python numbers (the books caught up first)"
-        self.drain()
-        return {k: getattr(self, k) for k in self._STATE}
 
-    def load_state_dict(self, sd:dict):
-        "Restore the state from `state_dict()`; the tensors restart from it"
-        values = self.check_state(sd)
-        self.drain()
-        for k, v in values.items(): setattr(self, k, v)
-        self._tensors = None
-        return self
 
     @staticmethod
     def check_settings(loss_scale, dynamic:bool, max_noskip, max_scale, min_scale, factor):
@@ -292,30 +189,153 @@ class LossScaler(ScalerHealth):
                 raise ValueError(f"min_scale ({min_scale}) is above the starting loss_scale ({loss_scale}); lower "
                                  "min_scale or raise loss_scale")
 
-    def check_state(self, sd:dict) -> dict:
-        "The values `load_state_dict(sd)` would set, or an error saying what is wrong (nothing changes here)"
-        missing = [k for k in ('scale', 'noskip') if not isinstance(sd, dict) or k not in sd]
-        if missing: raise KeyError(f"not a LossScaler state_dict: missing {missing}")
-        try: values = {k: type(getattr(self, k))(sd[k]) for k in self._STATE if k in sd}
-        except (TypeError, ValueError, OverflowError) as e:
-            raise ValueError(f"not a LossScaler state_dict: {e}") from None
-        v = {k: values.get(k, getattr(self, k)) for k in self._STATE}      # the whole state the load would leave
-        def bad(why): raise ValueError(f"the loss scaler's state is out of range: {why}; nothing was loaded")
-        try: self.check_settings(v['scale'], v['dynamic'], v['max_noskip'], v['max_scale'], v['min_scale'], v['factor'])
-        except ValueError as e: bad(str(e))
-        for k in ('noskip', 'n_steps', 'n_skipped', 'overflows_at_min', 'bad_losses'):
-            if v[k] < 0: bad(f"{k} is {v[k]!r}, a count is >= 0")
-        if v['n_skipped'] > v['n_steps']: bad(f"n_skipped ({v['n_skipped']}) is above n_steps ({v['n_steps']})")
-        return values
+# %% ../nbs/11_scaler.ipynb #cd19aded
+@patch
+def advance(self:LossScaler, code:torch.Tensor, grad_norm:torch.Tensor=None, name_params=None, input_finite=True,
+            hopeless_raises:bool=True, diagnose=None) -> torch.Tensor:
+    ("The rules, as tensor ops on `code`'s device, for one step whose outcome `code` indexes `CODES`; returns "
+     "the skip flag. The host's books follow at `drain`, which raises `ScalingError` when scaling cannot help "
+     "(unless `hopeless_raises=False`), naming the params (`name_params()`) and what `diagnose()` finds")
+    d = self._tensors
+    if d is None or d.scale64.device != code.device:
+        raise RuntimeError("call tensors(device) first: advance needs the scale on the code's device")
+    clean, grads_bad = code == 0, (code == 1) | (code == 3)
+    before = d.scale64
+    noskip = torch.where(clean, d.noskip + 1, torch.where(grads_bad, 0, d.noskip))
+    if self.dynamic:
+        grow = clean & (noskip >= self.max_noskip)
+        up, down = (
+            d.scale64 * self.factor).clamp(max=self.max_scale), (d.scale64 / self.factor).clamp(min=self.min_scale)
+        d.scale64 = torch.where(grow, up, torch.where(grads_bad, down, d.scale64))
+        noskip = torch.where(grow, 0, noskip)
+        d.refresh()
+    d.noskip = noskip
+    norm = grad_norm.double().reshape(()) if grad_norm is not None else torch.zeros_like(before)
+    vals, event = torch.stack([code.double(), norm, before, d.scale64, noskip.double()]), None
+    # to pinned host memory without waiting; `drain` waits only if it must
+    if vals.is_cuda:
+        host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+        host.copy_(vals, non_blocking=True)
+        event, vals = torch.cuda.Event(), host
+        event.record()
+    self._pending.append((vals, event, grad_norm is not None, name_params, input_finite, hopeless_raises, diagnose))
+    if event is None: self.drain()
+    return ~clean
 
-    def __getstate__(self) -> dict:
-        "Pickle (fastai's `export`, `copy.deepcopy`) the host state only: the books catch up first, the tensors restart"
-        self.drain()
-        return {**self.__dict__, '_pending': deque(), '_tensors': None}
+@patch
+def freeze_names(self:LossScaler):
+    "Steps not yet in the books keep which params overflowed (on the device), before their grads are zeroed"
+    for entry in self._pending:
+        if hasattr(entry[3], 'freeze'): entry[3].freeze()
 
-    def __setstate__(self, state:dict):
-        "Unpickle: the host's books as pickled; the tensors restart from them at the next step"
-        self.__dict__.update({**state, '_pending': deque(), '_tensors': None})
+@patch
+def drain(self:LossScaler):
+    ("Catch the host's books up with every step `advance` took, in order (waiting for a copy that has not "
+     "landed): scale, counters, history, messages, `ScalingError`")
+    while self._pending:
+        vals, event, has_norm, name_params, input_finite, raises, diagnose = self._pending.popleft()
+        if event is not None and not event.query(): self.waits += 1; event.synchronize()
+        code, norm, before, after, noskip = vals.tolist()
+        code = int(code)
+        reason = CODES[code] if code else None
+        if code == 2 and not (input_finite() if callable(input_finite) else bool(input_finite)):
+            reason = 'nonfinite_input'
+        params = tuple(name_params() or ()) if code in (1, 3) and name_params is not None else ()
+        self._book(code, reason, before, after, int(noskip), norm if has_norm and code in (0, 3) else None,
+                   params or None)
+        msg = self.hopeless() if raises else None
+        if not msg: continue
+        msg += f" Params with non-finite grads: {', '.join(params)}." if params else ''
+        # e.g. weights already inf/NaN: then that is the news, not the data
+        cause = diagnose().strip() if diagnose else ''
+        raise ScalingError(f"{cause} What the loss scaler saw: {msg}" if cause else msg)
+
+@patch
+def _book(self:LossScaler, code, reason, before, after, noskip, norm, params):
+    "Write one step into the books: counters, history, a message"
+    self.n_steps += 1
+    if code == 0: self.overflows_at_min = self.bad_losses = 0
+    elif code == 2: self.bad_losses += 1
+    else:
+        self.bad_losses = 0
+        if self.dynamic and before <= self.min_scale: self.overflows_at_min += 1
+    self._scale, self._noskip, self.skipped = after, noskip, code != 0
+    self.n_skipped += self.skipped
+    rec = StepRecord(self.n_steps, before, self.skipped, reason, norm, params)
+    self.history.append(rec)
+    if self.verbose: self._say(rec)
+    overflow = code in (1, 3)
+    # the first search for a scale (2**16 halved until clean) is not judged
+    if self.n_steps > self.n_skipped:
+        self._recent.append((overflow, overflow and self.dynamic and before <= self.min_scale))
+    share, at_min = self._shares()
+    if share > self.max_skip_share and not self._warned_share and not at_min > self.max_skip_share:
+        self._warned_share = True
+        where = f" The last overflow was in {', '.join(params[:3])}." if params else ''
+        warnings.warn(f"mixedprec: {share:.0%} of the last {len(self._recent)} optimizer steps were skipped "
+                      "because the grads overflowed "
+                      f"(loss scale now {after:g}), so the model trains on the rest only.{where} Overflows that "
+                      "keep coming at a steady scale mean "
+                      "some grads are beyond half precision's range: train in bf16, or keep the modules that "
+                      "overflow in fp32." + self._advice(), stacklevel=2)
+
+# %% ../nbs/11_scaler.ipynb #c5f823c3
+@patch
+def update(self:LossScaler, found_inf:bool, reason:str='overflow', grad_norm:float=None, params:tuple=None) -> bool:
+    ("One step's outcome from the host, through the same rules (`advance`, on the scaler's device or the CPU), "
+     "taken in at once; True if the step must be skipped (`hopeless()` says when scaling cannot help)")
+    if reason not in REASONS: raise ValueError(f"unknown reason {reason!r}; one of {REASONS}")
+    device = self._tensors.scale64.device if self._tensors is not None else torch.device('cpu')
+    self.tensors(device)
+    code = torch.tensor(_CODE_OF[reason] if found_inf else 0, device=device)
+    norm = torch.tensor(float(grad_norm), device=device) if grad_norm is not None else None
+    self.advance(code, norm, (lambda: params) if params else None, reason != 'nonfinite_input',
+                 hopeless_raises=False)
+    self.drain()
+    return self.skipped
+
+@patch
+def state_dict(self:LossScaler) -> dict:
+    "The scaler's state as plain Python numbers (the books caught up first)"
+    self.drain()
+    return {k: getattr(self, k) for k in self._STATE}
+
+@patch
+def load_state_dict(self:LossScaler, sd:dict):
+    "Restore the state from `state_dict()`; the tensors restart from it"
+    values = self.check_state(sd)
+    self.drain()
+    for k, v in values.items(): setattr(self, k, v)
+    self._tensors = None
+    return self
+
+@patch
+def check_state(self:LossScaler, sd:dict) -> dict:
+    "The values `load_state_dict(sd)` would set, or an error saying what is wrong (nothing changes here)"
+    missing = [k for k in ('scale', 'noskip') if not isinstance(sd, dict) or k not in sd]
+    if missing: raise KeyError(f"not a LossScaler state_dict: missing {missing}")
+    try: values = {k: type(getattr(self, k))(sd[k]) for k in self._STATE if k in sd}
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"not a LossScaler state_dict: {e}") from None
+    v = {k: values.get(k, getattr(self, k)) for k in self._STATE}      # the whole state the load would leave
+    def bad(why): raise ValueError(f"the loss scaler's state is out of range: {why}; nothing was loaded")
+    try: self.check_settings(v['scale'], v['dynamic'], v['max_noskip'], v['max_scale'], v['min_scale'], v['factor'])
+    except ValueError as e: bad(str(e))
+    for k in ('noskip', 'n_steps', 'n_skipped', 'overflows_at_min', 'bad_losses'):
+        if v[k] < 0: bad(f"{k} is {v[k]!r}, a count is >= 0")
+    if v['n_skipped'] > v['n_steps']: bad(f"n_skipped ({v['n_skipped']}) is above n_steps ({v['n_steps']})")
+    return values
+
+@patch
+def __getstate__(self:LossScaler) -> dict:
+    "Pickle (fastai's `export`, `copy.deepcopy`) the host state only: the books catch up first, the tensors restart"
+    self.drain()
+    return {**self.__dict__, '_pending': deque(), '_tensors': None}
+
+@patch
+def __setstate__(self:LossScaler, state:dict):
+    "Unpickle: the host's books as pickled; the tensors restart from them at the next step"
+    self.__dict__.update({**state, '_pending': deque(), '_tensors': None})
 
 # %% ../nbs/11_scaler.ipynb #d2d9dff6
 def plot_history(history, ax=None, show_skipped:bool=True):

@@ -7,7 +7,7 @@ import pytest, torch
 from fastai.optimizer import Adam
 from fastai.callback.training import GradientAccumulation
 from fastai.callback.schedule import *                   # Learner.lr_find, fit_one_cycle
-from mixedprec.master import SCALES
+from mixedprec.state import SCALES
 from helpers import group_learner
 from test_lean_state import assert_same, bits
 from test_fastai_workflows import params as weights

@@ -9,7 +9,8 @@ from torch import nn
 from fastai.optimizer import Adam, SGD
 from mixedprec import ops, amp
 from mixedprec.ops import quantize8_ref, dequantize8_ref, Q_BLOCK
-from mixedprec.master import CheckpointError, SCALES, _mix
+from mixedprec.master import CheckpointError, _mix
+from mixedprec.state import SCALES
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from helpers import synth_learner, mlp
 from test_lean_state import data, state_tensors, train_fp16_optimizer, train_amp, assert_same
