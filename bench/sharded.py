@@ -2,7 +2,7 @@
 at their peak (after the backward, before the step), the fp32 masters and the optimizer state (Adam: torch's AdamW,
 fastai's Adam in the callback), for DDP and ZeRO stage 1 (`shard=True`) under FP16_Optimizer, amp O2 and the fastai
 callback, beside torch's own FSDP2 (`fully_shard` with bf16
-compute, fp32 sharded params); then the same four columns on paper for a 7B-param model at 8, 64 and 512 ranks, and the
+compute, fp32 sharded params) and FP16_Optimizer on FSDP2 (fp32 and bf16 optimizer state); then the same four columns on paper for a 7B-param model at 8, 64 and 512 ranks, and the
 step time of ZeRO-1 against DDP. Prints the tables.
 
     python bench/sharded.py [--width 512] [--layers 8] [--steps 10] [--worlds 1,2,3,4]
@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import cpu_name
 
 CONFIGS = ['DDP, FP16_Optimizer', 'ZeRO-1, FP16_Optimizer', 'DDP, amp O2', 'ZeRO-1, amp O2', 'DDP, fastai callback', 'ZeRO-1, fastai callback',
-           'torch FSDP2 (bf16 compute)']
+           'torch FSDP2 (bf16 compute)', 'FSDP2 + FP16_Optimizer (bf16 compute)', 'FSDP2 + FP16_Optimizer, bf16 state']
 
 def free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -39,7 +39,7 @@ def run(rank, world, port, out, config, width, layers, steps):
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     x = torch.randn(16, width)
     shard = config.startswith('ZeRO-1')
-    if 'FP16_Optimizer' in config:
+    if 'FP16_Optimizer' in config and 'FSDP2' not in config:
         from mixedprec.fp16_optimizer import FP16_Optimizer
         model = model.half(); net = DDP(model)
         opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dynamic_loss_scale=True, verbose=False, shard=shard)
@@ -66,6 +66,11 @@ def run(rank, world, port, out, config, width, layers, steps):
         opt = inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
         def backward(): opt.zero_grad(); net(x).float().pow(2).mean().backward()
         unscale, step = (lambda: None), opt.step
+        if 'FP16_Optimizer' in config:        # mixedprec on FSDP2: its sharded fp32 params are the masters
+            from mixedprec.fp16_optimizer import FP16_Optimizer
+            opt = FP16_Optimizer(inner, verbose=False, state='bf16' if 'bf16 state' in config else 'fp32')
+            def backward(): opt.zero_grad(); opt.backward(net(x).float().pow(2).mean(), update_master_grads=False)
+            unscale, step = opt.update_master_grads, opt.step
     model_params = list(model.parameters())
     peak_grads, t = 0, None
     for i in range(steps + 2):
@@ -141,13 +146,14 @@ def main():
     print(f"{a.layers}x Linear({a.width}, {a.width}) ({n / 1e6:.2f}M params), AdamW, gloo on loopback, 1 thread per rank; CPU: {cpu_name()}")
     print("MiB per rank (the fullest rank), measured from the tensors it holds; grads at their peak (the unscale, when the half grads and\n"
           "the master grads both exist; DDP's own gradient buckets, the same for DDP and ZeRO-1, are not counted)\n")
-    print(f"| ranks | configuration | params | grads (peak) | fp32 masters | optimizer state | total | step time vs DDP, same front end |")
+    print(f"| ranks | configuration | params | grads (peak) | fp32 masters | optimizer state | total | step time vs DDP, same front end (FSDP2: vs torch's FSDP2) |")
     print("|---|---|---|---|---|---|---|---|")
     for world in worlds:
         for config in CONFIGS:
             r = res[config, world]
             total = r['params'] + r['grads'] + r['masters'] + r['state']
-            base = res.get((config.replace('ZeRO-1', 'DDP'), world)) if config.startswith('ZeRO-1') else None
+            base = (res.get((config.replace('ZeRO-1', 'DDP'), world)) if config.startswith('ZeRO-1') else
+                    res.get(('torch FSDP2 (bf16 compute)', world)) if config.startswith('FSDP2 +') else None)
             rel = f"{r['sec'] / base['sec']:.2f}" if base else ''
             print(f"| {world} | {config} | {r['params'] / 2**20:.1f} | {r['grads'] / 2**20:.1f} | {r['masters'] / 2**20:.1f} | {r['state'] / 2**20:.1f} | "
                   f"{total / 2**20:.1f} | {rel} |")

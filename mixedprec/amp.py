@@ -18,7 +18,7 @@ from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_
 from .ops import require_impl
 from .master import check_store, Masters
 from .state import check_state_store
-from .distributed import refuse_fsdp2
+from .distributed import refuse_fsdp2, check_fsdp2
 
 # %% ../nbs/17_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -196,10 +196,11 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     global _state
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
     opt_list = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    fsdp2 = weakref.WeakSet()                # models FSDP2 shards: its policy casts them, their fp32 params are masters
     for m in model_list:
         if not isinstance(m, nn.Module):
             raise TypeError(f"amp.initialize takes nn.Modules as models, got {type(m).__name__}")
-        refuse_fsdp2(m, "amp.initialize")
+        if check_fsdp2(list(m.parameters()), "amp.initialize", masters, shard, state): fsdp2.add(m)
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise TypeError("call amp.initialize on the bare model, then wrap it in DistributedDataParallel")
         if m in _initialized or getattr(m, '_mixedprec_conversion', None) is not None:
@@ -212,12 +213,16 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
             raise TypeError(f"amp.initialize takes torch.optim.Optimizers, got {type(o).__name__} (do not wrap them "
                             "in FP16_Optimizer)")
         if o in _engines: raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
-        refuse_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize")
+        check_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize", masters, shard, state)
         # an optimizer the fused steps do not know, with lean state: before any model is converted
         _check_lean(o, state)
     if not (isinstance(num_losses, int) and num_losses >= 1):
         raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
+    if len(fsdp2) and not (props['cast_model_type'] in HALF_DTYPES and props['master_weights']):
+        raise ValueError(f"amp.initialize: opt_level={opt_level!r} with an FSDP2 model: use opt_level='O2', whose "
+                         "fp32 masters are FSDP2's sharded fp32 params (the compute dtype is the one its "
+                         "`MixedPrecisionPolicy(param_dtype=...)` names)")
     check_store(masters, props['dtype'])
     check_state_store(state)
     if decide is not None: _check_decide(decide)
@@ -239,11 +244,12 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
                                  "masters), or the modules that overflow kept in fp32.",
                           **kw) for _ in range(num_losses)]
     setup = _state = AmpState(props, scalers, enabled, verbosity)
-    setup.models = [weakref.ref(m) for m in model_list]
+    setup.models, setup.fsdp2 = [weakref.ref(m) for m in model_list], fsdp2
     if not enabled: return models if optimizers is None else (models, optimizers)
     records = []
     for m in model_list:
-        if props['cast_model_type'] in HALF_DTYPES:
+        if m in fsdp2: pass                  # FSDP2 casts it at each gather, by its policy
+        elif props['cast_model_type'] in HALF_DTYPES:
             keep = (_BatchNorm,) if props['keep_batchnorm_fp32'] else ()
             records.append(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True,
                                          masters=props['master_weights']).masters)
@@ -286,7 +292,7 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
     engines = _engines_of(optimizers)
     # a model wrapped by `fully_shard` after initialize would run, and never train
     for ref in getattr(engines[0].amp, 'models', []):
-        if (m := ref()) is not None:
+        if (m := ref()) is not None and m not in getattr(engines[0].amp, 'fsdp2', ()):
             refuse_fsdp2(m, "amp.scale_loss: the model was wrapped by `fully_shard` after amp.initialize")
     scaler = engines[0].amp.scaler(loss_id)
     yield scale_into(engines, loss, scaler)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ENABLED', 'TIMEOUT', 'FSDP2_ADVICE', 'set_process_group', 'world_size', 'agree', 'rank0s', 'fsdp2_sharded',
-           'refuse_fsdp2', 'balance', 'Shards', 'rank', 'barrier', 'sum_over_ranks']
+           'refuse_fsdp2', 'check_fsdp2', 'balance', 'Shards', 'rank', 'barrier', 'sum_over_ranks']
 
 # %% ../nbs/18_distributed.ipynb #b1c37fa5
 import datetime
@@ -56,11 +56,11 @@ def rank0s(value:int) -> int:
     return int(_all_reduce(t, dist.ReduceOp.SUM, "the agreement on the stochastic-rounding seed").item())
 
 # %% ../nbs/18_distributed.ipynb #a2121506
-FSDP2_ADVICE = ("mixedprec does not drive FSDP2 yet. For weights sharded across ranks, use FSDP2's own mixed "
-                "precision: "
-                "`fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))` (bf16 needs no "
-                "loss scale; fp16 with torch's "
-                "`ShardedGradScaler`). To shard only the fp32 masters and optimizer state across DDP ranks (ZeRO "
+FSDP2_ADVICE = ("FP16_Optimizer and amp (O2) drive an FSDP2 model, the fastai callback does not yet: wrap with "
+                "`fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, "
+                "reduce_dtype=torch.float32))`, keep its params fp32 (they are the masters), then "
+                "`amp.initialize(model, optimizer, opt_level='O2')` or `FP16_Optimizer(optimizer, "
+                "dynamic_loss_scale=True)`. To shard only the fp32 masters and optimizer state across DDP ranks (ZeRO "
                 "stage 1), use mixedprec's `shard=True`")
 
 def fsdp2_sharded(params) -> bool:
@@ -83,6 +83,27 @@ def refuse_fsdp2(params, where:str):
         raise TypeError(f"{where}: the model is sharded by torch's FSDP2 (`fully_shard`), whose params are DTensors "
                         "that FSDP2 re-creates and "
                         f"gathers, so mixedprec's fp32 masters would not be the weights that train. {FSDP2_ADVICE}")
+
+def check_fsdp2(params:list, where:str, masters:str='fp32', shard:bool=False, state:str='fp32') -> bool:
+    ("True when `params` are FSDP2's sharded params, which are then their own masters; raises, saying what to do, "
+     "for what does not combine with FSDP2")
+    if not fsdp2_sharded(params): return False
+    half = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
+    if half:
+        raise TypeError(f"{where}: the FSDP2 model holds {', '.join(half)} params, and mixedprec would keep a second, "
+                        "fp32 copy of them: keep the params fp32 and give FSDP2 the compute dtype, "
+                        "`fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, "
+                        "reduce_dtype=torch.float32))`: its sharded fp32 params are then the masters")
+    if shard:
+        raise ValueError(f"{where}: shard=True shards the masters across DDP ranks, and FSDP2 shards them already: "
+                         "leave shard=False")
+    if masters != 'fp32':
+        raise ValueError(f"{where}: masters={masters!r} keeps the masters in bf16 weights, and FSDP2's sharded fp32 "
+                         "params are the masters (bf16 masters on FSDP2 are not built): pass masters='fp32'")
+    if state == '8bit':
+        raise ValueError(f"{where}: state='8bit' on FSDP2 is not built yet (its scales cover blocks of a whole "
+                         "param, and a rank holds a shard): pass state='bf16' (half the bytes) or 'fp32'")
+    return True
 
 # %% ../nbs/18_distributed.ipynb #shard0002
 def balance(numels:list, world:int) -> list:

@@ -331,6 +331,8 @@ def _clip(group:list, max_norm:float) -> torch.Tensor:
             each[index] = norms
     if any(ms.shards is not None for ms in group):
         each = sum_over_ranks(each)   # each slot is filled on its owner only: the sum is exact
+    elif any(ms.fsdp2 for ms in group):
+        each = sum_over_ranks(each * each).sqrt()          # FSDP2: each rank holds a shard of every param
     return clip_grads_([g for ms in group for g in ms.master_grads()], max_norm, group[0].impl,
                        norm=torch.linalg.vector_norm(each))
 
@@ -883,7 +885,8 @@ class OverflowNames:
     def freeze(self):
         "Each grad's largest magnitude (inf or NaN where it holds one), one foreach op on the device"
         if self.frozen is None:
-            self.frozen = [torch._foreach_norm([g for _, g in gs], float('inf')) if gs else [] for gs in self.grads]
+            self.frozen = [torch._foreach_norm(ops.local_shards([g for _, g in gs]), float('inf')) if gs else []
+                           for gs in self.grads]
     def __call__(self) -> list:
         if self.frozen is None: peaks = [None] * len(self.grads)
         else: peaks = [torch.stack(p).tolist() if p else [] for p in self.frozen]

@@ -13,7 +13,7 @@ from .master import Masters
 from .engine import StepEngine, Stage
 from .ops import require_impl
 from .master import check_store
-from .distributed import refuse_fsdp2, FSDP2_ADVICE
+from .distributed import check_fsdp2, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor',
@@ -54,7 +54,7 @@ class FP16_Optimizer:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         params = [p for g in init_optimizer.param_groups for p in g['params']]
-        refuse_fsdp2(params, "FP16_Optimizer")
+        check_fsdp2(params, "FP16_Optimizer", masters, shard, state)
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
@@ -102,7 +102,8 @@ class FP16_Optimizer:
                  f"({'dynamic' if self.scaler.dynamic else 'static'}):"]
         for i, g in enumerate(self.masters.model_groups):
             half = sum(p in self.masters.record for p in g)
-            lines.append(f"  group {i}: {half} half params with fp32 masters, {len(g) - half} fp32 params")
+            if self.masters.fsdp2: lines.append(f"  group {i}: {len(g)} params sharded by FSDP2, fp32: their own masters")
+            else: lines.append(f"  group {i}: {half} half params with fp32 masters, {len(g) - half} fp32 params")
         return '\n'.join(lines)
 
     def backward(self, loss:torch.Tensor, update_master_grads:bool=True, retain_graph:bool=False):

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from .ops import (scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, split_bf16_ref, join_bf16_ref,
-                           round_stochastic_ref, Q_BLOCK)
+                           round_stochastic_ref, Q_BLOCK, is_dtensor, local_shards)
 from .state import _like, SCALES, Int8State, fp32_state
-from .distributed import Shards
+from .distributed import Shards, agree
 from torch.utils._pytree import tree_map, tree_flatten
 
 # %% ../nbs/13_master.ipynb #2f577845
@@ -788,12 +788,16 @@ def nonfinite_grads(self:MasterGrads, limit:int=10, grads:list=None, peaks:list=
         grads = [(p, p.grad) for p, _, _ in self.pairs if p.grad is not None]
         grads += [(p, p.grad) for p in self.own if p.grad is not None]
     if not grads: return []
+    shards = local_shards([g for _, g in grads])                  # FSDP2: this rank's shards
     if peaks is not None: kinds = ['nan' if x != x else 'inf' if not math.isfinite(x) else None for x in peaks]
     else:   # one host read: a non-finite grad has a non-finite norm (and a huge finite fp32 grad may have one too)
-        try: norms = l2norm([g for _, g in grads], per_tensor=True, impl=self.impl)[1].tolist()
+        try: norms = l2norm(shards, per_tensor=True, impl=self.impl)[1].tolist()
         except (RuntimeError, ValueError): norms = [float('nan')] * len(grads)     # a layout the kernel refuses
         kinds = [None if math.isfinite(n) or torch.isfinite(g).all() else 'nan' if torch.isnan(g).any() else 'inf'
-                 for (_, g), n in zip(grads, norms)]
+                 for g, n in zip(shards, norms)]
+    if self.fsdp2:          # every rank names what any rank's shard holds (every rank names, when a step overflowed)
+        codes = agree(torch.tensor([(None, 'inf', 'nan').index(k) for k in kinds], dtype=torch.int32))
+        kinds = [(None, 'inf', 'nan')[c] for c in codes.tolist()]
     return [f"{self.names.get(p, tuple(p.shape))} ({kind})" for (p, _), kind in zip(grads, kinds) if kind][:limit]
 
 @patch
@@ -888,6 +892,8 @@ class MasterParams(MasterShards, MasterGrads):
                     offset += n
                 mg.append(fm)
             self.groups.append(mg + own)
+        # FSDP2's sharded fp32 params, their own masters: each rank holds a shard of each, and sums over ranks
+        self.fsdp2 = any(is_dtensor(p) for p in self.own)
         self._index()
         self.mark_written()
         self._rg_seen = self._requires_grads()          # as of the last sync

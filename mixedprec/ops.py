@@ -6,10 +6,10 @@
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUILD_S', 'FIX', 'Q_BLOCK', 'scale_check_ref_',
            'set_impl', 'current_impl', 'env_flag', 'find_cuda_home', 'cpu_flags', 'cpu_isa', 'last_level_cache_bytes',
            'stream_min_bytes', 'default_cache', 'unsafe', 'unsafe_above', 'compiled_here', 'build_extension', 'Kernels',
-           'warn_once', 'backend', 'require_impl', 'scale_check_', 'scale_add_check_ref_', 'scale_add_check_',
-           'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref', 'rounding_bits_ref', 'round_stochastic_ref',
-           'in_memory_order', 'quantize8_ref', 'dequantize8_ref', 'adopt_edits_ref_', 'sgd_step_ref_', 'adam_step_ref_',
-           'sgd_step_', 'adam_step_']
+           'warn_once', 'backend', 'require_impl', 'is_dtensor', 'local_shards', 'scale_check_', 'scale_add_check_ref_',
+           'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref', 'rounding_bits_ref',
+           'round_stochastic_ref', 'in_memory_order', 'quantize8_ref', 'dequantize8_ref', 'adopt_edits_ref_',
+           'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
 
 # %% ../nbs/10_ops.ipynb #8848a001
 import contextvars, functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
@@ -544,10 +544,20 @@ def _pick(l, idx):
     "The tensors of `l` at `idx` (`l` itself when `idx` covers it)"
     return l if len(idx) == len(l) else [l[i] for i in idx]
 
+def is_dtensor(t) -> bool:
+    "True when `t` is a DTensor (FSDP2's sharded params, their grads and optimizer state); none exists before its import"
+    m = sys.modules.get('torch.distributed.tensor')
+    return m is not None and isinstance(t, m.DTensor)
+
+def local_shards(tensors) -> list:
+    ("`tensors` with each DTensor replaced by this rank's shard of it, which shares its memory: the kernels and "
+     "references work on a rank's shards, and the caller sums what must be summed over ranks (a norm)")
+    return [t.to_local() if is_dtensor(t) else t for t in tensors]
+
 def _scale_op(kernel:str, ref, src, dst, scale, impl):
     ("Run the fused `kernel` (one launch per dtype pair; it checks the tensors and a tensor scale) or the reference "
      "`ref`; returns the combined flag")
-    src, dst = list(src), list(dst)
+    src, dst = local_shards(src), local_shards(dst)
     _same_length(src, dst)
     on_device = isinstance(scale, torch.Tensor)             # a scale the device computed: the kernels read it there
     ext = _ext_for(src[0], impl) if src else None
@@ -583,8 +593,9 @@ def l2norm_ref(tensors:list, per_tensor:bool=False):
     return (total, norms) if per_tensor else total
 
 def l2norm(tensors:list, per_tensor:bool=False, impl:str=None):
-    "Global L2 norm over `tensors` as an fp32 0-dim tensor; with `per_tensor`, also a 1-d tensor of each tensor's norm"
-    tensors = list(tensors)
+    ("Global L2 norm over `tensors` as an fp32 0-dim tensor; with `per_tensor`, also a 1-d tensor of each tensor's "
+     "norm (of a DTensor: of this rank's shard)")
+    tensors = local_shards(tensors)
     ext = _ext_for(tensors[0], impl) if tensors else None
     if ext is None: return l2norm_ref(tensors, per_tensor)
     total, each = ext.l2norm(tensors)
@@ -737,7 +748,8 @@ def adam_step_ref_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, 
 
 # %% ../nbs/10_ops.ipynb #78ac0090
 def _step_lists(grads, params, states, out):
-    grads, params, states, out = list(grads), list(params), [list(s) for s in states], list(out or [])
+    grads, params, out = local_shards(grads), local_shards(params), local_shards(out or [])
+    states = [local_shards(s) for s in states]
     _same_length(grads, params, *[s for s in states if s], *([out] if out else []))
     return grads, params, states, out
 

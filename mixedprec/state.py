@@ -7,11 +7,12 @@ __all__ = ['SCALES', 'STATE_STORES', 'Fp32State', 'Bf16State', 'Int8State', 'che
 
 # %% ../nbs/12a_state.ipynb #9952cd79
 import torch
-from .ops import quantize8_ref, dequantize8_ref, Q_BLOCK
+from .ops import quantize8_ref, dequantize8_ref, Q_BLOCK, is_dtensor
 
 # %% ../nbs/12a_state.ipynb #2ef063bc
 def _like(p, v):
-    "A copy of `v` laid out in memory as `p` is"
+    "A copy of `v` laid out in memory as `p` is (sharded as `p`, a DTensor, is)"
+    if is_dtensor(p): return torch.empty_like(p, dtype=v.dtype).copy_(v)
     res = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device=v.device)
     res.copy_(v)
     return res

@@ -141,7 +141,8 @@ def main(rank, world, port, scenario, outdir, *args):
                             timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx', 'sharded_remote_grads', 'amp_clip') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
+        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx', 'sharded_remote_grads', 'amp_clip',
+                                                         'fsdp2_fp16_optimizer') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
         # the scenario's DDP wrappers and pending works go while the group lives
         del res; gc.collect()
@@ -443,3 +444,99 @@ def rounding_ranks(rank, world, masters='none', state='fp32'):
                                             shard_rows(y, rank, world)))
         opt.step()
     return dict(params=[p.detach().clone() for p in model.parameters()], state=[v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
+
+FSDP2_STEPS, FSDP2_INJECT, FSDP2_ROWS = 8, 4, 24      # the global batch: 24 rows, split evenly at 1, 2, 3 or 4 ranks
+
+def fsdp2_data(step):
+    g = torch.Generator().manual_seed(300 + step)
+    x = torch.randn(FSDP2_ROWS, 6, generator=g)
+    return x, x.sum(1, keepdim=True) * 0.3
+
+def fsdp2_loss(params) -> float:
+    "The loss of `deep_mlp` with `params` on a batch no step trained on"
+    model = deep_mlp()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params): p.copy_(v)
+        x, y = fsdp2_data(99)
+        return float(nn.functional.mse_loss(model(x), y))
+
+def fsdp2_reference(clip=1.0, lr=1e-2, skip_at=None):
+    "The same steps unsharded, in fp32 with torch's AdamW (step `skip_at` skipped): clip norms, final params, losses"
+    model = deep_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    norms, start = [], fsdp2_loss(model.parameters())
+    for step in range(FSDP2_STEPS):
+        x, y = fsdp2_data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if step != skip_at else -1.)
+        if step != skip_at: opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    return dict(norms=norms, params=params, start=start, loss=fsdp2_loss(params))
+
+def fsdp2_checkpoint(model, optimizer, scaler, path, load=False):
+    ("Save (or load) the model, the (inner torch) optimizer and the loss scaler with torch.distributed.checkpoint (DCP), "
+     "as a user does")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {'model': model_sd, 'optim': optim_sd, 'loss_scaler': scaler.state_dict()}
+    if not load: dcp.save(sd, checkpoint_id=path); return
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optim'])
+    scaler.load_state_dict(sd['loss_scaler'])
+
+class Fsdp2Amp:
+    "amp O2 over an FSDP2 model behind FP16_Optimizer's few calls, so one scenario drives both front ends"
+    def __init__(self, model, dtype, state, lr):
+        from mixedprec import amp
+        self.amp = amp
+        model, self.opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), opt_level='O2',
+                                         loss_scale='dynamic' if dtype == 'fp16' else 1.0, max_loss_scale=2.**10, verbosity=0,
+                                         state=state)
+        self.optimizer, self.scaler, self.pending = self.opt.optimizer, amp._state.scaler(0), None
+    def zero_grad(self): self.opt.zero_grad()
+    def backward(self, loss, update_master_grads=False):
+        self.pending = self.amp.scale_loss(loss, self.opt); self.pending.__enter__().backward()
+    def update_master_grads(self): self.pending.__exit__(None, None, None)
+    def clip_master_grads(self, clip): return self.amp.clip_grad_norm_(self.opt, clip)
+    def step(self): self.opt.step()
+    state = property(lambda self: self.optimizer.state)
+    history = property(lambda self: self.amp.history())
+    masters = property(lambda self: self.amp._engines_of(self.opt)[0].masters)
+
+def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
+                         front='fp16_optimizer', clip=1.0, lr=1e-2):
+    ("FP16_Optimizer over `deep_mlp` wrapped layer by layer in FSDP2 with a `dtype` compute policy and fp32 "
+     "reduction, clipped every step; with `inject`, an inf written into rank 1's shard of a grad at one step; a DCP "
+     "checkpoint saved after step `save_at`, or (`resume`) loaded and the steps after it run; `front='amp'`: amp O2")
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    model = deep_mlp()
+    policy = MixedPrecisionPolicy(param_dtype={'fp16': torch.float16, 'bf16': torch.bfloat16, 'fp32': None}[dtype],
+                                  reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear): fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if front == 'amp': opt = Fsdp2Amp(model, dtype, state, lr)
+    else: opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=lr), dynamic_loss_scale=dtype == 'fp16',
+                         dynamic_loss_args=dict(init_scale=2.**10) if dtype == 'fp16' else None, verbose=False,
+                         state=state)
+    norms, path = [], os.path.join(outdir, f'dcp_{dtype}_{state}')
+    if resume: fsdp2_checkpoint(model, opt.optimizer, opt.scaler, path, load=True)
+    for step in range(save_at + 1 if resume else 0, FSDP2_STEPS):
+        x, y = fsdp2_data(step)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(shard_rows(x, rank, world)).float(), shard_rows(y, rank, world))
+        opt.backward(loss, update_master_grads=False)
+        if inject and step == FSDP2_INJECT and rank == 1: model[2].weight.grad.to_local()[0, 0] = float('inf')
+        opt.update_master_grads()
+        norms.append(float(opt.clip_master_grads(clip)))
+        opt.step()
+        if step == save_at and not resume: fsdp2_checkpoint(model, opt.optimizer, opt.scaler, path)
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]   # every rank gathers
+    states = {k: v.dtype for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim()}
+    ref = fsdp2_reference(clip, lr, FSDP2_INJECT if inject else None) if rank == 0 else None
+    return dict(norms=norms, params=full, loss=fsdp2_loss(full), skipped=[r.skipped for r in opt.history],
+                named=[r.params for r in opt.history], scaler=opt.scaler.state_dict(), state_dtypes=states,
+                masters=len(opt.masters.pairs), reference=ref)
