@@ -68,8 +68,8 @@ docs: $(DOCS_STAMP)
 screenshots: $(DOCS_STAMP)    # the docs, and PNGs of the index and a recipe page as headless Chromium renders them
 	$(BIN)/python .ci/build_docs.py _docs --screenshots
 
-# the declared torch range: C++17 sources against torch 2.4.1's headers; kernel parity and a short fit under the newest
-# (the lowest is the venv's own, which pytest runs); venvs cached in ~/.cache/mixedprec/venvs
+# the declared torch range: C++17 sources against torch 2.4.1's headers; kernel parity, the compiled step and a short
+# fit under the lowest and the newest (2.11.0, 2.15.0); venvs cached in ~/.cache/mixedprec/venvs
 test-torch-range: $(STAMP)
 	PYTHON=$(PYTHON) bash .ci/torch_range.sh
 

@@ -31,14 +31,16 @@ def split_source(src:str) -> list:
     pieces.append('\n'.join(blines[chunk:]).strip('\n'))
     return [f"{head}\n{p}" for p in pieces if p]
 
-def split_notebook(path) -> int:
-    "Split the long exported cells of the notebook at `path` in place; the number of cells added"
+def split_notebook(path, split=None) -> int:
+    ("Split the long exported cells of the notebook at `path` in place, by `split` (a cell's source -> the sources of "
+     "its parts; default: at its top-level statements); the number of cells added")
+    split = split or split_source
     nb = json.load(open(path))
     cells, added = [], 0
     for c in nb['cells']:
         src = ''.join(c['source'])
         if c['cell_type'] != 'code' or not src.startswith('#|export') or len(src.split('\n')) <= CELL: cells.append(c); continue
-        parts = split_source(src)
+        parts = split(src)
         for i, p in enumerate(parts):
             new = dict(c) if i == 0 else {'cell_type': 'code', 'execution_count': None, 'id': uuid.uuid4().hex[:8], 'metadata': {}, 'outputs': []}
             new['source'] = p.splitlines(keepends=True)

@@ -5,7 +5,9 @@ class body stay in it: static methods, zero-argument `super()`, property setters
 
     python .ci/split_classes.py nbs/14_engine.ipynb [...]
 """
-import ast, json, re, sys, uuid
+import ast, os, re, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import split_cells
 
 CELL, KEEP = 100, 90
 STAY = {'__init__', '__new__', '__init_subclass__', '__torch_dispatch__', '__torch_function__', '__class_getitem__'}
@@ -75,22 +77,7 @@ def split_source(src:str) -> list:
 
 def split_notebook(path) -> int:
     "Split the long class cells of the notebook at `path` in place; the number of cells added"
-    nb = json.load(open(path))
-    cells, added = [], 0
-    for c in nb['cells']:
-        src = ''.join(c['source'])
-        if c['cell_type'] != 'code' or not src.startswith('#|export'): cells.append(c); continue
-        parts = split_source(src)
-        for i, p in enumerate(parts):
-            new = dict(c) if i == 0 else {'cell_type': 'code', 'execution_count': None, 'id': uuid.uuid4().hex[:8],
-                                          'metadata': {}, 'outputs': []}
-            new['source'] = p.splitlines(keepends=True)
-            cells.append(new)
-        added += len(parts) - 1
-    if added:
-        nb['cells'] = cells
-        with open(path, 'w') as f: json.dump(nb, f, indent=1, ensure_ascii=False); f.write('\n')
-    return added
+    return split_cells.split_notebook(path, split_source)
 
 if __name__ == '__main__':
     for p in sys.argv[1:]: print(f"{p}: {split_notebook(p)} cells added")

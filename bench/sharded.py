@@ -2,10 +2,10 @@
 at their peak (after the backward, before the step), the fp32 masters and the optimizer state (Adam: torch's AdamW,
 fastai's Adam in the callback), for DDP and ZeRO stage 1 (`shard=True`) under FP16_Optimizer, amp O2 and the fastai
 callback, beside torch's own FSDP2 (`fully_shard` with bf16
-compute, fp32 sharded params) and FP16_Optimizer on FSDP2 (fp32 and bf16 optimizer state); then the same four columns on paper for a 7B-param model at 8, 64 and 512 ranks, and the
+compute, fp32 sharded params) and FP16_Optimizer on FSDP2 (fp32, bf16 and 8-bit optimizer state); then the same four columns on paper for a 7B-param model at 8, 64 and 512 ranks, and the
 step time of ZeRO-1 against DDP. Prints the tables.
 
-    python bench/sharded.py [--width 512] [--layers 8] [--steps 10] [--worlds 1,2,3,4]
+    python bench/sharded.py [--width 512] [--layers 8] [--steps 10] [--worlds 1,2,3,4] [--only FSDP2]
 """
 import argparse, os, socket, sys, tempfile, time
 import torch, torch.multiprocessing as mp
@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import cpu_name
 
 CONFIGS = ['DDP, FP16_Optimizer', 'ZeRO-1, FP16_Optimizer', 'DDP, amp O2', 'ZeRO-1, amp O2', 'DDP, fastai callback', 'ZeRO-1, fastai callback',
-           'torch FSDP2 (bf16 compute)', 'FSDP2 + FP16_Optimizer (bf16 compute)', 'FSDP2 + FP16_Optimizer, bf16 state']
+           'torch FSDP2 (bf16 compute)', 'FSDP2 + FP16_Optimizer (bf16 compute)', 'FSDP2 + FP16_Optimizer, bf16 state',
+           'FSDP2 + FP16_Optimizer, 8-bit state']
 
 def free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -68,7 +69,8 @@ def run(rank, world, port, out, config, width, layers, steps):
         unscale, step = (lambda: None), opt.step
         if 'FP16_Optimizer' in config:        # mixedprec on FSDP2: its sharded fp32 params are the masters
             from mixedprec.fp16_optimizer import FP16_Optimizer
-            opt = FP16_Optimizer(inner, verbose=False, state='bf16' if 'bf16 state' in config else 'fp32')
+            opt = FP16_Optimizer(inner, verbose=False,
+                                 state='bf16' if 'bf16 state' in config else '8bit' if '8-bit' in config else 'fp32')
             def backward(): opt.zero_grad(); opt.backward(net(x).float().pow(2).mean(), update_master_grads=False)
             unscale, step = opt.update_master_grads, opt.step
     model_params = list(model.parameters())
@@ -134,11 +136,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--width', type=int, default=512); ap.add_argument('--layers', type=int, default=8)
     ap.add_argument('--steps', type=int, default=10); ap.add_argument('--worlds', default='1,2,3,4')
+    ap.add_argument('--only', default=None, help="only the configurations whose names hold this (e.g. FSDP2)")
     a = ap.parse_args()
+    configs = [c for c in CONFIGS if a.only is None or a.only in c]
     worlds = [int(w) for w in a.worlds.split(',')]
     out, res = tempfile.mkdtemp(), {}
     for world in worlds:
-        for config in CONFIGS:
+        for config in configs:
             mp.start_processes(run, args=(world, free_port(), out, config, a.width, a.layers, a.steps), nprocs=world, start_method='spawn')
             rs = [torch.load(os.path.join(out, f'{CONFIGS.index(config)}_{world}_{r}.pt')) for r in range(world)]
             res[config, world] = {k: max(r[k] for r in rs) for k in rs[0]}          # the fullest rank
@@ -149,7 +153,7 @@ def main():
     print(f"| ranks | configuration | params | grads (peak) | fp32 masters | optimizer state | total | step time vs DDP, same front end (FSDP2: vs torch's FSDP2) |")
     print("|---|---|---|---|---|---|---|---|")
     for world in worlds:
-        for config in CONFIGS:
+        for config in configs:
             r = res[config, world]
             total = r['params'] + r['grads'] + r['masters'] + r['state']
             base = (res.get((config.replace('ZeRO-1', 'DDP'), world)) if config.startswith('ZeRO-1') else

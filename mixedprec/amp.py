@@ -200,7 +200,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     for m in model_list:
         if not isinstance(m, nn.Module):
             raise TypeError(f"amp.initialize takes nn.Modules as models, got {type(m).__name__}")
-        if check_fsdp2(list(m.parameters()), "amp.initialize", masters, shard, state): fsdp2.add(m)
+        if check_fsdp2(list(m.parameters()), "amp.initialize", masters, shard): fsdp2.add(m)
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise TypeError("call amp.initialize on the bare model, then wrap it in DistributedDataParallel")
         if m in _initialized or getattr(m, '_mixedprec_conversion', None) is not None:
@@ -213,7 +213,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
             raise TypeError(f"amp.initialize takes torch.optim.Optimizers, got {type(o).__name__} (do not wrap them "
                             "in FP16_Optimizer)")
         if o in _engines: raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
-        check_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize", masters, shard, state)
+        check_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize", masters, shard)
         # an optimizer the fused steps do not know, with lean state: before any model is converted
         _check_lean(o, state)
     if not (isinstance(num_losses, int) and num_losses >= 1):

@@ -8,6 +8,7 @@ __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'fastai_export'
 
 # %% ../nbs/15_callback.ipynb #f6ab0a82
 import warnings
+from pathlib import Path
 from collections import defaultdict
 from contextlib import contextmanager
 import torch
@@ -26,11 +27,12 @@ from fastai.callback.training import GradientClip
 from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
-from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow
+from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow, ShardedConversion
 from .master import check_store, master_kind, Bf16Master, RemoteMaster, CheckpointError, check_param_state
-from .state import check_state_store
+from .state import check_state_store, fp32_state
 from .engine import StepEngine, unscale_into, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
-from .distributed import world_size, rank, barrier, refuse_fsdp2
+from .distributed import (world_size, rank, barrier, refuse_fsdp2, fsdp2_sharded, check_fsdp2, check_fsdp2_policy,
+                          dcp_save, dcp_load)
 from fastcore.xtras import join_path_file
 from .ops import warn_once, require_impl
 
@@ -187,7 +189,7 @@ def _check_trainable(self:FastaiMasters):
                          "(`learn.unfreeze()`), or use `get_preds` for inference")
     if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
     # nothing converted (every module kept in fp32): fastai's optimizer holds the params
-    elif not self.conversion.masters:
+    elif not self.conversion.steps_masters:
         opt = _raw_opt(self.learn)
         held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
     else: held = set()
@@ -355,9 +357,15 @@ def plot(self:MixedPrecision, ax=None):
     "Plot the loss scale and the skipped steps against the step"
     return plot_history(self.history, ax)
 
+# %% ../nbs/15_callback.ipynb #8a8261d8
 @patch
 def prepare(self:MixedPrecision):
-    "Convert the model to the half dtype (once), keeping fp32 masters of its weights"
+    ("Convert the model to the half dtype (once), keeping fp32 masters of its weights; an FSDP2 model is cast by its "
+     "policy, and its sharded fp32 params are the masters")
+    if self.conversion is None and fsdp2_sharded(self.learn.model):
+        check_fsdp2(list(self.learn.model.parameters()), "MixedPrecision", self.master_store, self.shard)
+        check_fsdp2_policy(self.learn.model, self.dtype, "MixedPrecision")
+        self.conversion = ShardedConversion(self.learn.model, self.dtype)
     if self.conversion is None:
         self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True,
                                         entries=_called_alone(self.learn.model))
@@ -408,7 +416,7 @@ def before_fit(self:MixedPrecision):
                          f"({', '.join(changed[:5])}). "
                                  "Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so "
                                  "they are converted and get masters.")
-    if getattr(self.learn, 'opt', None) is None or not self.conversion.masters: return
+    if getattr(self.learn, 'opt', None) is None or not self.conversion.steps_masters: return
     if any(m.device != p.device for p, m in self.conversion.masters.items()): self.follow_model_device()
     self.attach_opt()
     # fastai's ChannelsLast (order -1) has just laid the model out anew
@@ -552,6 +560,8 @@ class MixedPrecisionOpt(GetAttr):
         cb.check_whole()
         steps_to_ints(opt.state)
         state = cb.engine.state_by_model_param()
+        if masters.fsdp2 and cb.engine.state == '8bit':     # decoded: the scales cover blocks of this rank's shard
+            state = {p: fp32_state(s, keep_bf16=True) for p, s in state.items()}
         params = [p for g in masters.model_groups for p in g]
         res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers),
                'mixedprec': {'scaler': cb.scaler.state_dict()}}
@@ -645,14 +655,13 @@ def _called_alone(model) -> tuple:
 
 def _attach(learn, cb):
     "Replace any mixed-precision callback of `learn` by `cb`: convert the model, and give the optimizer its masters"
-    refuse_fsdp2(learn.model, "to_fp16/to_bf16")
     # kernels that cannot run: refused before anything changes
     require_impl(cb.impl, next(learn.model.parameters(), torch.empty(0)).device)
     learn.to_fp32()
     learn.add_cb(cb)
     try:
         cb.prepare()
-        if not cb.conversion.masters: return learn      # nothing to convert: the callback only casts inputs and outputs
+        if not cb.conversion.steps_masters: return learn    # nothing converted: the callback only casts inputs, outputs
         old = learn.opt
         held = {id(p) for g in old.param_lists for p in g} if old is not None else set()
         if old is None or any(id(p) not in held for p in learn.model.parameters()):
@@ -699,7 +708,8 @@ def _sharded(learn) -> bool:
 def save(self:Learner, file, **kwargs):
     ("fastai's `save`, written atomically (a failed save leaves the previous file whole) by rank 0 alone; sharded "
      "masters are gathered first, so every rank must call it (as `SaveModelCallback` does) and returns when the file "
-     "is whole")
+     "is whole. An FSDP2 model: a DCP checkpoint, the folder `<file>.dcp`, every rank writing its shards")
+    if fsdp2_sharded(self.model): return _save_fsdp2(self, file, **kwargs)
     sharded = _sharded(self)
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     with _consolidated(self):
@@ -711,6 +721,36 @@ def save(self:Learner, file, **kwargs):
     if sharded:
         barrier("the wait for rank 0 to write the checkpoint")    # a load on any rank right after reads the whole file
     return file
+
+def _save_fsdp2(learn, file, with_opt:bool=True, **kwargs) -> Path:
+    ("`learn.save` of an FSDP2 model: a DCP checkpoint, the folder `<file>.dcp` that every rank writes its shards "
+     "into (every rank must call it), with the optimizer state in the model's layout and the loss scaler")
+    path = join_path_file(file, learn.path/learn.model_dir, ext='.dcp')
+    state, opt = {'model': get_model(learn.model).state_dict()}, getattr(learn, 'opt', None)
+    if with_opt and opt is not None: state['opt'] = _plain(opt.state_dict())
+    return dcp_save(state, path)
+
+# %% ../nbs/15_callback.ipynb #7a548174
+def _load_fsdp2(learn, file, with_opt:bool=True, strict:bool=True):
+    ("`learn.load` of an FSDP2 model from `_save_fsdp2`'s folder, at any world size: each rank reads its shards, and "
+     "a new optimizer's state is made as the checkpoint has it")
+    path = join_path_file(file, learn.path/learn.model_dir, ext='.dcp')
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not there: `learn.save` of an FSDP2 model writes a DCP checkpoint, a "
+                                "folder that every rank shares (save on every rank, on a file system they all see)")
+    if with_opt and getattr(learn, 'opt', None) is None: learn.create_opt()      # as fastai's `load`
+    model, opt = get_model(learn.model), getattr(learn, 'opt', None)
+    state = {'model': model.state_dict()}
+    if with_opt and opt is not None: state['opt'] = _plain(opt.state_dict())
+    params = [p for g in _raw_opt(learn).param_lists for p in g] if opt is not None else []
+    state = dcp_load(state, params, path)
+    # all or nothing: the optimizer state is checked before the model changes
+    if 'opt' in state and isinstance(opt, MixedPrecisionOpt):
+        opt.check_state_dict(state['opt'], f"{path.name}'s optimizer state")
+    model.load_state_dict(state['model'], strict=strict)
+    if 'opt' in state: opt.load_state_dict(state['opt'])
+    elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
+    return learn
 
 def _read_checkpoint(file, device, **torch_load_kwargs):
     ("The checkpoint at `file`, read as fastai's `load_model` reads it (weights only, fastai's `L` and numpy scalars "
@@ -729,6 +769,7 @@ def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, 
      "optimizer state and the loss scaler are all checked before anything changes, and a misfit raises (fastai would "
      "change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its "
      "shard")
+    if fsdp2_sharded(self.model): return _load_fsdp2(self, file, with_opt, strict)
     cb = getattr(self, 'mixed_precision', None)
     if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.state_io is None or cb.state_io is not getattr(self, 'opt', None):
         with _consolidated(self, gather=False):
@@ -752,6 +793,10 @@ def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, 
 def export(self:Learner, fname='export.pkl', pickle_module=None, pickle_protocol=2, keep_mixed_precision:bool=False):
     ("fastai's `export`, of an fp32 Learner that plain fastai loads (weights from the masters; no mixedprec inside), "
      "unless `keep_mixed_precision`; `self` stays in mixed precision")
+    if fsdp2_sharded(self.model):
+        raise TypeError("export pickles the whole Learner, and each rank holds only its shards of an FSDP2 model: "
+                        "`learn.save(name)` on every rank writes a DCP checkpoint, which `learn.load(name)` reads into "
+                        "a Learner built the same way, at any world size")
     cb = getattr(self, 'mixed_precision', None)
     kw = dict(pickle_protocol=pickle_protocol,
               **({'pickle_module': pickle_module} if pickle_module is not None else {}))

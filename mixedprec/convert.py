@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'ModelConversion', 'CastIO', 'KeepDtype', 'DtypeHint',
            'TakeMasterEdits', 'state_dict_hooks', 'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model',
-           'fp32_copy', 'Overflow', 'watch_overflow', 'speed_note']
+           'fp32_copy', 'ShardedConversion', 'Overflow', 'watch_overflow', 'speed_note']
 
 # %% ../nbs/12_convert.ipynb #1944725e
 import contextlib, copy, dataclasses, sys
@@ -67,6 +67,9 @@ class ModelConversion:
     def __init__(self, model, dtype, keep_fp32):
         self.model, self.dtype, self.keep_fp32 = model, dtype, tuple(keep_fp32)
         self.masters, self.buffers, self.hooks, self.loader = Masters(), [], [], None
+
+    # True when the optimizer must step masters through the step engine: fp32 copies of the half params here
+    steps_masters = property(lambda self: bool(self.masters))
 
     def __repr__(self):
         return (f"ModelConversion({self.dtype}, {len(self.masters)} masters, "
@@ -500,6 +503,15 @@ def fp32_copy(model:nn.Module) -> nn.Module:
                          "`with learn.mixed_precision.consolidated(): ema = fp32_copy(learn.model)`")
     res = copy.deepcopy(model)
     return res._mixedprec_conversion.undo()
+
+# %% ../nbs/12_convert.ipynb #8870870f
+class ShardedConversion(ModelConversion):
+    ("A model torch's FSDP2 shards, as mixed precision sees it: FSDP2 casts the weights at each gather (by the "
+     "policy it was given) and its sharded fp32 params are their own masters, so nothing is converted or undone")
+    def __init__(self, model, dtype): super().__init__(model, dtype, ())
+    def __repr__(self): return f"ShardedConversion({self.dtype}: FSDP2 casts; its fp32 shards are the masters)"
+    steps_masters = True
+    def unconverted(self) -> list: "None: FSDP2 casts every param at its gather"; return []
 
 # %% ../nbs/12_convert.ipynb #cv0watch2
 @dataclasses.dataclass

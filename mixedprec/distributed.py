@@ -4,10 +4,12 @@
 
 # %% auto #0
 __all__ = ['ENABLED', 'TIMEOUT', 'FSDP2_ADVICE', 'set_process_group', 'world_size', 'agree', 'rank0s', 'fsdp2_sharded',
-           'refuse_fsdp2', 'check_fsdp2', 'balance', 'Shards', 'rank', 'barrier', 'sum_over_ranks']
+           'refuse_fsdp2', 'check_fsdp2', 'fsdp2_compute_dtypes', 'check_fsdp2_policy', 'dcp_save', 'dcp_load',
+           'balance', 'Shards', 'rank', 'barrier', 'sum_over_ranks']
 
 # %% ../nbs/18_distributed.ipynb #b1c37fa5
 import datetime
+from pathlib import Path
 import torch
 import torch.distributed as dist
 
@@ -56,12 +58,10 @@ def rank0s(value:int) -> int:
     return int(_all_reduce(t, dist.ReduceOp.SUM, "the agreement on the stochastic-rounding seed").item())
 
 # %% ../nbs/18_distributed.ipynb #a2121506
-FSDP2_ADVICE = ("FP16_Optimizer and amp (O2) drive an FSDP2 model, the fastai callback does not yet: wrap with "
-                "`fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, "
-                "reduce_dtype=torch.float32))`, keep its params fp32 (they are the masters), then "
-                "`amp.initialize(model, optimizer, opt_level='O2')` or `FP16_Optimizer(optimizer, "
-                "dynamic_loss_scale=True)`. To shard only the fp32 masters and optimizer state across DDP ranks (ZeRO "
-                "stage 1), use mixedprec's `shard=True`")
+FSDP2_ADVICE = ("Wrap first, with the compute dtype: `fully_shard(model, mp_policy=MixedPrecisionPolicy("
+                "param_dtype=torch.float16, reduce_dtype=torch.float32))`, keep its params fp32 (they are the "
+                "masters), then `learn.to_fp16()` (a Learner built on the wrapped model), `amp.initialize(model, "
+                "optimizer, opt_level='O2')` or `FP16_Optimizer(optimizer, dynamic_loss_scale=True)`")
 
 def fsdp2_sharded(params) -> bool:
     ("True when a module (or any of its submodules) was wrapped by FSDP2's `fully_shard`, or any of `params` is a "
@@ -84,7 +84,7 @@ def refuse_fsdp2(params, where:str):
                         "that FSDP2 re-creates and "
                         f"gathers, so mixedprec's fp32 masters would not be the weights that train. {FSDP2_ADVICE}")
 
-def check_fsdp2(params:list, where:str, masters:str='fp32', shard:bool=False, state:str='fp32') -> bool:
+def check_fsdp2(params:list, where:str, masters:str='fp32', shard:bool=False) -> bool:
     ("True when `params` are FSDP2's sharded params, which are then their own masters; raises, saying what to do, "
      "for what does not combine with FSDP2")
     if not fsdp2_sharded(params): return False
@@ -100,10 +100,80 @@ def check_fsdp2(params:list, where:str, masters:str='fp32', shard:bool=False, st
     if masters != 'fp32':
         raise ValueError(f"{where}: masters={masters!r} keeps the masters in bf16 weights, and FSDP2's sharded fp32 "
                          "params are the masters (bf16 masters on FSDP2 are not built): pass masters='fp32'")
-    if state == '8bit':
-        raise ValueError(f"{where}: state='8bit' on FSDP2 is not built yet (its scales cover blocks of a whole "
-                         "param, and a rank holds a shard): pass state='bf16' (half the bytes) or 'fp32'")
     return True
+
+def fsdp2_compute_dtypes(model) -> set:
+    ("The compute dtypes of the FSDP2 modules in `model`: each one's `MixedPrecisionPolicy(param_dtype=...)`, None "
+     "where it has none (the fp32 params compute as they are)")
+    try: from torch.distributed.fsdp import FSDPModule
+    except ImportError: from torch.distributed._composable.fsdp import FSDPModule     # torch before 2.6
+    return {getattr(getattr(m._get_fsdp_state(), '_mp_policy', None), 'param_dtype', None)
+            for m in model.modules() if isinstance(m, FSDPModule)}
+
+def check_fsdp2_policy(model, dtype, where:str):
+    ("Raise, saying how to wrap, unless every FSDP2 module of `model` computes in `dtype`: FSDP2's policy does the "
+     "casting, so a model without one would train in fp32 while calling itself mixed precision")
+    found = fsdp2_compute_dtypes(model)
+    if found == {dtype}: return
+    names = ', '.join(sorted('none (fp32)' if d is None else str(d) for d in found))
+    raise ValueError(f"{where}: the model's FSDP2 modules compute in {names}, and {dtype} was asked for; FSDP2 casts "
+                     "the weights at each gather, by its policy, so give it that dtype when wrapping: "
+                     f"`fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, "
+                     "reduce_dtype=torch.float32))` on each module you wrap")
+
+# %% ../nbs/18_distributed.ipynb #d074d9a2
+def dcp_save(state:dict, path) -> Path:
+    ("Save `state` (FSDP2's sharded DTensors and plain values) with torch.distributed.checkpoint (DCP) into folder "
+     "`path`, on every rank at once (a shared file system); written beside it and swapped in when whole, so a failed "
+     "save leaves the last checkpoint as it was")
+    import shutil, torch.distributed.checkpoint as dcp
+    path = Path(path)
+    partial, old = path.with_name(path.name + '.partial'), path.with_name(path.name + '.old')
+    if rank() == 0: shutil.rmtree(partial, ignore_errors=True)
+    barrier("the wait for rank 0 to clear the checkpoint's folder")
+    dcp.save(state, checkpoint_id=partial)
+    barrier("the wait for every rank to write its shards")
+    if rank() == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists(): path.rename(old)
+        partial.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier("the wait for rank 0 to put the checkpoint in place")
+    return path
+
+def _made_for(md, at:tuple, params:list):
+    ("A tensor to load the checkpoint's entry `md` into, found at `at` and missing from this run's state (a new "
+     "optimizer's): sharded as its param where it has the param's shape, so it loads at any world size")
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    if not isinstance(md, TensorStorageMetadata): return None           # a plain value: DCP fills it in
+    i = next((int(k) for a, k in zip(at, at[1:]) if a == 'state' and str(k).isdigit()), None)
+    p = params[i] if i is not None and i < len(params) else None
+    if p is not None and tuple(p.shape) == tuple(md.size): return torch.zeros_like(p, dtype=md.properties.dtype)
+    return torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+
+def _keyed(o, key):
+    "`o` with each dict's keys passed through `key` (the same tensors and values)"
+    if isinstance(o, dict): return {key(k): _keyed(v, key) for k, v in o.items()}
+    if isinstance(o, list): return [_keyed(v, key) for v in o]
+    return o
+
+def dcp_load(state:dict, params:list, path) -> dict:
+    ("Read the DCP checkpoint in folder `path` into `state` (this run's state dict, as saved: DTensors of this world "
+     "size) and return it filled, without the top-level keys the checkpoint lacks. What `state` lacks, a new optimizer's moments, is made first from the checkpoint's "
+     "own entries, each sharded as its param (`params`, in the optimizer's order, name the `state` entries)")
+    import torch.distributed.checkpoint as dcp
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    # DCP names a dict's keys as strings (torch's optimizer state: {0: ...}) and puts plain values back by that name;
+    # what the checkpoint does not hold at all (no optimizer state) is left out
+    saved = {at[0] for at in (meta.planner_data or {}).values()}
+    state = {k: v for k, v in _keyed(state, str).items() if k in saved}
+    for fqn, at in (meta.planner_data or {}).items():
+        node = state
+        for k in at[:-1]: node = node[int(k)] if isinstance(node, list) else node.setdefault(k, {})
+        if isinstance(node, dict) and at[-1] not in node:
+            node[at[-1]] = _made_for(meta.state_dict_metadata[fqn], at, params)
+    dcp.load(state, checkpoint_id=str(path))
+    return _keyed(state, lambda k: int(k) if isinstance(k, str) and k.isdigit() else k)
 
 # %% ../nbs/18_distributed.ipynb #shard0002
 def balance(numels:list, world:int) -> list:

@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults',
            'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
-           'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'fused_group_step', 'fused_opt_step', 'shards_for',
-           'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine', 'write_atomically',
-           'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
+           'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_lean_state', 'fused_group_step', 'fused_opt_step',
+           'shards_for', 'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine',
+           'write_atomically', 'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars
@@ -232,6 +232,31 @@ def _step_count(st, p):
     else: st['step'] = torch.full((), float(s), dtype=torch.float32, device=p.device)
     return st['step']
 
+def _make_state(st:dict, p:torch.Tensor, like:torch.Tensor, kind:str, names:dict, store:str, keep_buffer:bool) -> bool:
+    ("Param `p`'s optimizer state `st` as the fused `kind` step keeps it (`store`, laid out as `like`): made (zeros) "
+     "where there is none, converted where it was made elsewhere (a load, the optimizer's own step); True when SGD's "
+     "buffer is new")
+    keep = lambda k: state_store(store).keep(st, k, like, signed=k != names['sqr'])
+    for k in (names['buf'],) if kind == 'sgd' else (names['avg'], names['sqr']):
+        if st.get(k) is not None: keep(k)
+    if kind == 'sgd':
+        first = keep_buffer and st.get(names['buf']) is None
+        if first: keep(names['buf'])                                  # zeros
+        return first
+    if st.get(names['avg']) is None: keep(names['avg']); keep(names['sqr'])
+    _step_count(st, p)
+    return False
+
+def make_lean_state(engine):
+    ("Make the whole lean state of `engine`'s Adam now, as its first fused step would (zeros, and each master's "
+     "rounding stream): so a freshly built optimizer holds every key its checkpoint holds, and DCP, which loads only "
+     "the keys it finds, brings the stream back")
+    plan, state = fused_plan(engine.optimizer), getattr(engine.optimizer, 'state', None)
+    if plan is None or plan.kind != 'adam' or not isinstance(state, dict): return
+    for params, _ in plan.groups(engine.optimizer):
+        for p in params: _make_state(state[p], p, p, 'adam', plan.names, engine.state, None)
+        engine.masters.start_rounding(params, state)
+
 def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:torch.Tensor, lr:float,
                      weight_decay=0., decoupled:bool=False,
                      momentum:float=0., dampening:float=0., nesterov:bool=False, betas:tuple=(0.9, 0.999),
@@ -252,23 +277,11 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
         keep_buffer = momentum != 0
     runs = {}
     for p in params:
-        st = state[p]
         # new state is laid out as the tensor the kernels step
-        like = bf16_of[id(p)].param if id(p) in bf16_of else p
-        keep = lambda k: state_store(store).keep(st, k, like, signed=k != names['sqr'])
-        # state made elsewhere (a load, the optimizer's own step): as kept here
-        for k in (names['buf'],) if kind == 'sgd' else (names['avg'], names['sqr']):
-            if st.get(k) is not None: keep(k)
-        if kind == 'sgd':
-            first = keep_buffer and st.get(names['buf']) is None
-            if first: keep(names['buf'])                                  # zeros
-            # from a zero buffer, only dampening makes the first step differ
-            key = (first and dampening != 0, where(p), wd_of(p))
-        else:
-            if st.get(names['avg']) is None: keep(names['avg']); keep(names['sqr'])
-            _step_count(st, p)
-            key = (False, where(p), wd_of(p))
-        runs.setdefault(key, []).append(p)
+        first = _make_state(state[p], p, bf16_of[id(p)].param if id(p) in bf16_of else p, kind, names, store,
+                            keep_buffer)
+        # from a zero buffer, only dampening makes SGD's first step differ
+        runs.setdefault((first and dampening != 0, where(p), wd_of(p)), []).append(p)
     for (first, at, wd), sel in runs.items():
         st, grads, out = [
             state[p] for p in sel], [p.grad for p in sel], [half_of[id(p)] for p in sel] if at == 'copy' else []
@@ -336,6 +349,12 @@ def _clip(group:list, max_norm:float) -> torch.Tensor:
     return clip_grads_([g for ms in group for g in ms.master_grads()], max_norm, group[0].impl,
                        norm=torch.linalg.vector_norm(each))
 
+def _decoded_8bit(optimizer, sd:dict) -> dict:
+    ("The state dict of an optimizer over FSDP2's shards with its 8-bit moments decoded to fp32, sharded as their "
+     "params: the scales cover blocks of a rank's shard, so DCP saves the values, and they load at any world size")
+    sd['state'] = {i: fp32_state(s, keep_bf16=True) for i, s in sd['state'].items()}
+    return sd
+
 def _check_state_shapes(opt_sd:dict, groups:list, what:str):
     "Raise, naming the first one, when a torch optimizer state dict does not fit the param `groups`"
     if not (isinstance(opt_sd, dict) and 'param_groups' in opt_sd and 'state' in opt_sd):
@@ -398,6 +417,7 @@ def put_model_params_back(optimizer, record:Masters, flats:dict=None, copied:dic
     adapter.set_groups(groups)
     return True
 
+# %% ../nbs/14_engine.ipynb #ea92b1eb
 def _check_lean(optimizer, state:str, flat:bool=False) -> str:
     ("`state` checked for `optimizer`: lean state ('bf16', '8bit') needs an optimizer the fused steps know, and "
      "per-param masters")
@@ -598,8 +618,13 @@ class StepEngine(EngineLayout, EngineCheckpoint):
          "`flat`; kept as `store` says; with `shard`, this rank's only) and its state moved onto them")
         adapter = adapter_for(optimizer)
         _check_lean(optimizer, kwargs.get('state', 'fp32'), flat)      # before anything changes
-        return cls(optimizer, _swap_in(adapter, record, names, kwargs.get('impl'), flat, store, shard),
-                   adapter=adapter, **kwargs)
+        e = cls(optimizer, _swap_in(adapter, record, names, kwargs.get('impl'), flat, store, shard), adapter=adapter,
+                **kwargs)
+        if e.masters.fsdp2 and e.state != 'fp32': make_lean_state(e)       # for DCP: every key, from the start
+        # (fastai's optimizer: `learn.opt.state_dict()` decodes it)
+        if e.masters.fsdp2 and e.state == '8bit' and isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.register_state_dict_post_hook(_decoded_8bit)
+        return e
 
     def __repr__(self):
         plan = self.plan.name + (

@@ -54,7 +54,7 @@ class FP16_Optimizer:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         params = [p for g in init_optimizer.param_groups for p in g['params']]
-        check_fsdp2(params, "FP16_Optimizer", masters, shard, state)
+        check_fsdp2(params, "FP16_Optimizer", masters, shard)
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from .ops import (scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, split_bf16_ref, join_bf16_ref,
-                           round_stochastic_ref, Q_BLOCK, is_dtensor, local_shards)
+                           round_stochastic_ref, Q_BLOCK, is_dtensor, local_shards, local_shard)
 from .state import _like, SCALES, Int8State, fp32_state
 from .distributed import Shards, agree
 from torch.utils._pytree import tree_map, tree_flatten
@@ -35,8 +35,9 @@ def clip_grads_(grads:list, max_norm:float, impl:str=None, norm:torch.Tensor=Non
     ("Clip `grads` in place by their global L2 norm (or `norm`, computed elsewhere), as "
      "`torch.nn.utils.clip_grad_norm_` does; returns the norm (nothing is read on the host)")
     if norm is None: norm = l2norm(grads, impl=impl)
-    # the kernel reads it on the device; a non-finite norm skips the step anyway
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    # the kernel reads it on the device; a non-finite norm skips the step anyway, and leaves the grads as they are
+    # (so the overflowed params are named by what they hold: inf, not the nan of inf * 0)
+    coef = torch.where(torch.isfinite(norm), torch.clamp(max_norm / (norm + 1e-6), max=1.0), torch.ones_like(norm))
     if grads: scale_check_(grads, grads, coef, impl=impl)
     return norm
 
@@ -769,8 +770,13 @@ def drop_lent_grads(self:MasterGrads):
 
 @patch
 def raw_grads(self:MasterGrads) -> list:
-    "The half params holding a grad that no unscale took in"
-    return [p for p, _, _ in self.pairs if p.grad is not None and type(p.grad) is not MasterGrad]
+    ("The half params holding a grad that no unscale took in; on FSDP2, whose fp32 shards are their own masters, "
+     "those with a nonzero grad on any rank (asked when nothing was unscaled since the last step, on every rank)")
+    raw = [p for p, _, _ in self.pairs if p.grad is not None and type(p.grad) is not MasterGrad]
+    own = [p for p in self.own if p.grad is not None] if self.fsdp2 else []
+    if not own: return raw
+    nonzero = agree(torch.stack([local_shard(p.grad).ne(0).any() for p in own]).to(torch.int32))
+    return raw + [p for p, f in zip(own, nonzero.tolist()) if f]
 
 @patch
 def unscaled_grads(self:MasterGrads) -> list:
@@ -957,14 +963,20 @@ def __repr__(self:MasterParams):
 def rounding_seeds(self:MasterParams, masters:list, state:dict) -> list:
     ("This step's stochastic-rounding seed of each of `masters`, counting its roundings in its optimizer `state` "
      "(so checkpoints carry the stream)")
+    self.start_rounding(masters, state)
     res = []
     for m in masters:
         st = state[m]
-        if 'rounding_seed' not in st:
-            st['rounding_seed'], st['rounding_step'] = _mix(self.rounding_seed, self._index_of[id(m)]), 0
         res.append(_mix(st['rounding_seed'], st['rounding_step']))
         st['rounding_step'] += 1
     return res
+
+@patch
+def start_rounding(self:MasterParams, masters:list, state:dict):
+    "Give each of `masters` without one its stochastic-rounding stream in its optimizer `state` (a seed, a count)"
+    for m in masters:
+        if 'rounding_seed' not in state[m]:
+            state[m]['rounding_seed'], state[m]['rounding_step'] = _mix(self.rounding_seed, self._index_of[id(m)]), 0
 
 @patch
 def _bf16_buckets(self:MasterParams) -> list: return [b for b in self.buckets if b.kind == 'bf16']
@@ -993,6 +1005,7 @@ def masters_to_model(self:MasterParams):
     if self._copy_lists[0]: scale_check_(*self._copy_lists, 1., impl=self.impl)
     for m, p in zip(*self._copy_lists): mark_written(p, m)
 
+# %% ../nbs/13_master.ipynb #8926f6fb
 @patch
 def mark_written(self:MasterParams):
     ("Note that every half param holds what mixedprec wrote (after a step, a load): an in-place change after "

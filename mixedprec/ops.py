@@ -6,10 +6,10 @@
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUILD_S', 'FIX', 'Q_BLOCK', 'scale_check_ref_',
            'set_impl', 'current_impl', 'env_flag', 'find_cuda_home', 'cpu_flags', 'cpu_isa', 'last_level_cache_bytes',
            'stream_min_bytes', 'default_cache', 'unsafe', 'unsafe_above', 'compiled_here', 'build_extension', 'Kernels',
-           'warn_once', 'backend', 'require_impl', 'is_dtensor', 'local_shards', 'scale_check_', 'scale_add_check_ref_',
-           'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref', 'rounding_bits_ref',
-           'round_stochastic_ref', 'in_memory_order', 'quantize8_ref', 'dequantize8_ref', 'adopt_edits_ref_',
-           'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
+           'warn_once', 'backend', 'require_impl', 'is_dtensor', 'local_shard', 'local_shards', 'scale_check_',
+           'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref',
+           'rounding_bits_ref', 'round_stochastic_ref', 'in_memory_order', 'quantize8_ref', 'dequantize8_ref',
+           'adopt_edits_ref_', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
 
 # %% ../nbs/10_ops.ipynb #8848a001
 import contextvars, functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
@@ -68,9 +68,13 @@ def set_impl(impl:str):
     global DEFAULT_IMPL
     DEFAULT_IMPL = _check_impl(impl)
 
+# Dynamo traces a ContextVar's `get` from torch 2.14 on (2.11 stops with "Unsupported method call")
+_TRACES_CONTEXTVARS = torch.__version__ >= '2.14'
+
 def current_impl() -> str:
     ("The implementation the ops use here when not given one: the enclosing `settings()` block's in this thread or "
-     "task, else the process-wide default")
+     "task, else the process-wide default (inside `torch.compile` before torch 2.14: the process-wide default)")
+    if not _TRACES_CONTEXTVARS and torch.compiler.is_compiling(): return DEFAULT_IMPL
     return IMPL_HERE.get() or DEFAULT_IMPL
 
 _TRUE, _FALSE = ('1', 'true', 'yes', 'on'), ('0', 'false', 'no', 'off', '')
@@ -88,6 +92,7 @@ def _check_impl(impl):
     if impl not in IMPLS: raise ValueError(f"impl must be 'auto', 'fused' or 'ref', not {impl!r}")
     return impl
 
+# %% ../nbs/10_ops.ipynb #89b66851
 def find_cuda_home():
     "The CUDA toolkit folder (the one holding include/cuda_runtime.h and lib64/libcudart.so), or None"
     for c in [os.environ.get('CUDA_HOME'), os.environ.get('CUDA_PATH'), '/usr/local/cuda',
@@ -546,13 +551,19 @@ def _pick(l, idx):
 
 def is_dtensor(t) -> bool:
     "True when `t` is a DTensor (FSDP2's sharded params, their grads and optimizer state); none exists before its import"
-    m = sys.modules.get('torch.distributed.tensor')
-    return m is not None and isinstance(t, m.DTensor)
+    for name in ('torch.distributed.tensor', 'torch.distributed._tensor'):     # (torch before 2.5: the second)
+        cls = getattr(sys.modules.get(name), 'DTensor', None)
+        if cls is not None: return isinstance(t, cls)
+    return False
+
+def local_shard(t:torch.Tensor) -> torch.Tensor:
+    "This rank's shard of DTensor `t` (sharing its memory); `t` itself when it is not one"
+    return t.to_local() if is_dtensor(t) else t
 
 def local_shards(tensors) -> list:
-    ("`tensors` with each DTensor replaced by this rank's shard of it, which shares its memory: the kernels and "
-     "references work on a rank's shards, and the caller sums what must be summed over ranks (a norm)")
-    return [t.to_local() if is_dtensor(t) else t for t in tensors]
+    ("`tensors` with each DTensor replaced by this rank's shard of it: the kernels and references work on a rank's "
+     "shards, and the caller sums what must be summed over ranks (a norm)")
+    return [local_shard(t) for t in tensors]
 
 def _scale_op(kernel:str, ref, src, dst, scale, impl):
     ("Run the fused `kernel` (one launch per dtype pair; it checks the tensors and a tensor scale) or the reference "

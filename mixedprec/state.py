@@ -7,7 +7,7 @@ __all__ = ['SCALES', 'STATE_STORES', 'Fp32State', 'Bf16State', 'Int8State', 'che
 
 # %% ../nbs/12a_state.ipynb #9952cd79
 import torch
-from .ops import quantize8_ref, dequantize8_ref, Q_BLOCK, is_dtensor
+from .ops import quantize8_ref, dequantize8_ref, Q_BLOCK, is_dtensor, local_shard
 
 # %% ../nbs/12a_state.ipynb #2ef063bc
 def _like(p, v):
@@ -16,6 +16,12 @@ def _like(p, v):
     res = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device=v.device)
     res.copy_(v)
     return res
+
+def _sharded_as(like:torch.Tensor, t:torch.Tensor) -> torch.Tensor:
+    "`t`, this rank's shard, as a DTensor sharded as `like` is (`t` itself when `like` is not a DTensor)"
+    if not is_dtensor(like): return t
+    return type(like).from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                 stride=like.stride())
 
 SCALES = '_scales'                         # 8-bit state under key `k` keeps its scales beside it, under `k + SCALES`
 
@@ -56,13 +62,15 @@ class Int8State(Fp32State):
      "and one fp32 scale per 256 elements under the key plus `SCALES`: a quarter of the bytes")
     name, dtype = '8bit', torch.float32
 
+    # of a DTensor (FSDP2's shards): the codes are a DTensor sharded as the param, the scales cover this rank's shard
     def new(self, like:torch.Tensor, signed:bool=True) -> dict:
         codes = torch.zeros_like(like, dtype=torch.int8 if signed else torch.uint8)
-        return {'': codes, SCALES: torch.zeros(-(-like.numel() // Q_BLOCK), device=like.device)}
+        return {'': codes, SCALES: torch.zeros(-(-local_shard(like).numel() // Q_BLOCK), device=like.device)}
 
     def put(self, v:torch.Tensor, like:torch.Tensor, signed:bool=True) -> dict:
-        codes, scales = quantize8_ref(_like(like, v.float()), None, signed)
-        return {'': codes, SCALES: scales}
+        here = local_shard(like)
+        codes, scales = quantize8_ref(_like(here, local_shard(v).float()), None, signed)
+        return {'': _sharded_as(like, codes), SCALES: scales}
 
     def kept(self, st:dict, k:str, like:torch.Tensor, signed:bool=True) -> bool:
         v = st.get(k)
@@ -81,8 +89,9 @@ class Int8State(Fp32State):
 
     @staticmethod
     def decode(st:dict, k:str) -> torch.Tensor:
-        "The value of `st[k]`: 8-bit codes decoded to fp32 (exactly), any other tensor as it is"
-        return dequantize8_ref(st[k], st[k + SCALES]) if Int8State.holds(st, k) else st[k]
+        "The value of `st[k]`: 8-bit codes decoded to fp32 (exactly, sharded as the codes), any other tensor as it is"
+        if not Int8State.holds(st, k): return st[k]
+        return _sharded_as(st[k], dequantize8_ref(local_shard(st[k]), st[k + SCALES]))
 
 # %% ../nbs/12a_state.ipynb #b06f6957
 # the optimizer's moments: fp32; bf16, or 8-bit codes with a scale per 256 elements, rounded stochastically at each step

@@ -142,7 +142,7 @@ def main(rank, world, port, scenario, outdir, *args):
     try:
         fn = globals()[scenario]
         res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx', 'sharded_remote_grads', 'amp_clip',
-                                                         'fsdp2_fp16_optimizer') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
+                                                         'fsdp2_fp16_optimizer', 'fsdp2_fastai') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
         # the scenario's DDP wrappers and pending works go while the group lives
         del res; gc.collect()
@@ -540,3 +540,66 @@ def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject
     return dict(norms=norms, params=full, loss=fsdp2_loss(full), skipped=[r.skipped for r in opt.history],
                 named=[r.params for r in opt.history], scaler=opt.scaler.state_dict(), state_dtypes=states,
                 masters=len(opt.masters.pairs), reference=ref)
+
+def fsdp2_fastai(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
+                 opt='fastai', clip=1.0, lr=1e-2):
+    ("A fastai Learner over `deep_mlp` wrapped layer by layer in FSDP2 (a `dtype` compute policy, fp32 reduction), "
+     "`to_fp16()`/`to_bf16()` clipping at `clip`, the same steps as `fsdp2_fp16_optimizer`, with fastai's Adam "
+     "(`opt='fastai'`) or torch's AdamW (`'torch'`, through fastai's OptimWrapper); `save_at`: two fits, with "
+     "`learn.save` (a DCP folder) between them, or (`resume`) `learn.load` and the second fit only")
+    from pathlib import Path
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    from torch.utils.data import TensorDataset
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.learner import Learner
+    from fastai.optimizer import Adam, OptimWrapper
+    from fastai.callback.core import Callback
+    from helpers import quiet
+    import mixedprec.callback
+    model = deep_mlp()
+    policy = MixedPrecisionPolicy(param_dtype={'fp16': torch.float16, 'bf16': torch.bfloat16}[dtype],
+                                  reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear): fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    def dls(steps):
+        xs, ys = zip(*[fsdp2_data(s) for s in steps])
+        x, y = fsdp2_data(99)
+        rows = FSDP2_ROWS // world
+        return DataLoaders(
+            DataLoader(TensorDataset(torch.cat([shard_rows(x, rank, world) for x in xs]),
+                                     torch.cat([shard_rows(y, rank, world) for y in ys])), bs=rows),
+            DataLoader(TensorDataset(shard_rows(x, rank, world), shard_rows(y, rank, world)), bs=rows))
+    class Inject(Callback):
+        "An inf in rank 1's shard of a grad at step FSDP2_INJECT (`first`: the first step of this fit)"
+        first = 0
+        def after_backward(self):
+            if self.learn.train_iter + self.first == FSDP2_INJECT and rank == 1:
+                self.learn.model[2].weight.grad.to_local()[0, 0] = float('inf')
+    inj = Inject()
+    opt_func = partial(Adam, sqr_mom=0.999, eps=1e-8, wd=0.01) if opt == 'fastai' else partial(
+        OptimWrapper, opt=torch.optim.AdamW)
+    learn = quiet(Learner(dls(range(FSDP2_STEPS)), model, loss_func=nn.MSELoss(), opt_func=opt_func,
+                          cbs=[inj] if inject else []))
+    if dtype == 'fp16': learn.to_fp16(loss_scale=2.**10, clip=clip, state=state)
+    else: learn.to_bf16(clip=clip, state=state)
+    learn.path = Path(outdir)
+    name = f'dcp_fastai_{opt}_{dtype}_{state}'
+    if save_at is None: learn.fit(1, lr)
+    else:
+        if resume: learn.load(name)
+        else:
+            learn.dls = dls(range(save_at + 1)); learn.fit(1, lr)
+            learn.save(name)
+        inj.first = save_at + 1; learn.dls = dls(range(save_at + 1, FSDP2_STEPS)); learn.fit(1, lr)
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    raw = learn.opt.opt
+    st = getattr(raw, 'opt', raw).state
+    states = {k: v.dtype for s in st.values() for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim()}
+    mp = learn.mixed_precision
+    ref = fsdp2_reference(clip, lr, FSDP2_INJECT if inject else None) if rank == 0 else None
+    return dict(params=full, loss=fsdp2_loss(full), skipped=[r.skipped for r in mp.history],
+                norms=[r.grad_norm for r in mp.history],
+                named=[r.params for r in mp.history], scaler=mp.scaler.state_dict(), state_dtypes=states,
+                masters=len(mp.masters.pairs), fsdp2=mp.masters.fsdp2, reference=ref)

@@ -42,8 +42,8 @@ def test_fully_shard_then_amp_o2_takes_the_fp32_params_as_masters_and_casts_noth
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"opt_level='O1' with an FSDP2 model: use opt_level='O2'"):
         amp.initialize(model, opt, opt_level='O1', verbosity=0)
-    with pytest.raises(ValueError, match=r"pass state='bf16'"):
-        amp.initialize(model, opt, opt_level='O2', verbosity=0, state='8bit')
+    with pytest.raises(ValueError, match=r"pass masters='fp32'"):
+        amp.initialize(model, opt, opt_level='O2', verbosity=0, masters='split', half_dtype='bf16')
     dtypes = [p.dtype for p in model.parameters()]
     model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
     assert [p.dtype for p in model.parameters()] == dtypes == [torch.float32] * 4, "FSDP2's policy casts, not amp"
@@ -58,7 +58,7 @@ def test_fp16_optimizer_over_fsdp2_takes_its_fp32_params_as_masters_and_refuses_
     assert opt.masters.fsdp2 and not opt.masters.pairs, "no second copy of the weights"
     assert all(m is p for m, p in zip(opt.param_groups[0]['params'], model.parameters()))
     for kw, match in [(dict(shard=True), "FSDP2 shards them already: leave shard=False"),
-                      (dict(masters='split'), "pass masters='fp32'"), (dict(state='8bit'), "pass state='bf16'")]:
+                      (dict(masters='split'), "pass masters='fp32'")]:
         with pytest.raises(ValueError, match=match):
             FP16_Optimizer(torch.optim.SGD(sharded(mlp()).parameters(), lr=0.1), verbose=False, **kw)
     with pytest.raises(TypeError, match=r"torch.float16 params.*keep the params fp32.*MixedPrecisionPolicy"):
@@ -72,16 +72,14 @@ def test_fp16_optimizer_then_fully_shard_is_refused_at_the_backward(group):
     with pytest.raises(RuntimeError, match=r"reached none of the params.*fully_shard"):
         opt.backward(model(X.half()).float().sum())
 
-def test_fastai_to_fp16_over_a_fully_shard_model_and_the_other_order_are_refused(group):
+def test_fastai_to_fp16_then_fully_shard_is_refused_at_the_fit_naming_the_order_that_works(group):
     from helpers import synth_learner
     import mixedprec.callback
-    learn = synth_learner()
-    sharded(learn.model)
-    with pytest.raises(TypeError, match=r"to_fp16/to_bf16: .*FSDP2"): learn.to_fp16()
     # (with batchnorm kept fp32, FSDP2 refuses the mixed dtypes itself)
     learn = synth_learner(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))).to_fp16()
     sharded(learn.model)
-    with pytest.raises(TypeError, match=r"fit: the model was wrapped by `fully_shard` after to_fp16"): learn.fit(1)
+    with pytest.raises(TypeError, match=r"fit: the model was wrapped by `fully_shard` after to_fp16.*Wrap first"):
+        learn.fit(1)
 
 
 # FP16_Optimizer on FSDP2 at 2 and 3 gloo ranks (tests/dist_workers.py: `fsdp2_fp16_optimizer`): deep_mlp wrapped layer
@@ -117,23 +115,164 @@ def test_fsdp2_fp16_skips_on_every_rank_names_the_param_on_every_rank_and_trains
     assert [ranks[0]['norms'][i] for i in clipped] == pytest.approx([ref['norms'][i] for i in clipped], rel=2e-3)
     assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=1e-2) and ref['loss'] < 0.6 * ref['start']
 
-@pytest.mark.parametrize('world, front', [(2, 'fp16_optimizer'), (3, 'fp16_optimizer'), (3, 'amp')])
-def test_fsdp2_bf16_with_bf16_state_on_each_ranks_shards_trains_as_fp32(world, front):
-    ranks = run('bf16', 'bf16', False, None, False, front, world=world)
+@pytest.mark.parametrize('world, front, state', [(2, 'fp16_optimizer', 'bf16'), (3, 'fp16_optimizer', 'bf16'),
+                                                 (3, 'amp', 'bf16'), (2, 'fp16_optimizer', '8bit'), (3, 'amp', '8bit')])
+def test_fsdp2_bf16_with_lean_state_on_each_ranks_shards_trains_as_fp32(world, front, state):
+    ranks = run('bf16', state, False, None, False, front, world=world)
     agreed(ranks)
     ref = ranks[0]['reference']
-    assert set(ranks[0]['state_dtypes'].values()) == {torch.bfloat16}, "the moments kept in bf16, half the bytes"
+    kept = {'bf16': {torch.bfloat16}, '8bit': {torch.int8, torch.uint8, torch.float32}}[state]    # (8-bit: the scales)
+    assert set(ranks[0]['state_dtypes'].values()) == kept, "the moments kept lean on each rank's shards"
     assert not any(ranks[0]['skipped']) and ranks[0]['norms'] == pytest.approx(ref['norms'], rel=6e-2)
     assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=3e-2)
 
-def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3():
+@pytest.mark.parametrize('state', ['fp32', 'bf16'])
+def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3(state):
     from test_distributed import spawn
     import tempfile, pathlib
     d = pathlib.Path(tempfile.mkdtemp())
-    whole = spawn('fsdp2_fp16_optimizer', d, 'fp16', 'fp32', False, 3, world=2)        # saved after step 3
-    two = spawn('fsdp2_fp16_optimizer', d, 'fp16', 'fp32', False, 3, True, world=2)
-    three = spawn('fsdp2_fp16_optimizer', d, 'fp16', 'fp32', False, 3, True, world=3)
+    whole = spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, world=2)        # saved after step 3
+    # bf16 state: its stochastic rounding's stream comes back too (the keys exist before the load)
+    two = spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, True, world=2)
+    three = spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, True, world=3)
     assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
     assert two[0]['scaler'] == whole[0]['scaler'], "the loss scaler's state came back too"
     agreed(three)
+    assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
+
+def test_8bit_state_on_fsdp2_is_saved_decoded_so_dcp_loads_it_at_another_world_size():
+    from test_distributed import spawn
+    import tempfile, pathlib
+    d = pathlib.Path(tempfile.mkdtemp())
+    whole = spawn('fsdp2_fp16_optimizer', d, 'fp16', '8bit', False, 3, world=2)         # saved after step 3
+    two = spawn('fsdp2_fp16_optimizer', d, 'fp16', '8bit', False, 3, True, world=2)
+    three = spawn('fsdp2_fp16_optimizer', d, 'fp16', '8bit', False, 3, True, world=3)
+    agreed(two); agreed(three)
+    assert {torch.int8, torch.uint8} <= set(three[0]['state_dtypes'].values()), "8-bit again after the load"
+    for r in (two, three):      # re-quantized at the load (to nearest): close to the uninterrupted run, not bit for bit
+        assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], r[0]['params'])) < 1e-2
+        assert r[0]['loss'] == pytest.approx(whole[0]['loss'], rel=1e-2)
+
+
+# The fastai callback on FSDP2: a Learner built on the wrapped model, `to_fp16()`/`to_bf16()` as usual
+def policy(dtype=torch.float16):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+def fsdp2_learner(dtype=torch.float16, wrap=True):
+    from torch.distributed.fsdp import fully_shard
+    from helpers import synth_learner
+    import mixedprec.callback
+    torch.manual_seed(0)
+    learn = synth_learner(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    if wrap:
+        for layer in (learn.model[0], learn.model[2]): fully_shard(layer, mp_policy=policy(dtype))
+        fully_shard(learn.model, mp_policy=policy(dtype))
+    return learn
+
+def test_fastai_on_fsdp2_casts_nothing_its_fp32_shards_are_the_masters_and_opt_step_is_the_engines(group):
+    from fastai.callback.training import GradientClip
+    fp32 = fsdp2_learner(wrap=False); fp32.add_cb(GradientClip(1.0))
+    start = fp32.validate()[0]
+    fp32.fit(3, 1e-2)
+    unsharded = fsdp2_learner(wrap=False).to_fp16(clip=1.0)
+    unsharded.fit(3, 1e-2)
+    learn = fsdp2_learner().to_fp16(clip=1.0)
+    learn.fit(3, 1e-2)
+    mp = learn.mixed_precision
+    assert [p.dtype for p in learn.model.parameters()] == [torch.float32] * 4, "FSDP2's policy casts, not mixedprec"
+    assert mp.masters.fsdp2 and not mp.masters.pairs, "no second copy of the weights"
+    assert max((a - p.detach().full_tensor()).abs().max().item() for a, p in zip(      # (the clip's sums: 1 ulp)
+        unsharded.mixed_precision.masters.master_params, learn.model.parameters())) < 1e-6, "as without FSDP2"
+    assert [(r.skipped, r.scale, r.grad_norm) for r in mp.history] == [
+        (r.skipped, r.scale, r.grad_norm) for r in unsharded.mixed_precision.history], "the same skips and clip norms"
+    assert learn.validate()[0] == pytest.approx(fp32.validate()[0], rel=0.1) and learn.validate()[0] < 0.6 * start
+    assert len(mp.history) == 18
+    # a manual step outside the fit is the engine's step, on the shards
+    before = [p.detach().full_tensor().clone() for p in learn.model.parameters()]
+    xb, yb = learn.dls.one_batch()
+    learn.loss_func(learn.model(xb).float(), yb).backward()
+    learn.opt.step(); learn.opt.zero_grad()
+    assert all(not torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, learn.model.parameters()))
+    learn.to_fp32()
+    assert [p.dtype for p in learn.model.parameters()] == [torch.float32] * 4 and learn.opt.param_lists
+
+def test_fastai_on_fsdp2_refuses_what_cannot_train_saying_how_to_wrap(group, tmp_path):
+    from torch.distributed.fsdp import fully_shard
+    with pytest.raises(ValueError, match=r"compute in none \(fp32\).*MixedPrecisionPolicy\(param_dtype=torch.float16"):
+        learn = fsdp2_learner(wrap=False)
+        fully_shard(learn.model)                                  # no policy: it would train in fp32
+        learn.to_fp16()
+    with pytest.raises(ValueError, match=r"compute in torch.bfloat16, and torch.float16 was asked for"):
+        fsdp2_learner(torch.bfloat16).to_fp16()
+    with pytest.raises(ValueError, match=r"pass masters='fp32'"): fsdp2_learner(torch.bfloat16).to_bf16(masters='split')
+    with pytest.raises(ValueError, match=r"FSDP2 shards them already"): fsdp2_learner().to_fp16(shard=True)
+    learn = fsdp2_learner().to_fp16()
+    assert learn.mixed_precision.conversion.steps_masters and not learn.mixed_precision.conversion.masters
+    learn.path = tmp_path
+    with pytest.raises(TypeError, match=r"export .*FSDP2.*learn.save\(name\)"): learn.export()
+    with pytest.raises(FileNotFoundError, match=r"nothing.dcp is not there.*DCP"): learn.load('nothing')
+
+@pytest.mark.parametrize('state', ['bf16', '8bit'])
+def test_fastai_save_and_load_of_fsdp2_is_a_dcp_folder_with_the_optimizer_state_and_the_scaler(group, tmp_path, state):
+    learn = fsdp2_learner().to_fp16(state=state)
+    learn.path = tmp_path
+    learn.fit(1, 1e-2)
+    path = learn.save('ck')
+    assert path.is_dir() and path.name == 'ck.dcp' and (path / '.metadata').exists()
+    weights = [p.detach().full_tensor().clone() for p in learn.model.parameters()]
+    scaler, steps = learn.mixed_precision.scaler.state_dict(), learn.opt.state_dict()['state'][0]['step']
+    learn.fit(1, 1e-2)                                             # moves on from the checkpoint
+    fresh = fsdp2_learner().to_fp16(state=state)                   # a new optimizer: no state yet
+    fresh.path = tmp_path
+    fresh.load('ck')
+    assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(weights, fresh.model.parameters()))
+    assert fresh.mixed_precision.scaler.state_dict() == scaler
+    got = fresh.opt.state_dict()['state']
+    assert got[0]['grad_avg'].dtype == {'bf16': torch.bfloat16, '8bit': torch.float32}[state], "8-bit: saved decoded"
+    assert got[0]['step'] == steps
+    fresh.fit(1, 1e-2)
+    assert all(torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
+               for a, b in zip(learn.model.parameters(), fresh.model.parameters())), "resumed bit for bit"
+
+
+# The callback at 2 and 3 gloo ranks (tests/dist_workers.py: `fsdp2_fastai`), the same steps as FP16_Optimizer's above
+def run_fastai(*args, world):
+    from test_distributed import spawn
+    import tempfile, pathlib
+    return spawn('fsdp2_fastai', pathlib.Path(tempfile.mkdtemp()), *args, world=world)
+
+@pytest.mark.parametrize('world, opt', [(3, 'fastai'), (2, 'torch')])
+def test_fastai_on_fsdp2_fp16_skips_on_every_rank_names_the_param_and_trains_as_fp32(world, opt):
+    from dist_workers import FSDP2_INJECT
+    ranks = run_fastai('fp16', 'fp32', True, None, False, opt, world=world)
+    for r in ranks[1:]:
+        assert r['skipped'] == ranks[0]['skipped'] and all(torch.equal(a, b) for a, b in zip(r['params'], ranks[0]['params']))
+    ref = ranks[0]['reference']
+    assert ranks[0]['fsdp2'] and ranks[0]['masters'] == 0
+    assert ranks[0]['skipped'] == [step == FSDP2_INJECT for step in range(len(ref['norms']))]
+    assert all(r['named'][FSDP2_INJECT] == ('2.weight (inf)',) for r in ranks)
+    clipped = [i for i in range(len(ref['norms'])) if i != FSDP2_INJECT]      # the global norm, over every rank
+    assert [ranks[0]['norms'][i] for i in clipped] == pytest.approx([ref['norms'][i] for i in clipped], rel=2e-3)
+    assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=1e-2) and ref['loss'] < 0.6 * ref['start']
+
+@pytest.mark.parametrize('world, opt, state', [(2, 'fastai', 'bf16'), (3, 'fastai', '8bit')])
+def test_fastai_on_fsdp2_bf16_with_lean_state_trains_as_fp32(world, opt, state):
+    ranks = run_fastai('bf16', state, False, None, False, opt, world=world)
+    ref = ranks[0]['reference']
+    kept = {'bf16': {torch.bfloat16}, '8bit': {torch.int8, torch.uint8, torch.float32}}[state]
+    assert set(ranks[0]['state_dtypes'].values()) == kept, "the moments kept lean on each rank's shards"
+    assert not any(ranks[0]['skipped'])
+    assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=3e-2)
+
+@pytest.mark.parametrize('opt', ['fastai', 'torch'])
+def test_fastai_learn_save_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3(opt):
+    from test_distributed import spawn
+    import tempfile, pathlib
+    d = pathlib.Path(tempfile.mkdtemp())
+    whole = spawn('fsdp2_fastai', d, 'fp16', 'fp32', False, 3, False, opt, world=2)       # saved after step 3
+    two = spawn('fsdp2_fastai', d, 'fp16', 'fp32', False, 3, True, opt, world=2)
+    three = spawn('fsdp2_fastai', d, 'fp16', 'fp32', False, 3, True, opt, world=3)
+    assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
+    assert two[0]['scaler'] == whole[0]['scaler'], "the loss scaler's state came back too"
     assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
