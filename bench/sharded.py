@@ -1,9 +1,10 @@
 """Bytes per rank, measured from the tensors each rank holds, at 1-4 gloo ranks on loopback: the model's params, the grads
 at their peak (after the backward, before the step), the fp32 masters and the optimizer state (Adam: torch's AdamW,
-fastai's Adam in the callback), for DDP and ZeRO stage 1 (`shard=True`) under FP16_Optimizer, amp O2 and the fastai
-callback, beside torch's own FSDP2 (`fully_shard` with bf16
-compute, fp32 sharded params) and FP16_Optimizer on FSDP2 (fp32, bf16 and 8-bit optimizer state); then the same four columns on paper for a 7B-param model at 8, 64 and 512 ranks, and the
-step time of ZeRO-1 against DDP. Prints the tables.
+fastai's Adam in the callback), for DDP under FP16_Optimizer, amp O2 and the fastai callback, beside torch's own FSDP2
+(`fully_shard` with bf16 compute, fp32 sharded params) and FP16_Optimizer on FSDP2 (fp32, bf16 and 8-bit optimizer
+state), with the step time of each FSDP2 configuration against torch's; then the bytes on paper for a 7B-param model at
+8, 64 and 512 ranks. Prints the tables. (mixedprec's own ZeRO-1, `shard=True`, is removed: FSDP2 held fewer bytes at
+every world size; its last figures are in bench/RESULTS.md.)
 
     python bench/sharded.py [--width 512] [--layers 8] [--steps 10] [--worlds 1,2,3,4] [--only FSDP2]
 """
@@ -12,8 +13,7 @@ import torch, torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import cpu_name
 
-CONFIGS = ['DDP, FP16_Optimizer', 'ZeRO-1, FP16_Optimizer', 'DDP, amp O2', 'ZeRO-1, amp O2', 'DDP, fastai callback', 'ZeRO-1, fastai callback',
-           'torch FSDP2 (bf16 compute)', 'FSDP2 + FP16_Optimizer (bf16 compute)', 'FSDP2 + FP16_Optimizer, bf16 state',
+CONFIGS = ['DDP, FP16_Optimizer', 'DDP, amp O2', 'DDP, fastai callback', 'torch FSDP2 (bf16 compute)', 'FSDP2 + FP16_Optimizer (bf16 compute)', 'FSDP2 + FP16_Optimizer, bf16 state',
            'FSDP2 + FP16_Optimizer, 8-bit state']
 
 def free_port():
@@ -39,25 +39,24 @@ def run(rank, world, port, out, config, width, layers, steps):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     x = torch.randn(16, width)
-    shard = config.startswith('ZeRO-1')
     if 'FP16_Optimizer' in config and 'FSDP2' not in config:
         from mixedprec.fp16_optimizer import FP16_Optimizer
         model = model.half(); net = DDP(model)
-        opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dynamic_loss_scale=True, verbose=False, shard=shard)
+        opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dynamic_loss_scale=True, verbose=False)
         inner = opt.optimizer
         def backward(): opt.zero_grad(); opt.backward(net(x.half()).float().pow(2).mean(), update_master_grads=False)
         unscale, step = opt.update_master_grads, opt.step
     elif 'amp' in config:
         from mixedprec import amp
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0, shard=shard)
+        model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
         net, inner, pending = DDP(model), opt, []
         def backward():
             opt.zero_grad(); cm = amp.scale_loss(net(x).float().pow(2).mean(), opt); pending[:] = [cm]; cm.__enter__().backward()
         def unscale(): pending[0].__exit__(None, None, None)
         step = opt.step
     elif 'fastai' in config:
-        return run_fastai(rank, world, out, config, model, x, steps, shard)
+        return run_fastai(rank, world, out, config, model, x, steps)
     else:
         from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -90,8 +89,8 @@ def run(rank, world, port, out, config, width, layers, steps):
     torch.save(res, os.path.join(out, f'{CONFIGS.index(config)}_{world}_{rank}.pt'))
     dist.destroy_process_group()
 
-def run_fastai(rank, world, out, config, model, x, steps, shard):
-    "The fastai callback (`to_fp16`, fastai's Adam; sharded with `shard=True`), the model wrapped in DDP at `before_fit` as fastai's DistributedTrainer does: the same four columns, read in the fit"
+def run_fastai(rank, world, out, config, model, x, steps):
+    "The fastai callback (`to_fp16`, fastai's Adam), the model wrapped in DDP at `before_fit` as fastai's DistributedTrainer does: the same four columns, read in the fit"
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import TensorDataset
@@ -116,7 +115,7 @@ def run_fastai(rank, world, out, config, model, x, steps, shard):
         def after_batch(self): seen['t'].append(time.perf_counter())
     learn = Learner(dls, model, loss_func=lambda pred, y: pred.float().pow(2).mean(), opt_func=Adam, lr=1e-4)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
-    learn.to_fp16(shard=shard)
+    learn.to_fp16()
     learn.fit(1, cbs=Measure())
     model_params = list(learn.model.parameters())
     masters = [p for g in learn.opt.param_lists for p in g if all(p is not q for q in model_params)]
@@ -127,10 +126,12 @@ def run_fastai(rank, world, out, config, model, x, steps, shard):
     dist.destroy_process_group()
 
 def on_paper(n:float, world:int) -> dict:
-    "Bytes per rank for `n` params with AdamW at the grads' peak: half weights and grads, fp32 masters with their grad buffers, and the state"
-    return {'DDP, fp32 masters': (2 + 2 + 4 + 4 + 8) * n,
-            'ZeRO-1 (mixedprec shard=True)': (2 + 2) * n + (4 + 4 + 8) * n / world,
-            'FSDP2 (fp32 sharded params)': (4 + 4 + 8) * n / world}      # + one layer's unsharded bf16 weights and grads while it runs
+    ("Bytes per rank for `n` params with AdamW at the grads' peak: half weights and grads, fp32 masters with their grad "
+     "buffers, and the state (FSDP2: fp32 sharded params and grads, the state as kept)")
+    return {'DDP + mixedprec, fp32 masters': (2 + 2 + 4 + 4 + 8) * n,
+            'torch FSDP2 + AdamW': (4 + 4 + 8) * n / world,      # + one layer's unsharded weights and grads while it runs
+            'FSDP2 + mixedprec, bf16 state': (4 + 4 + 4) * n / world,
+            'FSDP2 + mixedprec, 8-bit state': (4 + 4 + 2 + 4 / 256) * n / world}
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -149,15 +150,14 @@ def main():
     n = a.layers * (a.width * a.width + a.width)
     print(f"{a.layers}x Linear({a.width}, {a.width}) ({n / 1e6:.2f}M params), AdamW, gloo on loopback, 1 thread per rank; CPU: {cpu_name()}")
     print("MiB per rank (the fullest rank), measured from the tensors it holds; grads at their peak (the unscale, when the half grads and\n"
-          "the master grads both exist; DDP's own gradient buckets, the same for DDP and ZeRO-1, are not counted)\n")
-    print(f"| ranks | configuration | params | grads (peak) | fp32 masters | optimizer state | total | step time vs DDP, same front end (FSDP2: vs torch's FSDP2) |")
+          "the master grads both exist; DDP's own gradient buckets are not counted)\n")
+    print(f"| ranks | configuration | params | grads (peak) | fp32 masters | optimizer state | total | step time vs torch's FSDP2 |")
     print("|---|---|---|---|---|---|---|---|")
     for world in worlds:
         for config in configs:
             r = res[config, world]
             total = r['params'] + r['grads'] + r['masters'] + r['state']
-            base = (res.get((config.replace('ZeRO-1', 'DDP'), world)) if config.startswith('ZeRO-1') else
-                    res.get(('torch FSDP2 (bf16 compute)', world)) if config.startswith('FSDP2 +') else None)
+            base = res.get(('torch FSDP2 (bf16 compute)', world)) if config.startswith('FSDP2 +') else None
             rel = f"{r['sec'] / base['sec']:.2f}" if base else ''
             print(f"| {world} | {config} | {r['params'] / 2**20:.1f} | {r['grads'] / 2**20:.1f} | {r['masters'] / 2**20:.1f} | {r['state'] / 2**20:.1f} | "
                   f"{total / 2**20:.1f} | {rel} |")

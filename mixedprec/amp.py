@@ -18,7 +18,7 @@ from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_
 from .ops import require_impl
 from .master import check_store, Masters
 from .state import check_state_store
-from .distributed import refuse_fsdp2, check_fsdp2
+from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2
 
 # %% ../nbs/17_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -161,12 +161,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         e.add_param_group(param_group, make_masters=e.amp.props['master_weights'])
 
     def state_dict(self) -> dict:
-        "The optimizer's `state_dict` (sharded masters: of every rank, gathered, so every rank must call it)"
-        with self.engine.consolidated(): return self.optimizer.state_dict()
+        "The optimizer's `state_dict`, keyed by the masters"
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, sd:dict):
-        ("Checked against the masters first (torch checks the group sizes only); sharded, every rank loads the whole "
-         "state and keeps its shard's")
+        "Checked against the masters first (torch checks the group sizes only)"
         self.engine.check_optimizer_state(sd, "optimizer.load_state_dict")
         self.engine.load_optimizer_state(sd)
 
@@ -192,15 +191,17 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
                verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None,
                    masters:str='fp32', shard:bool=False,
                state:str='fp32'):
+    # shard: removed (mixedprec's own ZeRO-1); refused by name, pointing to torch's FSDP2
     "Prepare `models` and `optimizers` for mixed precision at `opt_level`; returns them in the shapes they came in"
     global _state
+    refuse_shard(shard, "amp.initialize")
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
     opt_list = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     fsdp2 = weakref.WeakSet()                # models FSDP2 shards: its policy casts them, their fp32 params are masters
     for m in model_list:
         if not isinstance(m, nn.Module):
             raise TypeError(f"amp.initialize takes nn.Modules as models, got {type(m).__name__}")
-        if check_fsdp2(list(m.parameters()), "amp.initialize", masters, shard): fsdp2.add(m)
+        if check_fsdp2(list(m.parameters()), "amp.initialize", masters): fsdp2.add(m)
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise TypeError("call amp.initialize on the bare model, then wrap it in DistributedDataParallel")
         if m in _initialized or getattr(m, '_mixedprec_conversion', None) is not None:
@@ -213,7 +214,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
             raise TypeError(f"amp.initialize takes torch.optim.Optimizers, got {type(o).__name__} (do not wrap them "
                             "in FP16_Optimizer)")
         if o in _engines: raise RuntimeError("this optimizer was already passed to amp.initialize; build a new one")
-        check_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize", masters, shard)
+        check_fsdp2([p for g in o.param_groups for p in g['params']], "amp.initialize", masters)
         # an optimizer the fused steps do not know, with lean state: before any model is converted
         _check_lean(o, state)
     if not (isinstance(num_losses, int) and num_losses >= 1):
@@ -260,10 +261,8 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         # the masters of the models' conversions, and fp32 masters for half params no conversion made
         record = Masters.for_params((p for g in o.param_groups for p in g['params']) if props['master_weights']
                                         else (), *records)
-        if shard and not props['master_weights']:
-            raise ValueError(f"shard=True shards the fp32 masters, and {opt_level} keeps none: use opt_level='O2'")
         e = StepEngine.attach(o, record, names=names, decide=decide, impl=impl, hint=_HINT, store=masters,
-                              shard=shard, state=state)
+                              state=state)
         e.amp = setup
         returned.append(AmpOptimizer(o, e))
         setup.engines.append(e)
@@ -301,22 +300,13 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
     unscale_into(engines, scaler)
 
 # %% ../nbs/17_amp.ipynb #939c780f
-def master_params(optimizer, local:bool=False):
-    ("The params `optimizer` owns, as an iterator: the fp32 masters at O2, the model's params otherwise. Refused "
-     "with sharded masters (each rank's clip would use its own shard's norm) unless `local=True`")
-    e = _engines.get(optimizer)
-    if not local and e is not None and e.masters.shards is not None and e.masters.shards.world > 1:
-        raise RuntimeError("amp.master_params(optimizer) with shard=True gives this rank's shard of the masters, so "
-                           "`clip_grad_norm_(amp.master_params(optimizer), max_norm)` would clip each rank by the "
-                           "norm of its own shard and "
-                           "the ranks would train apart. Clip with `amp.clip_grad_norm_(optimizer, max_norm)`, which "
-                           "uses the global norm; "
-                           "pass local=True to iterate this rank's masters on purpose")
+def master_params(optimizer):
+    "The params `optimizer` owns, as an iterator: the fp32 masters at O2, the model's params otherwise"
     return (p for g in optimizer.param_groups for p in g['params'])
 
 def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
-    ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (across every rank's shard "
-     "when sharded), as `torch.nn.utils.clip_grad_norm_` would over all of them: after the `scale_loss` block, "
+    ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (summed over ranks on "
+     "FSDP2), as `torch.nn.utils.clip_grad_norm_` would over all of them: after the `scale_loss` block, "
      "before `step()`. Returns the norm; a non-finite one skips the step")
     return _engines_of(optimizer)[0].clip_now(max_norm, norm_type)
 
@@ -347,7 +337,7 @@ def state_dict() -> dict:
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
     sd['masters'] = []
     for e in _state.engines:
-        with e.consolidated(): sd['masters'].append(e.masters_state())     # sharded: gathered from every rank
+        sd['masters'].append(e.masters_state())
     return sd
 
 def load_state_dict(sd:dict):
@@ -365,5 +355,4 @@ def load_state_dict(sd:dict):
     for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.check_masters(ms, f"the state_dict (optimizer {i})")
     for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
     for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])
-    for e, ms in zip(_state.engines, saved):
-        with e.consolidated(gather=False): e.load_masters(ms)
+    for e, ms in zip(_state.engines, saved): e.load_masters(ms)

@@ -10,7 +10,6 @@ __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'fastai_export'
 import warnings
 from pathlib import Path
 from collections import defaultdict
-from contextlib import contextmanager
 import torch
 from torch import nn
 from fastcore.foundation import L
@@ -28,10 +27,10 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow, ShardedConversion
-from .master import check_store, master_kind, Bf16Master, RemoteMaster, CheckpointError, check_param_state
+from .master import check_store, master_kind, Bf16Master, CheckpointError, check_param_state
 from .state import check_state_store, fp32_state
 from .engine import StepEngine, unscale_into, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
-from .distributed import (world_size, rank, barrier, refuse_fsdp2, fsdp2_sharded, check_fsdp2, check_fsdp2_policy,
+from .distributed import (rank, refuse_shard, refuse_fsdp2, fsdp2_sharded, check_fsdp2, check_fsdp2_policy,
                           dcp_save, dcp_load)
 from fastcore.xtras import join_path_file
 from .ops import warn_once, require_impl
@@ -80,8 +79,7 @@ class FastaiMasters:
      "moved with the model's device, carried through copies and pickles, saved and loaded with the scaler")
     def leave(self):
         ("Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state "
-         "kept (sharded: gathered, on every rank)")
-        if self.masters is not None and self.masters.shards is not None: self.engine.unshard_()
+         "kept")
         self.release_opt()
         if self.conversion is not None: self.conversion.undo()
         self.conversion = None
@@ -98,27 +96,14 @@ class FastaiMasters:
             self.engine.masters.sync_requires_grad()   # a freeze on the old optimizer reaches the model
         self._copied_masters_to_model(opt)
         held = [p for g in opt.param_lists for p in g]
-        shard = getattr(self, 'shard', False) and world_size() > 1
-        if shard and self.flat_master and not isinstance(opt, Optimizer):
-            raise ValueError("sharded flat masters need fastai's own optimizer, whose state_dict is per param; "
-                             f"{type(opt).__name__}'s is by position "
-                             "over the flat masters, which differ with the world size: pass flat_master=False, or a "
-                             "fastai opt_func (Adam, SGD, ...)")
         if self.engine is not None and self.engine.optimizer is opt and {
             id(p) for p in held} == {id(p) for p in self.masters.master_params}:
-            if (self.masters.shards is not None) == shard: return self._wrap(wrapped, opt)
-            if not shard:
-                raise RuntimeError("the masters are sharded across ranks and torch.distributed has gone (or has one "
-                                   "rank): call `learn.save()`, "
-                                             "`to_fp32()` or `export()` inside `distrib_ctx`, where the shards can "
-                                             "be gathered")
-            self.release_opt()                            # first fit under distrib_ctx: shard the masters
-            held = [p for g in opt.param_lists for p in g]
+            return self._wrap(wrapped, opt)
         names = {p: n for n, p in self.learn.model.named_parameters()}
         self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master,
                                         store=getattr(self, 'master_store', 'fp32'),
-                                        state=getattr(self, 'state_store', 'fp32'), shard=shard, scaler=self.scaler,
-                                            clip=self.clip, decide=self.decide, impl=self.impl)
+                                        state=getattr(self, 'state_store', 'fp32'), scaler=self.scaler,
+                                        clip=self.clip, decide=self.decide, impl=self.impl)
         self._wrap(wrapped, opt)
 
     def _wrap(self, wrapped, opt):
@@ -146,13 +131,6 @@ class FastaiMasters:
         if opt is None or e is None: return
         if e.optimizer is opt: e.detach()
         self.engine = self.state_io = None
-
-    @contextmanager
-    def consolidated(self, gather:bool=True):
-        ("A block in which this rank holds every master and all the optimizer state (sharded: gathered, so every "
-         "rank must enter it); sharded again after")
-        if self.masters is None or self.masters.shards is None: yield; return
-        with self.engine.consolidated(gather): yield
 
     def follow_model_device(self):
         ("The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and "
@@ -203,19 +181,8 @@ def _check_trainable(self:FastaiMasters):
                                  "changing the model, so they get masters and an optimizer.")
 
 @patch
-def check_whole(self:FastaiMasters):
-    ("Raise when other ranks hold some masters (sharded, outside `consolidated`): a state dict from here would "
-     "miss them")
-    if self.masters is not None and any(isinstance(master_kind(m), RemoteMaster) for _, m, _ in self.masters.pairs):
-        raise RuntimeError("the masters are sharded across ranks, so this rank's state is partial: call "
-                           "`learn.save()` on every rank (it gathers "
-                           "the shards), or read the state inside `with learn.mixed_precision.consolidated():` "
-                           "entered on every rank")
-
-@patch
 def state_dict(self:FastaiMasters) -> dict:
     "The scaler state and the fp32 masters, one per model param"
-    self.check_whole()
     masters = self.conversion.masters if self.conversion else {}
     return {'scaler': self.scaler.state_dict(),
             'masters': [
@@ -267,8 +234,7 @@ class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonN
         impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
         # bf16 only: 'split' keeps the exact master as the bf16 weight + an int16 half, 'none' rounds stochastically
         masters:str='fp32',
-        # under torch.distributed (`distrib_ctx`): each rank keeps the fp32 masters and optimizer state of its shard
-        # only
+        # removed (mixedprec's own ZeRO-1): shard with torch's FSDP2, `fully_shard`, and refused by name
         shard:bool=False,
         # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for
         # fastai's or torch's SGD and Adam
@@ -286,10 +252,7 @@ class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonN
             raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
         self.master_store = check_store(masters, dtype, flat_master)
         self.state_store = check_state_store(state, flat_master)
-        if shard and masters != 'fp32':
-            raise ValueError(f"shard=True shards fp32 masters: pass masters='fp32' (masters={masters!r} keeps them "
-                             "in the bf16 weights, which every rank holds)")
-        self.shard = shard
+        refuse_shard(shard, "MixedPrecision")
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
         self.dtype, self.keep_fp32 = check_half_dtype(dtype), keep
@@ -363,7 +326,7 @@ def prepare(self:MixedPrecision):
     ("Convert the model to the half dtype (once), keeping fp32 masters of its weights; an FSDP2 model is cast by its "
      "policy, and its sharded fp32 params are the masters")
     if self.conversion is None and fsdp2_sharded(self.learn.model):
-        check_fsdp2(list(self.learn.model.parameters()), "MixedPrecision", self.master_store, self.shard)
+        check_fsdp2(list(self.learn.model.parameters()), "MixedPrecision", self.master_store)
         check_fsdp2_policy(self.learn.model, self.dtype, "MixedPrecision")
         self.conversion = ShardedConversion(self.learn.model, self.dtype)
     if self.conversion is None:
@@ -557,7 +520,6 @@ class MixedPrecisionOpt(GetAttr):
     def state_dict(self) -> dict:
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
         cb = self._attached(); opt, masters = self.opt, cb.masters
-        cb.check_whole()
         steps_to_ints(opt.state)
         state = cb.engine.state_by_model_param()
         if masters.fsdp2 and cb.engine.state == '8bit':     # decoded: the scales cover blocks of this rank's shard
@@ -597,7 +559,7 @@ class MixedPrecisionOpt(GetAttr):
         self.check_state_dict(sd)
         cb, opt = self.cb, self.opt
         params = [p for g in cb.masters.model_groups for p in g]
-        # fp32, whatever the file holds; sharded: this rank's shard
+        # fp32, whatever the file holds
         state = cb.engine.state_onto_masters(dict(zip(params, sd['state'])))
         cb.engine.adapter.set_state(state, sd['hypers'])
         for k, v in sd.items():                        # a wrapper's own state (Lookahead's count and slow weights)
@@ -609,9 +571,8 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
     ("`learn.opt` in mixed precision over fastai's `OptimWrapper`: torch's positional state dict of the masters, the "
      "loss scaler beside it")
     def state_dict(self) -> dict:
-        "The wrapped torch optimizer's state_dict and the loss scaler (refused while other ranks hold some masters)"
+        "The wrapped torch optimizer's state_dict and the loss scaler"
         cb = self._attached()
-        cb.check_whole()
         return {**self.opt.state_dict(), 'mixedprec': {'scaler': cb.scaler.state_dict()}}
 
     def check_state_dict(self, sd:dict, what:str='the optimizer state'):
@@ -623,11 +584,10 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
 
     def load_state_dict(self, sd:dict):
         ("The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai "
-         "loads the file too); sharded, this rank keeps its shard")
+         "loads the file too)")
         self.check_state_dict(sd)
         scaler = sd.get('mixedprec', {}).get('scaler')
         self.opt.load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
-        self.cb.engine.drop_remote_state()
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
 
 def _fitting(learn) -> bool:
@@ -693,33 +653,17 @@ def to_bf16(self:Learner, loss_scale:float=1., max_noskip:int=1000, dynamic:bool
 
 fastai_export, fastai_save, fastai_load = _fastais('export'), _fastais('save'), _fastais('load')
 
-def _consolidated(learn, gather:bool=True):
-    "The mixed-precision callback's `consolidated` block, or nothing to do"
-    from contextlib import nullcontext
-    cb = getattr(learn, 'mixed_precision', None)
-    return cb.consolidated(gather) if isinstance(cb, MixedPrecision) else nullcontext()
-
-def _sharded(learn) -> bool:
-    "True when `learn`'s fp32 masters are sharded across ranks"
-    cb = getattr(learn, 'mixed_precision', None)
-    return isinstance(cb, MixedPrecision) and cb.masters is not None and cb.masters.shards is not None
-
 @patch
 def save(self:Learner, file, **kwargs):
-    ("fastai's `save`, written atomically (a failed save leaves the previous file whole) by rank 0 alone; sharded "
-     "masters are gathered first, so every rank must call it (as `SaveModelCallback` does) and returns when the file "
-     "is whole. An FSDP2 model: a DCP checkpoint, the folder `<file>.dcp`, every rank writing its shards")
+    ("fastai's `save`, written atomically (a failed save leaves the previous file whole) by rank 0 alone. An FSDP2 "
+     "model: a DCP checkpoint, the folder `<file>.dcp`, every rank writing its shards")
     if fsdp2_sharded(self.model): return _save_fsdp2(self, file, **kwargs)
-    sharded = _sharded(self)
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    with _consolidated(self):
-        # fastai skips a rank by the RANK variable of its launchers; a group made with `init_process_group(rank=...)`
-        # has none, and every rank would write one file at once
-        if rank() == 0:
-            write_atomically(
-                file, lambda tmp: fastai_learner.save_model(tmp, self.model, getattr(self, 'opt', None), **kwargs))
-    if sharded:
-        barrier("the wait for rank 0 to write the checkpoint")    # a load on any rank right after reads the whole file
+    # fastai skips a rank by the RANK variable of its launchers; a group made with `init_process_group(rank=...)`
+    # has none, and every rank would write one file at once
+    if rank() == 0:
+        write_atomically(
+            file, lambda tmp: fastai_learner.save_model(tmp, self.model, getattr(self, 'opt', None), **kwargs))
     return file
 
 def _save_fsdp2(learn, file, with_opt:bool=True, **kwargs) -> Path:
@@ -767,13 +711,11 @@ def _read_checkpoint(file, device, **torch_load_kwargs):
 def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, **kwargs):
     ("fastai's `load`, all or nothing in mixed precision: the model's keys and weights, the fp32 masters, the "
      "optimizer state and the loss scaler are all checked before anything changes, and a misfit raises (fastai would "
-     "change the model, then only warn about the optimizer). Sharded: every rank loads the whole file and keeps its "
-     "shard")
+     "change the model, then only warn about the optimizer). An FSDP2 model: its DCP checkpoint, at any world size")
     if fsdp2_sharded(self.model): return _load_fsdp2(self, file, with_opt, strict)
     cb = getattr(self, 'mixed_precision', None)
     if not isinstance(cb, MixedPrecision) or cb.engine is None or cb.state_io is None or cb.state_io is not getattr(self, 'opt', None):
-        with _consolidated(self, gather=False):
-            return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
+        return fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
@@ -782,7 +724,7 @@ def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, 
     hasopt = isinstance(state, dict) and set(state) == {'model', 'opt'}
     model, model_state = get_model(self.model), state['model'] if hasopt else state
     # keys, shapes, masters: checked once, by the model's own load hook, before the optimizer's state is checked
-    with _consolidated(self, gather=False), cb.conversion.loader.checked(model, model_state, strict=strict):
+    with cb.conversion.loader.checked(model, model_state, strict=strict):
         if hasopt and with_opt: cb.state_io.check_state_dict(state['opt'], f"{file.name}'s optimizer state")
         model.load_state_dict(model_state, strict=strict)
         if hasopt and with_opt: cb.state_io.load_state_dict(state['opt'])

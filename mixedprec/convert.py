@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import (Masters, master_kind, Bf16Master, SplitMaster, RemoteMaster, store_master_, mark_written,
+from .master import (Masters, master_kind, Bf16Master, SplitMaster, store_master_, mark_written,
                               take_model_edits, take_data_edits,
                      take_master_edits, check_master_value)
 
@@ -495,12 +495,6 @@ def fp32_copy(model:nn.Module) -> nn.Module:
     if conversion is None:
         raise ValueError(f"fp32_copy takes a model mixedprec converted, and this {type(model).__name__} is not one: "
                          "`copy.deepcopy(model)` copies it")
-    if any(isinstance(master_kind(m), RemoteMaster) for m in conversion.masters.values()):
-        raise ValueError("this rank holds only its shard of the fp32 masters (they are sharded across ranks), so a "
-                         "copy made here would have "
-                         "other ranks' weights rounded: make it inside a block where they are gathered, on every "
-                         "rank, for example "
-                         "`with learn.mixed_precision.consolidated(): ema = fp32_copy(learn.model)`")
     res = copy.deepcopy(model)
     return res._mixedprec_conversion.undo()
 

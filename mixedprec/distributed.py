@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ENABLED', 'TIMEOUT', 'FSDP2_ADVICE', 'set_process_group', 'world_size', 'agree', 'rank0s', 'fsdp2_sharded',
            'refuse_fsdp2', 'check_fsdp2', 'fsdp2_compute_dtypes', 'check_fsdp2_policy', 'dcp_save', 'dcp_load',
-           'balance', 'Shards', 'rank', 'barrier', 'sum_over_ranks']
+           'refuse_shard', 'rank', 'barrier', 'sum_over_ranks']
 
 # %% ../nbs/18_distributed.ipynb #b1c37fa5
 import datetime
@@ -84,7 +84,7 @@ def refuse_fsdp2(params, where:str):
                         "that FSDP2 re-creates and "
                         f"gathers, so mixedprec's fp32 masters would not be the weights that train. {FSDP2_ADVICE}")
 
-def check_fsdp2(params:list, where:str, masters:str='fp32', shard:bool=False) -> bool:
+def check_fsdp2(params:list, where:str, masters:str='fp32') -> bool:
     ("True when `params` are FSDP2's sharded params, which are then their own masters; raises, saying what to do, "
      "for what does not combine with FSDP2")
     if not fsdp2_sharded(params): return False
@@ -94,9 +94,6 @@ def check_fsdp2(params:list, where:str, masters:str='fp32', shard:bool=False) ->
                         "fp32 copy of them: keep the params fp32 and give FSDP2 the compute dtype, "
                         "`fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, "
                         "reduce_dtype=torch.float32))`: its sharded fp32 params are then the masters")
-    if shard:
-        raise ValueError(f"{where}: shard=True shards the masters across DDP ranks, and FSDP2 shards them already: "
-                         "leave shard=False")
     if masters != 'fp32':
         raise ValueError(f"{where}: masters={masters!r} keeps the masters in bf16 weights, and FSDP2's sharded fp32 "
                          "params are the masters (bf16 masters on FSDP2 are not built): pass masters='fp32'")
@@ -175,63 +172,13 @@ def dcp_load(state:dict, params:list, path) -> dict:
     dcp.load(state, checkpoint_id=str(path))
     return _keyed(state, lambda k: int(k) if isinstance(k, str) and k.isdigit() else k)
 
-# %% ../nbs/18_distributed.ipynb #shard0002
-def balance(numels:list, world:int) -> list:
-    ("The owner rank of each of `numels` (elements per param): largest first, each to the least loaded rank (ties: "
-     "the lowest rank)")
-    load, owner = [0] * world, [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owner[i], load[r] = r, load[r] + numels[i]
-    return owner
-
-class Shards:
-    "Which rank owns the master and optimizer state of each param, and the collectives that move what the owners hold"
-    def __init__(self, params:list, world:int=None, rank:int=None):
-        self.world = world if world is not None else world_size()
-        self.rank = rank if rank is not None else (dist.get_rank(_GROUP) if self.world > 1 else 0)
-        self.params = list(params)
-        self.owner = dict(zip(map(id, self.params), balance([p.numel() for p in self.params], self.world)))
-
-    def __repr__(self):
-        return (f"Shards(rank {self.rank} of {self.world}, {sum(self.mine(p) for p in self.params)} of "
-                f"{len(self.params)} params)")
-    def mine(self, p) -> bool: "True when this rank owns `p`"; return self.owner.get(id(p), self.rank) == self.rank
-    def owned_numel(self) -> int:
-        "Elements of the params this rank owns"
-        return sum(p.numel() for p in self.params if self.mine(p))
-
-    def gather_params_(self):
-        ("Give every rank the owners' values of the params: one all-gather per dtype of the owned params packed flat "
-         "(padded to the largest shard)")
-        if self.world == 1: return
-        by_dtype = {}
-        for p in self.params: by_dtype.setdefault(p.dtype, []).append(p)
-        with torch.no_grad():
-            for dtype, ps in by_dtype.items():
-                parts = [[p for p in ps if self.owner[id(p)] == r] for r in range(self.world)]
-                size = max(sum(p.numel() for p in part) for part in parts)
-                if size == 0: continue
-                mine = torch.zeros(size, dtype=dtype, device=ps[0].device)
-                if parts[self.rank]:
-                    torch.cat([p.detach().reshape(-1) for p in parts[self.rank]],
-                              out=mine[:sum(p.numel() for p in parts[self.rank])])
-                bufs = [torch.empty_like(mine) for _ in range(self.world)]
-                work = dist.all_gather(bufs, mine, group=_GROUP, async_op=True)
-                _wait(work, "the all-gather of the sharded params", bounded=mine.device.type == 'cpu')
-                for r, part in enumerate(parts):
-                    if r == self.rank: continue
-                    off = 0
-                    for p in part: p.copy_(bufs[r][off:off + p.numel()].view(p.shape)); off += p.numel()
-
-    def gather_objects(self, obj) -> list:
-        ("Each rank's `obj` (picklable), on every rank: for checkpoints, never in a step (every rank checks in "
-         "first, within the bounded wait)")
-        if self.world == 1: return [obj]
-        barrier("the gather of the sharded state for a checkpoint")
-        res = [None] * self.world
-        dist.all_gather_object(res, obj, group=_GROUP)
-        return res
+# %% ../nbs/18_distributed.ipynb #2e754560
+def refuse_shard(shard:bool, where:str):
+    "Raise, saying how to shard with FSDP2 instead, when `shard=True` (mixedprec's removed ZeRO-1) is asked for"
+    if shard:
+        raise ValueError(f"{where}: shard=True (mixedprec's own ZeRO-1 over DDP) is removed: torch's FSDP2 "
+                         "shards the weights, grads and optimizer state, and holds fewer bytes a rank at every world "
+                         f"size. {FSDP2_ADVICE}")
 
 def rank() -> int:
     ("This process's rank in the default group (0 when torch.distributed is not initialised): rank 0 writes the "

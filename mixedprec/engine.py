@@ -6,8 +6,8 @@
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults',
            'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
            'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_lean_state', 'fused_group_step', 'fused_opt_step',
-           'shards_for', 'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine',
-           'write_atomically', 'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
+           'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine', 'write_atomically',
+           'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars
@@ -27,7 +27,7 @@ from fastcore.basics import patch
 from .master import (MasterParams, Masters, clip_grads_, master_kind, CheckpointError, split_flat_state,
                               flat_slice, _mix, check_param_state)
 from .state import _like, SCALES, Int8State, fp32_state, check_state_store, state_store
-from .distributed import agree, sum_over_ranks, Shards, rank0s
+from .distributed import agree, sum_over_ranks, rank0s
 
 # %% ../nbs/14_engine.ipynb #e0000007
 # where a front end decides the skip unless told: 'cuda', 'always' or 'never' (process-wide)
@@ -325,7 +325,7 @@ def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Te
 def _clip(group:list, max_norm:float) -> torch.Tensor:
     ("Clip the master grads of every `MasterParams` in `group` by their global L2 norm (`clip_grad_norm_`'s rule: "
      "the norm of the per-tensor norms); the norm, read nowhere")
-    # one slot per model param on every rank, sharded or not, flat or not: the same vector
+    # one slot per model param on every rank, flat or not: the same vector
     slots = [g for ms in group for g in ms.norm_slots()]
     where = [i for i, g in enumerate(slots) if g is not None]
     grads = [slots[i] for i in where]
@@ -342,9 +342,7 @@ def _clip(group:list, max_norm:float) -> torch.Tensor:
                 index = torch.tensor(where, device=device)
                 group[0]._slot_index = ((tuple(where), device), index)
             each[index] = norms
-    if any(ms.shards is not None for ms in group):
-        each = sum_over_ranks(each)   # each slot is filled on its owner only: the sum is exact
-    elif any(ms.fsdp2 for ms in group):
+    if any(ms.fsdp2 for ms in group):
         each = sum_over_ranks(each * each).sqrt()          # FSDP2: each rank holds a shard of every param
     return clip_grads_([g for ms in group for g in ms.master_grads()], max_norm, group[0].impl,
                        norm=torch.linalg.vector_norm(each))
@@ -368,21 +366,12 @@ def _check_state_shapes(opt_sd:dict, groups:list, what:str):
     for n, (i, p) in enumerate(zip(saved, params)):
         check_param_state(opt_sd.get('state', {}).get(i, {}), p, f"param {n}", what)
 
-def shards_for(groups:list, shard:bool) -> Shards:
-    "The `Shards` of the params in `groups` (lists of model params) when `shard` is asked for, else None"
-    if not shard: return None
-    return Shards(list({id(p): p for g in groups for p in g}.values()))
-
-def _swap_in(adapter, record:Masters, names:dict, impl:str, flat:bool=False, store:str='fp32',
-             shard:bool=False) -> MasterParams:
+def _swap_in(adapter, record:Masters, names:dict, impl:str, flat:bool=False, store:str='fp32') -> MasterParams:
     ("Lay out the masters of the groups of the optimizer `adapter` holds (`record`: the `Masters` of its half params) "
-     "and swap them in, moving its state onto them (this rank's shard only, with `shard`)")
-    groups = adapter.groups()
-    masters = MasterParams(groups, record, flat=flat, key=adapter.flat_key(), names=names, impl=impl, store=store,
-                           shards=shards_for(groups, shard))
-    states = adapter.states()
-    for state in states: masters.move_state_to_masters(state)
-    masters.drop_remote_state(states)
+     "and swap them in, moving its state onto them")
+    masters = MasterParams(adapter.groups(), record, flat=flat, key=adapter.flat_key(), names=names, impl=impl,
+                           store=store)
+    for state in adapter.states(): masters.move_state_to_masters(state)
     adapter.set_groups(masters.groups)
     return masters
 
@@ -437,24 +426,7 @@ class Stage(Enum):
     STEPPED = "stepped or skipped; nothing pending since"
 
 class EngineCheckpoint:
-    "What a `StepEngine` saves and loads: the fp32 masters, the optimizer's state in the model's layout, the scaler; sharded masters gathered for it"
-    @contextmanager
-    def consolidated(self, gather:bool=True):
-        ("A block in which this rank holds every master and all the optimizer state (sharded masters: gathered from "
-         "the owners, so every rank must enter it; `gather=False`: for a load to overwrite); sharded again after")
-        with self.masters.consolidated(self.adapter.states(), gather): yield
-        self.drop_remote_state()                   # a load may have replaced a state dict
-
-    def unshard_(self):
-        ("Sharded masters: give this rank every master and all the optimizer state, for good (a collective: every "
-         "rank calls it)")
-        self.masters.unshard_(self.adapter.states())
-
-    def drop_remote_state(self):
-        ("Sharded masters: remove from the optimizer's state what other ranks own (after a load into it); a no-op "
-         "unsharded")
-        self.masters.drop_remote_state(self.adapter.states())
-
+    "What a `StepEngine` saves and loads: the fp32 masters, the optimizer's state in the model's layout, the scaler"
     def state_by_model_param(self) -> dict:
         ("The optimizer's state keyed by model param, a flat master's split into its params' (a new dict; the "
          "optimizer keeps its own)")
@@ -464,12 +436,11 @@ class EngineCheckpoint:
 
     def state_onto_masters(self, state:dict) -> dict:
         ("State keyed by model param (read from a file) as the optimizer over the masters holds it: cast to fp32, "
-         "keyed by master (flat: concatenated), other ranks' dropped")
+         "keyed by master (flat: concatenated)")
         # lean state as this engine keeps it: no fp32 copy at a resume
         keep = dict(keep_codes=self.state == '8bit', keep_bf16=self.state == 'bf16')
         state = {p: fp32_state(s, **keep) for p, s in state.items()}
         self.masters.move_state_to_masters(state, keep_bf16=keep['keep_bf16'])
-        self.masters.drop_remote_state([state])
         return state
 
     def masters_state(self) -> list:
@@ -500,15 +471,13 @@ class EngineCheckpoint:
          "their scales are put back as saved (decoded, where this engine does not keep 8-bit state)")
         codes = {i: {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
                  for i, s in opt_sd['state'].items()}
-        # sharded masters: every rank loads the whole state and keeps its shard's
-        with self.consolidated(gather=False):
-            self.optimizer.load_state_dict(opt_sd)
-            ids = [i for g in opt_sd['param_groups'] for i in g['params']]
-            for i, p in zip(ids, [p for g in self.optimizer.param_groups for p in g['params']]):
-                if not codes.get(i): continue
-                st, saved = self.optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in codes[i].items()}
-                for k in saved: st.pop(k, None)
-                st.update(saved if self.state == '8bit' else fp32_state(saved))
+        self.optimizer.load_state_dict(opt_sd)
+        ids = [i for g in opt_sd['param_groups'] for i in g['params']]
+        for i, p in zip(ids, [p for g in self.optimizer.param_groups for p in g['params']]):
+            if not codes.get(i): continue
+            st, saved = self.optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in codes[i].items()}
+            for k in saved: st.pop(k, None)
+            st.update(saved if self.state == '8bit' else fp32_state(saved))
 
     def state_dict(self) -> dict:
         "The scaler's state and the fp32 masters"
@@ -561,10 +530,9 @@ class EngineLayout:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         opt, ms = self.optimizer, self.masters
         if make_masters: ms.record.add_missing(params)
-        self.unshard_()                             # sharded: the new shards may give a param another owner
         self.detach()
         type(opt).add_param_group(opt, {**group, 'params': params})
-        self.masters = _swap_in(self.adapter, ms.record, ms.names, ms.impl, ms.flat, ms.store, ms.shards is not None)
+        self.masters = _swap_in(self.adapter, ms.record, ms.names, ms.impl, ms.flat, ms.store)
         self.choose()
 
 # %% ../nbs/14_engine.ipynb #c4b82992
@@ -611,14 +579,13 @@ class StepEngine(EngineLayout, EngineCheckpoint):
         self.choose()
 
     @classmethod
-    def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, store:str='fp32', shard:bool=False,
-               **kwargs):
+    def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, store:str='fp32', **kwargs):
         ("The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its "
          "groups given the masters in `record` (a `Masters`: half param -> its master; one flat master per group with "
-         "`flat`; kept as `store` says; with `shard`, this rank's only) and its state moved onto them")
+         "`flat`; kept as `store` says) and its state moved onto them")
         adapter = adapter_for(optimizer)
         _check_lean(optimizer, kwargs.get('state', 'fp32'), flat)      # before anything changes
-        e = cls(optimizer, _swap_in(adapter, record, names, kwargs.get('impl'), flat, store, shard), adapter=adapter,
+        e = cls(optimizer, _swap_in(adapter, record, names, kwargs.get('impl'), flat, store), adapter=adapter,
                 **kwargs)
         if e.masters.fsdp2 and e.state != 'fp32': make_lean_state(e)       # for DCP: every key, from the start
         # (fastai's optimizer: `learn.opt.state_dict()` decodes it)
@@ -735,8 +702,6 @@ def step(self:StepEngine, closure=None):
         elif plan is not None and closure is None:
             res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
         else: res = self._own_step(closure)
-        # sharded masters: each rank stepped its own; every rank gets all the half params
-        self.masters.gather_shards()
         return res
     finally:
         self.stepping = False
@@ -823,9 +788,6 @@ def clip_now(self:StepEngine, max_norm:float, norm_type:float=2.) -> float:
                            "backward's unscale (FP16_Optimizer: after `optimizer.backward(loss)`; amp: after "
                            "the `scale_loss` block) and before `step()`")
     if norm_type == 2: norm = _clip([self.masters], max_norm).item()
-    elif self.masters.shards is not None:
-        raise ValueError(
-            f"sharded masters clip by the global L2 norm only (norm_type=2), not norm_type={norm_type}")
     else: norm = torch.nn.utils.clip_grad_norm_(self.masters.master_params, max_norm, norm_type).item()
     if not torch.isfinite(torch.tensor(norm)): self.skip_anyway()
     return norm

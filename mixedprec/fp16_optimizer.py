@@ -13,7 +13,7 @@ from .master import Masters
 from .engine import StepEngine, Stage
 from .ops import require_impl
 from .master import check_store
-from .distributed import check_fsdp2, FSDP2_ADVICE
+from .distributed import check_fsdp2, refuse_shard, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor',
@@ -45,7 +45,7 @@ class FP16_Optimizer:
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
         # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
         masters:str='fp32',
-        # under torch.distributed: each rank keeps the fp32 masters and optimizer state of its shard only (ZeRO stage 1)
+        # removed (mixedprec's own ZeRO-1): shard with torch's FSDP2, `fully_shard`, and refused by name
         shard:bool=False,
         # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for
         # SGD, Adam, AdamW
@@ -54,7 +54,8 @@ class FP16_Optimizer:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         params = [p for g in init_optimizer.param_groups for p in g['params']]
-        check_fsdp2(params, "FP16_Optimizer", masters, shard)
+        refuse_shard(shard, "FP16_Optimizer")
+        check_fsdp2(params, "FP16_Optimizer", masters)
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
@@ -67,7 +68,7 @@ class FP16_Optimizer:
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
         self.engine = StepEngine.attach(init_optimizer, Masters().add_missing(params), scaler=self.scaler, decide=decide, impl=impl,
-                                        store=masters, shard=shard, state=state,
+                                        store=masters, state=state,
                                       hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
         if verbose: print(self._describe())
 
@@ -167,12 +168,9 @@ def clip_master_grads(self:FP16_Optimizer, max_norm:float, norm_type:float=2) ->
 
 @patch
 def state_dict(self:FP16_Optimizer) -> dict:
-    ("The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters (sharded: of every "
-     "rank, gathered)")
-    # sharded masters: gathered from every rank (each rank must call this), the same on all
-    with self.engine.consolidated():
-        return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
-                'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
+    "The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters"
+    return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
+            'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
 
 @patch
 def load_state_dict(self:FP16_Optimizer, sd:dict):
@@ -184,9 +182,8 @@ def load_state_dict(self:FP16_Optimizer, sd:dict):
     self.engine.check_optimizer_state(sd['optimizer_state_dict'])
     self.scaler.check_state(sd['loss_scaler'])
     self.scaler.load_state_dict(sd['loss_scaler'])
-    # sharded masters: every rank loads all, then keeps its shard
     self.engine.load_optimizer_state(sd['optimizer_state_dict'])
-    with self.engine.consolidated(gather=False): self.engine.load_masters(sd['fp32_from_fp16'])
+    self.engine.load_masters(sd['fp32_from_fp16'])
 
 @patch
 def add_param_group(self:FP16_Optimizer, param_group:dict):

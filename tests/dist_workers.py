@@ -141,8 +141,10 @@ def main(rank, world, port, scenario, outdir, *args):
                             timeout=datetime.timedelta(seconds=120))
     try:
         fn = globals()[scenario]
-        res = fn(rank, world, outdir, *args) if scenario in ('sharded', 'amp_sharded', 'fastai_sharded', 'fastai_distrib_ctx', 'sharded_remote_grads', 'amp_clip',
-                                                         'fsdp2_fp16_optimizer', 'fsdp2_fastai') else fn(rank, world, *args) if scenario not in ('fastai_callback', 'stalled_peer', 'sharded_peer_dies', 'sharded_stall_before_gather') else fn(rank, world, outdir)
+        with_dir = ('ddp_fp16_optimizer', 'amp_ddp', 'fastai_ddp', 'fastai_distrib_ctx', 'amp_clip', 'fsdp2_fp16_optimizer',
+                    'fsdp2_fastai')
+        res = (fn(rank, world, outdir, *args) if scenario in with_dir else fn(rank, world, outdir)
+               if scenario in ('fastai_callback', 'stalled_peer') else fn(rank, world, *args))
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
         # the scenario's DDP wrappers and pending works go while the group lives
         del res; gc.collect()
@@ -162,8 +164,8 @@ class Gain(nn.Module):
     def __init__(self): super().__init__(); self.gain = nn.Parameter(torch.ones(1))
     def forward(self, x): return x.float() * self.gain
 
-def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=None, resume=False, state='fp32'):
-    """FP16_Optimizer (sharded or not) over a half MLP and an fp32 param, clipped, with an inf and a nan written into one rank's grads
+def ddp_fp16_optimizer(rank, world, outdir, opt_name='adam', ddp=True, save_at=None, resume=False, state='fp32'):
+    """FP16_Optimizer over a half MLP and an fp32 param, clipped, with an inf and a nan written into one rank's grads
     after the reduction; with `ddp=False` every rank trains on the whole batch (identical grads at any world size)"""
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = nn.Sequential(*deep_mlp(), Gain()).half()
@@ -177,11 +179,10 @@ def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=
     if state != 'fp32':
         torch.manual_seed(1000 + rank)        # each rank its own torch seed: the stochastic rounding must not follow it
     opt = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=2.**10, scale_window=3),
-                         verbose=False, shard=shard,
-                         state=state)
+                         verbose=False, state=state)
     start = 0
     if resume:
-        ck = torch.load(os.path.join(outdir, 'sharded.pt'), weights_only=False)
+        ck = torch.load(os.path.join(outdir, 'ddp_fp16_optimizer.pt'), weights_only=False)
         model.load_state_dict(ck['model']); opt.load_state_dict(ck['opt']); start = ck['step'] + 1
     clipped = []
     for step in range(start, SHARD_STEPS):
@@ -194,12 +195,12 @@ def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=
         if who is not None and rank == who % world:
             list(model.parameters())[-3 if what == 'nan' else 0].grad.view(-1)[0] = float(what)
         opt.update_master_grads()
-        clipped.append(opt.clip_master_grads(0.5))               # the global norm across the shards (-1: overflow)
+        clipped.append(opt.clip_master_grads(0.5))               # the global norm (-1: overflow)
         opt.step()
         if step == save_at:
-            sd = opt.state_dict()                                           # every rank: the shards are gathered
+            sd = opt.state_dict()
             if rank == 0:
-                torch.save(dict(opt=sd, model=model.state_dict(), step=step), os.path.join(outdir, 'sharded.pt'))
+                torch.save(dict(opt=sd, model=model.state_dict(), step=step), os.path.join(outdir, 'ddp_fp16_optimizer.pt'))
     sd = opt.state_dict()
     state = [sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(sd['optimizer_state_dict']['state'].items())]
     return dict(params=[p.detach().clone() for p in model.parameters()],
@@ -208,8 +209,7 @@ def sharded(rank, world, outdir, shard=True, opt_name='adam', ddp=True, save_at=
                 nbytes=held_bytes(opt.param_groups, opt.state))
 
 def held_bytes(groups, state) -> int:
-    ("Bytes of the fp32 masters (and fp32 params) and optimizer state a rank holds (a sharded master's stand-in: 4 "
-     "bytes)")
+    "Bytes of the fp32 masters (and fp32 params) and optimizer state a rank holds"
     ps = {id(p): p for g in groups for p in g['params']}.values()
     return sum(p.untyped_storage().nbytes() for p in ps) + sum(v.untyped_storage().nbytes() for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
 
@@ -218,99 +218,34 @@ def shard_rows(t, rank, world):
     n = len(t) // world
     return t[rank * n:(rank + 1) * n]
 
-def _sharded_fp16_short_wait():
-    "A sharded FP16_Optimizer over the half deep MLP that waits 2 s at most for the other ranks, after one backward"
-    from mixedprec import distributed
-    from mixedprec.fp16_optimizer import FP16_Optimizer
-    distributed.set_process_group(None, timeout=2.)
-    model = deep_mlp().half()
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
-    opt.backward(model(data(0)[0].half()).float().sum())
-    return opt
-
-def _timed_failure(call, scenario, rank, outdir):
-    "Run `call` on this rank, save the error it raised (or None) and how long it waited, and leave"
-    import time
-    t = time.monotonic()
-    try: call(); res = {'error': None}
-    except RuntimeError as e: res = {'error': str(e)}
-    res['waited'] = time.monotonic() - t
-    torch.save(res, os.path.join(outdir, f'{scenario}_rank{rank}.pt'))
-    os._exit(0)
-
-def sharded_peer_dies(rank, world, outdir):
-    ("Sharded masters: rank 1 dies after the overflow agreement, before the step; rank 0's step gives up in the "
-     "all-gather with an error naming it")
-    opt = _sharded_fp16_short_wait()
-    if rank == 1: os._exit(0)
-    _timed_failure(opt.step, 'sharded_peer_dies', rank, outdir)
-
-def sharded_stall_before_gather(rank, world, outdir):
-    ("Sharded masters, outside a step: rank 1 stalls before the state_dict gather; rank 0 gives up within the "
-     "bounded wait, naming the rank")
-    import time
-    opt = _sharded_fp16_short_wait()
-    opt.step()
-    if rank == 1:
-        time.sleep(8)
-        os._exit(0)                           # stalls (a slow disk, a debugger) and never gathers
-    _timed_failure(opt.state_dict, 'sharded_stall_before_gather', rank, outdir)
-
-def sharded_remote_grads(rank, world, outdir):
-    ("Sharded FP16_Optimizer under DDP: which half grads (of any rank's params) are still alive after step() and "
-     "zero_grad()")
-    import gc, weakref
-    from mixedprec.fp16_optimizer import FP16_Optimizer
-    model = deep_mlp().half()
-    net = DDP(model)
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), verbose=False, shard=True)
-    alive = []
-    for step in range(3):
-        x, y = data(step)
-        opt.zero_grad()
-        opt.backward(nn.functional.mse_loss(net(shard_rows(x, rank, world).half()).float(),
-                                            shard_rows(y, rank, world)), update_master_grads=False)
-        refs = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
-        opt.update_master_grads(); opt.step(); opt.zero_grad(); gc.collect()
-        alive.append(sum(r() is not None for r in refs))
-    return dict(alive=alive, n=len(list(model.parameters())))
-
-def amp_clip(rank, world, outdir, shard=True, recipe='amp'):
-    ("amp O2 over DDP, sharded or not, clipped every step: by `amp.clip_grad_norm_` ('amp'), or by torch's over "
+def amp_clip(rank, world, outdir, recipe='amp'):
+    ("amp O2 over DDP, clipped every step: by `amp.clip_grad_norm_` ('amp'), or by torch's over "
      "`amp.master_params` ('torch', the apex recipe)")
     from mixedprec import amp
     model = deep_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0, shard=shard)
-    net, norms, refused = DDP(model), [], None
-    try: amp.master_params(opt)
-    except RuntimeError as e: refused = str(e)
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0)
+    net, norms = DDP(model), []
     for step in range(STEPS):
         x, y = data(step)
         loss = nn.functional.mse_loss(net(shard_rows(x, rank, world)), shard_rows(y, rank, world))
         with amp.scale_loss(loss, opt) as scaled: scaled.backward()
-        # torch's clip over the model's params: this rank holds its shard's grads only
-        if shard and step == 0:
-            try: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            except RuntimeError as e: model_refused = str(e)
         norms.append(float(amp.clip_grad_norm_(opt, 0.5) if recipe == 'amp' else torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)))
         opt.step(); opt.zero_grad()
-    with amp._engines_of(opt)[0].consolidated():
-        masters = [m.detach().clone() for m in amp.master_params(opt, local=True)]
-    return dict(params=[p.detach().clone() for p in model.parameters()], masters=masters, norms=norms, refused=refused,
-                model_refused=model_refused if shard else None)
+    masters = [m.detach().clone() for m in amp.master_params(opt)]
+    return dict(params=[p.detach().clone() for p in model.parameters()], masters=masters, norms=norms)
 
-def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
-    """amp O2 over DDP, sharded or not, an inf on rank 0 after the reduction; the optimizer's and amp's state dicts (gathered when sharded).
-    `save_at`: every rank gathers the state at that step and rank 0 writes it; `resume`: a fresh run loads it in apex's order (model, optimizer, amp) and goes on"""
+def amp_ddp(rank, world, outdir, save_at=None, resume=False):
+    """amp O2 over DDP, an inf on rank 0 after the reduction; the optimizer's and amp's state dicts.
+    `save_at`: rank 0 writes the state at that step; `resume`: a fresh run loads it in apex's order (model, optimizer, amp) and goes on"""
     from mixedprec import amp
     model = deep_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0, shard=shard)
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.**8, verbosity=0)
     net = DDP(model)
     start = 0
     if resume:
-        ck = torch.load(os.path.join(outdir, 'amp_sharded.pt'), weights_only=True)
+        ck = torch.load(os.path.join(outdir, 'amp_ddp.pt'), weights_only=True)
         model.load_state_dict(
             ck['model']); opt.load_state_dict(ck['opt']); amp.load_state_dict(ck['amp']); start = ck['step'] + 1
     for step in range(start, STEPS):
@@ -321,9 +256,8 @@ def amp_sharded(rank, world, outdir, shard=True, save_at=None, resume=False):
             if step == INJECT_AT and rank == 0: model[2].weight.grad.view(-1)[0] = float('inf')
         opt.step(); opt.zero_grad()
         if step == save_at:
-            # every rank: gathered
             ck = dict(model=model.state_dict(), opt=opt.state_dict(), amp=amp.state_dict(), step=step)
-            if rank == 0: torch.save(ck, os.path.join(outdir, 'amp_sharded.pt'))
+            if rank == 0: torch.save(ck, os.path.join(outdir, 'amp_ddp.pt'))
             dist.barrier()
     osd, asd = opt.state_dict(), amp.state_dict()
     return dict(params=[p.detach().clone() for p in model.parameters()], masters=asd['masters'][0], scaler=asd['loss_scaler0'], norms=[], state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for _, st in sorted(osd['state'].items())], skipped=[r.skipped for r in amp.history()])
@@ -338,15 +272,13 @@ def state_list(osd) -> list:
     return osd['state'] if isinstance(osd['state'], list) else [osd['state'][i] for i in sorted(osd['state'])]
 
 def fastai_results(learn, **extra) -> dict:
-    ("What the fastai workers return: half params, whole masters and optimizer state (gathered), the scaler and the "
-     "step history")
+    ("What the fastai workers return: half params, masters and optimizer state, the scaler and the step history")
     mp = learn.mixed_precision
-    with mp.consolidated():
-        masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
+    masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
     return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() if m is not None else None for m in masters], state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in state_list(opt_sd)], scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], **extra)
 
-def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam', bn=False):
-    ("The fastai callback, sharded or not, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at "
+def fastai_ddp(rank, world, outdir, flat=False, opt='adam'):
+    ("The fastai callback, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at "
      "before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank")
     from fastai.learner import Learner
     from fastai.callback.core import Callback
@@ -366,37 +298,21 @@ def fastai_sharded(rank, world, outdir, shard=True, flat=False, opt='adam', bn=F
         def before_step(self):
             if self.train_iter == INJECT_AT and rank == 1: self.learn.model.module[0].bias.grad[0] = float('inf')
     opt_func = fastai_opt(opt)
-    model = deep_mlp()
-    if bn:
-        # fp32 params (kept), not sharded under flat masters
-        model = nn.Sequential(model[0], model[1], nn.BatchNorm1d(32), *model[2:])
-    learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=outdir, wd=1e-2)
+    learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=opt_func, lr=1e-2, path=outdir, wd=1e-2)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
-    learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard, flat_master=flat)
+    learn.to_fp16(loss_scale=2.**8, clip=0.5, flat_master=flat)
     learn.fit(1, cbs=[WrapDDP(), Inject()])
-    mp = learn.mixed_precision
-    refused = None
-    try:
-        # outside a gathering block: refused, not partial
-        learn.opt.state_dict()
-    except RuntimeError as e: refused = str(e)
     import fastai.learner
     # fastai's writer: with no RANK variable, every call writes
     writes, real_save = [], fastai.learner.save_model
     fastai.learner.save_model = lambda *a, **k: (writes.append(rank), real_save(*a, **k))
-    try:
-        # every rank: the shards are gathered, rank 0 writes
-        file = learn.save(f'sharded{shard}{flat}{opt}', with_opt=True)
+    try: learn.save(f'ddp{flat}{opt}', with_opt=True)              # rank 0 writes
     finally: fastai.learner.save_model = real_save
-    # sharded: every rank reads the whole file, the scaler included, as soon as save returns (unsharded, rank 0 may save
-    # alone: no wait)
-    whole = 'mixedprec' in torch.load(file, weights_only=False)['opt'] if shard else None
-    held = sum(m.untyped_storage().nbytes() for m in mp.masters.master_params)
-    return fastai_results(learn, nbytes=held, partial=refused, writes=len(writes), readable=whole)
+    return fastai_results(learn, writes=len(writes))
 
-def fastai_distrib_ctx(rank, world, outdir, shard=True):
+def fastai_distrib_ctx(rank, world, outdir):
     """The fastai callback under fastai's own `learn.distrib_ctx()` (HF Accelerate's DDP on gloo, the launcher's variables set as torchrun sets
-    them), sharded or not, with SaveModelCallback saving every epoch and loading the best at the end on every rank"""
+    them), with SaveModelCallback saving every epoch and loading the best at the end on every rank"""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from fastai.learner import Learner
     from fastai.callback.core import Callback
@@ -422,11 +338,10 @@ def fastai_distrib_ctx(rank, world, outdir, shard=True):
                 next(self.learn.model.parameters()).grad.view(-1)[0] = float('inf')
     learn = Learner(dls, deep_mlp(), loss_func=nn.MSELoss(), opt_func=Adam, lr=1e-2, path=outdir, wd=1e-2)
     learn.remove_cb(learn.progress); learn.logger = lambda *a: None
-    learn.to_fp16(loss_scale=2.**8, clip=0.5, shard=shard)
+    learn.to_fp16(loss_scale=2.**8, clip=0.5)
     with learn.distrib_ctx(cpu=True, sync_bn=False):
-        learn.fit(3, cbs=[Inject(), SaveModelCallback(fname=f'best{shard}', with_opt=True, every_epoch=False)])
-    return fastai_results(learn, sharded=learn.mixed_precision.masters.shards is not None,
-                          model_type=type(learn.model).__name__)
+        learn.fit(3, cbs=[Inject(), SaveModelCallback(fname='best', with_opt=True, every_epoch=False)])
+    return fastai_results(learn, model_type=type(learn.model).__name__)
 
 def rounding_ranks(rank, world, masters='none', state='fp32'):
     ("FP16_Optimizer over a bf16 MLP under DDP, each rank seeded apart before it is built: what stochastic rounding "
