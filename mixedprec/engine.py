@@ -248,13 +248,16 @@ def _make_state(st:dict, p:torch.Tensor, like:torch.Tensor, kind:str, names:dict
     return False
 
 def make_lean_state(engine):
-    ("Make the whole lean state of `engine`'s Adam now, as its first fused step would (zeros, and each master's "
-     "rounding stream): so a freshly built optimizer holds every key its checkpoint holds, and DCP, which loads only "
-     "the keys it finds, brings the stream back")
+    ("Make the whole lean state of `engine`'s Adam or SGD now, as its first fused step would (zeros, and each "
+     "master's rounding stream): so a freshly built optimizer holds every key its checkpoint holds, and DCP, which "
+     "loads only the keys it finds, brings the stream back")
     plan, state = fused_plan(engine.optimizer), getattr(engine.optimizer, 'state', None)
-    if plan is None or plan.kind != 'adam' or not isinstance(state, dict): return
-    for params, _ in plan.groups(engine.optimizer):
-        for p in params: _make_state(state[p], p, p, 'adam', plan.names, engine.state, None)
+    if plan is None or not isinstance(state, dict): return
+    for params, kw in plan.groups(engine.optimizer):
+        # SGD: a buffer made now is a zero one, whose first step equals torch's (buffer = grad) without dampening only
+        keep_buffer = kw.get('keep_buffer', kw.get('momentum', 0) != 0)
+        if plan.kind == 'sgd' and not (keep_buffer and kw.get('dampening', 0) == 0): continue
+        for p in params: _make_state(state[p], p, p, plan.kind, plan.names, engine.state, keep_buffer)
         engine.masters.start_rounding(params, state)
 
 def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:torch.Tensor, lr:float,

@@ -220,10 +220,10 @@ class MasterGrad(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, param:torch.Tensor, grad:torch.Tensor, refuse:str=None):
+    def __new__(cls, param:torch.Tensor, grad:torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(cls, param.shape, strides=grad.stride(), dtype=param.dtype,
                                                 device=param.device)
-        t.master_grad, t.refuse = grad, refuse
+        t.master_grad = grad
         return t
     def __init__(self, *args, **kwargs): pass
     def __repr__(self):
@@ -238,10 +238,6 @@ class MasterGrad(torch.Tensor):
         lent = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, MasterGrad)]
         if _graph_task_id() != -1:
             raise RuntimeError(IN_BACKWARD)    # autograd would add the next grads into the masters' unscaled ones
-        if func is torch.ops.aten.zero_.default and lent[0].refuse:
-            return args[0]    # `model.zero_grad(set_to_none=False)`
-        for g in lent:
-            if g.refuse: raise RuntimeError(g.refuse)
         # `.detach()` and `.data`: the same stand-in
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return MasterGrad(args[0], args[0].master_grad)

@@ -421,10 +421,11 @@ class Fsdp2Amp:
     masters = property(lambda self: self.amp._engines_of(self.opt)[0].masters)
 
 def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
-                         front='fp16_optimizer', clip=1.0, lr=1e-2):
+                         front='fp16_optimizer', clip=1.0, lr=1e-2, inner='adamw'):
     ("FP16_Optimizer over `deep_mlp` wrapped layer by layer in FSDP2 with a `dtype` compute policy and fp32 "
      "reduction, clipped every step; with `inject`, an inf written into rank 1's shard of a grad at one step; a DCP "
-     "checkpoint saved after step `save_at`, or (`resume`) loaded and the steps after it run; `front='amp'`: amp O2")
+     "checkpoint saved after step `save_at`, or (`resume`) loaded and the steps after it run; `front='amp'`: amp O2; "
+     "`inner='sgd'`: FP16_Optimizer over torch's SGD with momentum")
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = deep_mlp()
@@ -434,10 +435,12 @@ def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject
         if isinstance(layer, nn.Linear): fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     if front == 'amp': opt = Fsdp2Amp(model, dtype, state, lr)
-    else: opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=lr), dynamic_loss_scale=dtype == 'fp16',
+    else: opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=lr) if inner == 'adamw' else
+                               torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True),
+                               dynamic_loss_scale=dtype == 'fp16',
                          dynamic_loss_args=dict(init_scale=2.**10) if dtype == 'fp16' else None, verbose=False,
                          state=state)
-    norms, path = [], os.path.join(outdir, f'dcp_{dtype}_{state}')
+    norms, path = [], os.path.join(outdir, f'dcp_{dtype}_{state}_{inner}')
     if resume: fsdp2_checkpoint(model, opt.optimizer, opt.scaler, path, load=True)
     for step in range(save_at + 1 if resume else 0, FSDP2_STEPS):
         x, y = fsdp2_data(step)

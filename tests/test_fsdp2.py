@@ -140,6 +140,36 @@ def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads
     agreed(three)
     assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
 
+def test_amp_o2_on_fsdp2_resumes_from_dcp_bit_for_bit_and_loads_at_3_ranks():
+    ("amp's optimizer over FSDP2 with bf16 state, saved through DCP as a user does (the inner optimizer and amp's "
+     "loss scaler)")
+    from test_distributed import spawn
+    import tempfile, pathlib
+    d = pathlib.Path(tempfile.mkdtemp())
+    amp_run = lambda resume, world: spawn('fsdp2_fp16_optimizer', d, 'fp16', 'bf16', False, 3, resume, 'amp',
+                                          world=world)
+    whole, two, three = amp_run(False, 2), amp_run(True, 2), amp_run(True, 3)
+    assert set(whole[0]['state_dtypes'].values()) == {torch.bfloat16}
+    assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
+    assert two[0]['scaler'] == whole[0]['scaler']
+    agreed(three)
+    assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
+
+def test_sgd_with_bf16_state_on_fsdp2_resumes_from_dcp_bit_for_bit():
+    ("SGD's momentum buffer, kept in bf16 with its rounding stream, exists before the first step, so DCP (which loads "
+     "only the keys the fresh optimizer holds) brings all of it back")
+    from test_distributed import spawn
+    import tempfile, pathlib
+    d = pathlib.Path(tempfile.mkdtemp())
+    sgd = lambda resume, world: spawn('fsdp2_fp16_optimizer', d, 'fp16', 'bf16', False, 3, resume, 'fp16_optimizer',
+                                      1.0, 1e-2, 'sgd', world=world)
+    whole, two = sgd(False, 2), sgd(True, 2)                                        # saved after step 3; resumed
+    assert set(whole[0]['state_dtypes'].values()) == {torch.bfloat16}
+    assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
+    three = sgd(True, 3)
+    agreed(three)
+    assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
+
 def test_8bit_state_on_fsdp2_is_saved_decoded_so_dcp_loads_it_at_another_world_size():
     from test_distributed import spawn
     import tempfile, pathlib
