@@ -260,6 +260,7 @@ def make_lean_state(engine):
         for p in params: _make_state(state[p], p, p, plan.kind, plan.names, engine.state, keep_buffer)
         engine.masters.start_rounding(params, state)
 
+# %% ../nbs/14_engine.ipynb #fe2a3709
 def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:torch.Tensor, lr:float,
                      weight_decay=0., decoupled:bool=False,
                      momentum:float=0., dampening:float=0., nesterov:bool=False, betas:tuple=(0.9, 0.999),

@@ -126,47 +126,21 @@ def test_fsdp2_bf16_with_lean_state_on_each_ranks_shards_trains_as_fp32(world, f
     assert not any(ranks[0]['skipped']) and ranks[0]['norms'] == pytest.approx(ref['norms'], rel=6e-2)
     assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=3e-2)
 
-@pytest.mark.parametrize('state', ['fp32', 'bf16'])
-def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3(state):
+@pytest.mark.parametrize('state, front, inner', [('fp32', 'fp16_optimizer', 'adamw'), ('bf16', 'fp16_optimizer', 'adamw'),
+                                                 ('bf16', 'amp', 'adamw'), ('bf16', 'fp16_optimizer', 'sgd')])
+def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3(state, front, inner):
+    ("Saved through DCP as a user does (the inner optimizer and the loss scaler). Lean state's stochastic rounding "
+     "stream comes back too: Adam's and SGD's state exists before the first step, as DCP loads only the keys the fresh "
+     "optimizer holds (SGD's was made at its first step, and its stream restarted)")
     from test_distributed import spawn
     import tempfile, pathlib
     d = pathlib.Path(tempfile.mkdtemp())
-    whole = spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, world=2)        # saved after step 3
-    # bf16 state: its stochastic rounding's stream comes back too (the keys exist before the load)
-    two = spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, True, world=2)
-    three = spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, True, world=3)
+    run_at = lambda resume, world: spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, resume, front, 1.0, 1e-2,
+                                         inner, world=world)
+    whole, two, three = run_at(False, 2), run_at(True, 2), run_at(True, 3)              # saved after step 3
+    assert set(whole[0]['state_dtypes'].values()) == {torch.float32 if state == 'fp32' else torch.bfloat16}
     assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
     assert two[0]['scaler'] == whole[0]['scaler'], "the loss scaler's state came back too"
-    agreed(three)
-    assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
-
-def test_amp_o2_on_fsdp2_resumes_from_dcp_bit_for_bit_and_loads_at_3_ranks():
-    ("amp's optimizer over FSDP2 with bf16 state, saved through DCP as a user does (the inner optimizer and amp's "
-     "loss scaler)")
-    from test_distributed import spawn
-    import tempfile, pathlib
-    d = pathlib.Path(tempfile.mkdtemp())
-    amp_run = lambda resume, world: spawn('fsdp2_fp16_optimizer', d, 'fp16', 'bf16', False, 3, resume, 'amp',
-                                          world=world)
-    whole, two, three = amp_run(False, 2), amp_run(True, 2), amp_run(True, 3)
-    assert set(whole[0]['state_dtypes'].values()) == {torch.bfloat16}
-    assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
-    assert two[0]['scaler'] == whole[0]['scaler']
-    agreed(three)
-    assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
-
-def test_sgd_with_bf16_state_on_fsdp2_resumes_from_dcp_bit_for_bit():
-    ("SGD's momentum buffer, kept in bf16 with its rounding stream, exists before the first step, so DCP (which loads "
-     "only the keys the fresh optimizer holds) brings all of it back")
-    from test_distributed import spawn
-    import tempfile, pathlib
-    d = pathlib.Path(tempfile.mkdtemp())
-    sgd = lambda resume, world: spawn('fsdp2_fp16_optimizer', d, 'fp16', 'bf16', False, 3, resume, 'fp16_optimizer',
-                                      1.0, 1e-2, 'sgd', world=world)
-    whole, two = sgd(False, 2), sgd(True, 2)                                        # saved after step 3; resumed
-    assert set(whole[0]['state_dtypes'].values()) == {torch.bfloat16}
-    assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
-    three = sgd(True, 3)
     agreed(three)
     assert max((a - b).abs().max().item() for a, b in zip(whole[0]['params'], three[0]['params'])) < 1e-3
 
