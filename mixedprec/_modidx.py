@@ -356,6 +356,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.engine.fused_opt_step': ('engine.html#fused_opt_step', 'mixedprec/engine.py'),
                                   'mixedprec.engine.fused_plan': ('engine.html#fused_plan', 'mixedprec/engine.py'),
                                   'mixedprec.engine.fuses': ('engine.html#fuses', 'mixedprec/engine.py'),
+                                  'mixedprec.engine.keeps_buffer': ('engine.html#keeps_buffer', 'mixedprec/engine.py'),
                                   'mixedprec.engine.make_lean_state': ('engine.html#make_lean_state', 'mixedprec/engine.py'),
                                   'mixedprec.engine.put_model_params_back': ('engine.html#put_model_params_back', 'mixedprec/engine.py'),
                                   'mixedprec.engine.save_checkpoint': ('engine.html#save_checkpoint', 'mixedprec/engine.py'),

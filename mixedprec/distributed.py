@@ -27,10 +27,10 @@ def world_size() -> int:
     if not (dist.is_available() and dist.is_initialized()): return 1
     return dist.get_world_size(_GROUP)
 
-def _wait(work, what:str, bounded:bool=True):
-    ("Wait for an async collective's `work`, at most `TIMEOUT` seconds when `bounded` (gloo, on the CPU), naming "
-     "this rank and `what` when the others do not join")
-    if not bounded or TIMEOUT is None: work.wait(); return
+def _wait(work, what:str):
+    ("Wait for an async collective's `work` (gloo, on the CPU), at most `TIMEOUT` seconds, naming this rank and "
+     "`what` when the others do not join")
+    if TIMEOUT is None: work.wait(); return
     try: work.wait(timeout=datetime.timedelta(seconds=TIMEOUT))
     except RuntimeError as e:
         raise RuntimeError(f"mixedprec: rank {dist.get_rank()} of {world_size()} waited {TIMEOUT:g} s in {what} and "

@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults',
            'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
-           'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_lean_state', 'fused_group_step', 'fused_opt_step',
-           'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine', 'write_atomically',
-           'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
+           'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'keeps_buffer', 'make_lean_state', 'fused_group_step',
+           'fused_opt_step', 'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine',
+           'write_atomically', 'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars
@@ -247,6 +247,10 @@ def _make_state(st:dict, p:torch.Tensor, like:torch.Tensor, kind:str, names:dict
     _step_count(st, p)
     return False
 
+def keeps_buffer(keep_buffer:bool, momentum:float) -> bool:
+    "Whether SGD keeps a momentum buffer: as the plan says (fastai's, at any momentum), else torch's, with momentum"
+    return momentum != 0 if keep_buffer is None else keep_buffer
+
 def make_lean_state(engine):
     ("Make the whole lean state of `engine`'s Adam or SGD now, as its first fused step would (zeros, and each "
      "master's rounding stream): so a freshly built optimizer holds every key its checkpoint holds, and DCP, which "
@@ -255,7 +259,7 @@ def make_lean_state(engine):
     if plan is None or not isinstance(state, dict): return
     for params, kw in plan.groups(engine.optimizer):
         # SGD: a buffer made now is a zero one, whose first step equals torch's (buffer = grad) without dampening only
-        keep_buffer = kw.get('keep_buffer', kw.get('momentum', 0) != 0)
+        keep_buffer = keeps_buffer(kw.get('keep_buffer'), kw.get('momentum', 0))
         if plan.kind == 'sgd' and not (keep_buffer and kw.get('dampening', 0) == 0): continue
         for p in params: _make_state(state[p], p, p, plan.kind, plan.names, engine.state, keep_buffer)
         engine.masters.start_rounding(params, state)
@@ -276,9 +280,7 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
     # how the kernels reach each master
     where = lambda p: bf16_of[id(p)].store if id(p) in bf16_of else 'copy' if id(p) in half_of else 'own'
     wd_of = weight_decay if callable(weight_decay) else (lambda p: weight_decay)
-    if keep_buffer is None:
-        # SGD's momentum buffer: torch's only with momentum, fastai's at any momentum
-        keep_buffer = momentum != 0
+    keep_buffer = keeps_buffer(keep_buffer, momentum)
     runs = {}
     for p in params:
         # new state is laid out as the tensor the kernels step
