@@ -18,7 +18,7 @@ from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_
 from .ops import require_impl
 from .master import check_store, Masters
 from .state import check_state_store
-from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2
+from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2, unwrap_accelerated
 
 # %% ../nbs/17_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -197,6 +197,8 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     refuse_shard(shard, "amp.initialize")
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
     opt_list = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    # accelerate's AcceleratedOptimizer: the torch optimizer inside it is what amp patches and returns
+    opt_list = [unwrap_accelerated(o, "amp.initialize") for o in opt_list]
     fsdp2 = weakref.WeakSet()                # models FSDP2 shards: its policy casts them, their fp32 params are masters
     for m in model_list:
         if not isinstance(m, nn.Module):

@@ -353,10 +353,27 @@ def prepare(self:MixedPrecision):
 @patch
 def after_create(self:MixedPrecision): self.prepare()
 
+def _refuse_distrib_on_fsdp(learn):
+    ("Refuse fastai's `DistributedTrainer` (`distrib_ctx`, `to_distributed`) with an FSDP model, saying what to do: it "
+     "prepares the model for DDP (or lets accelerate's FSDP plugin shard it after the conversion) and takes the model "
+     "back from DDP's `.module` after the fit")
+    trainer = next((cb for cb in learn.cbs if type(cb).__name__ == 'DistributedTrainer'), None)
+    if trainer is None: return
+    plugin = getattr(getattr(trainer, 'accelerator', None), 'distributed_type', None) == 'FSDP'
+    if not (plugin or fsdp2_sharded(learn.model)): return
+    how = ("its accelerate FSDP plugin would shard the model after to_fp16()/to_bf16() converted it" if plugin else
+           "it would wrap the FSDP2 model in DDP")
+    raise TypeError(f"fastai's distrib_ctx / to_distributed (DistributedTrainer) is for DDP: {how}, and after the fit "
+                    "it takes the model back from DDP's `.module`, which an FSDP2 model has not. Leave it out: wrap "
+                    "the model with `fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=..., "
+                    "reduce_dtype=torch.float32))` before building the Learner, and give each rank its share of the "
+                    "data with fastai's DistributedDL (`DistributedDL(dl)` for each of `learn.dls.loaders`)")
+
 @patch
 def before_fit(self:MixedPrecision):
     ("Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step "
      "engine's")
+    _refuse_distrib_on_fsdp(self.learn)
     self.prepare()
     cast_back = [p for p in self.conversion.masters if p.dtype != self.dtype]
     if cast_back:

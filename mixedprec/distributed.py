@@ -4,11 +4,11 @@
 
 # %% auto #0
 __all__ = ['ENABLED', 'TIMEOUT', 'FSDP2_ADVICE', 'set_process_group', 'world_size', 'agree', 'rank0s', 'fsdp2_sharded',
-           'refuse_fsdp2', 'check_fsdp2', 'fsdp2_compute_dtypes', 'check_fsdp2_policy', 'dcp_save', 'dcp_load',
-           'refuse_shard', 'rank', 'barrier', 'sum_over_ranks']
+           'refuse_fsdp2', 'check_fsdp2', 'fsdp2_compute_dtypes', 'check_fsdp2_policy', 'unwrap_accelerated',
+           'dcp_save', 'dcp_load', 'refuse_shard', 'rank', 'barrier', 'sum_over_ranks']
 
 # %% ../nbs/18_distributed.ipynb #b1c37fa5
-import datetime
+import datetime, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -117,6 +117,28 @@ def check_fsdp2_policy(model, dtype, where:str):
                      "the weights at each gather, by its policy, so give it that dtype when wrapping: "
                      f"`fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, "
                      "reduce_dtype=torch.float32))` on each module you wrap")
+
+# %% ../nbs/18_distributed.ipynb #538b9425
+def unwrap_accelerated(optimizer, where:str):
+    ("The torch optimizer inside accelerate's `AcceleratedOptimizer` (what `accelerator.prepare` returns), which "
+     "mixedprec steps itself; refused, saying what to set, where accelerate would scale the loss or skip steps too")
+    accelerated = getattr(sys.modules.get('accelerate.optimizer'), 'AcceleratedOptimizer', None)
+    if accelerated is None or not isinstance(optimizer, accelerated): return optimizer
+    if optimizer.scaler is not None:
+        raise ValueError(f"{where}: this optimizer came from `accelerator.prepare` with accelerate's own loss scaler "
+                         "(`Accelerator(mixed_precision='fp16')`), and mixedprec scales the loss: two scalers would "
+                         "unscale twice and skip apart. Build the Accelerator with mixed_precision='no' and give the "
+                         "compute dtype to FSDP2, `FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy="
+                         "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))`")
+    if optimizer.gradient_state.num_steps > 1:
+        raise ValueError(f"{where}: accelerate accumulates gradients here (gradient_accumulation_steps="
+                         f"{optimizer.gradient_state.num_steps}) by skipping the steps of its AcceleratedOptimizer, "
+                         "which mixedprec's step does not go through, so every micro-batch would step. Build the "
+                         "Accelerator without it and accumulate as mixedprec does: a backward for each micro-batch "
+                         "(`FP16_Optimizer.backward`, or `amp.scale_loss(..., delay_unscale=True)` until the last), "
+                         "then one step")
+    return optimizer.optimizer
+
 
 # %% ../nbs/18_distributed.ipynb #d074d9a2
 def dcp_save(state:dict, path) -> Path:

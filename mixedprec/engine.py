@@ -258,9 +258,9 @@ def make_lean_state(engine):
     plan, state = fused_plan(engine.optimizer), getattr(engine.optimizer, 'state', None)
     if plan is None or not isinstance(state, dict): return
     for params, kw in plan.groups(engine.optimizer):
-        # SGD: a buffer made now is a zero one, whose first step equals torch's (buffer = grad) without dampening only
+        # SGD: a zero buffer; with dampening, its first step (buffer = grad) is known by the stream's count, still 0
         keep_buffer = keeps_buffer(kw.get('keep_buffer'), kw.get('momentum', 0))
-        if plan.kind == 'sgd' and not (keep_buffer and kw.get('dampening', 0) == 0): continue
+        if plan.kind == 'sgd' and not keep_buffer: continue
         for p in params: _make_state(state[p], p, p, plan.kind, plan.names, engine.state, keep_buffer)
         engine.masters.start_rounding(params, state)
 
@@ -286,7 +286,9 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
         # new state is laid out as the tensor the kernels step
         first = _make_state(state[p], p, bf16_of[id(p)].param if id(p) in bf16_of else p, kind, names, store,
                             keep_buffer)
-        # from a zero buffer, only dampening makes SGD's first step differ
+        # from a zero buffer, only dampening makes SGD's first step differ; lean state made up front (make_lean_state)
+        # has drawn no rounding seed before its first step
+        first = first or (store != 'fp32' and state[p].get('rounding_step') == 0)
         runs.setdefault((first and dampening != 0, where(p), wd_of(p)), []).append(p)
     for (first, at, wd), sel in runs.items():
         st, grads, out = [

@@ -13,7 +13,7 @@ from .master import Masters
 from .engine import StepEngine, Stage
 from .ops import require_impl
 from .master import check_store
-from .distributed import check_fsdp2, refuse_shard, FSDP2_ADVICE
+from .distributed import check_fsdp2, refuse_shard, unwrap_accelerated, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor',
@@ -51,6 +51,7 @@ class FP16_Optimizer:
         # SGD, Adam, AdamW
         state:str='fp32',
     ):
+        init_optimizer = unwrap_accelerated(init_optimizer, "FP16_Optimizer")     # accelerate's wrapper
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         params = [p for g in init_optimizer.param_groups for p in g['params']]

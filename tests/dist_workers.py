@@ -403,10 +403,10 @@ def fsdp2_checkpoint(model, optimizer, scaler, path, load=False):
 
 class Fsdp2Amp:
     "amp O2 over an FSDP2 model behind FP16_Optimizer's few calls, so one scenario drives both front ends"
-    def __init__(self, model, dtype, state, lr):
+    def __init__(self, model, optimizer, dtype, state):
         from mixedprec import amp
         self.amp = amp
-        model, self.opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), opt_level='O2',
+        model, self.opt = amp.initialize(model, optimizer, opt_level='O2',
                                          loss_scale='dynamic' if dtype == 'fp16' else 1.0, max_loss_scale=2.**10, verbosity=0,
                                          state=state)
         self.optimizer, self.scaler, self.pending = self.opt.optimizer, amp._state.scaler(0), None
@@ -420,24 +420,47 @@ class Fsdp2Amp:
     history = property(lambda self: self.amp.history())
     masters = property(lambda self: self.amp._engines_of(self.opt)[0].masters)
 
+def accelerate_fsdp2(rank, world, model, optimizer, policy):
+    ("`accelerator.prepare(model, optimizer)` with accelerate's FSDP2 plugin (each Linear wrapped, then the root; "
+     "the optimizer's params switched to the shards) and mixed_precision='no': accelerate's own code, with the "
+     "distributed type it picks on GPUs (on CPUs it picks DDP)")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin, DistributedType
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy,
+                                            auto_wrap_policy='transformer_based_wrap',
+                                            transformer_cls_names_to_wrap=['Linear'])
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    # what accelerate's state sets on GPUs (state.py: the FSDP type and the plugin)
+    accelerator.state.distributed_type = PartialState._shared_state['distributed_type'] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    return accelerator.prepare(model, optimizer)
+
 def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
-                         front='fp16_optimizer', clip=1.0, lr=1e-2, inner='adamw'):
+                         front='fp16_optimizer', clip=1.0, lr=1e-2, inner='adamw', wrap='fully_shard'):
     ("FP16_Optimizer over `deep_mlp` wrapped layer by layer in FSDP2 with a `dtype` compute policy and fp32 "
      "reduction, clipped every step; with `inject`, an inf written into rank 1's shard of a grad at one step; a DCP "
      "checkpoint saved after step `save_at`, or (`resume`) loaded and the steps after it run; `front='amp'`: amp O2; "
-     "`inner='sgd'`: FP16_Optimizer over torch's SGD with momentum")
+     "`inner='sgd'`: FP16_Optimizer over torch's SGD with momentum; `wrap='accelerate'`: the model and the optimizer "
+     "prepared by accelerate's FSDP2 plugin (`accelerate_fsdp2`), its AcceleratedOptimizer given to the front end")
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = deep_mlp()
     policy = MixedPrecisionPolicy(param_dtype={'fp16': torch.float16, 'bf16': torch.bfloat16, 'fp32': None}[dtype],
                                   reduce_dtype=torch.float32)
-    for layer in model:
-        if isinstance(layer, nn.Linear): fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    if front == 'amp': opt = Fsdp2Amp(model, dtype, state, lr)
-    else: opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=lr) if inner == 'adamw' else
-                               torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True),
-                               dynamic_loss_scale=dtype == 'fp16',
+    make = lambda m: (torch.optim.AdamW(m.parameters(), lr=lr) if inner == 'adamw' else
+                      torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, dampening=0.1) if inner == 'sgd_dampening'
+                      else torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, nesterov=True))
+    if wrap == 'accelerate': model, optimizer = accelerate_fsdp2(rank, world, model, make(model), policy)
+    else:
+        for layer in model:
+            if isinstance(layer, nn.Linear): fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        optimizer = make(model)
+    if front == 'amp': opt = Fsdp2Amp(model, optimizer, dtype, state)
+    else: opt = FP16_Optimizer(optimizer, dynamic_loss_scale=dtype == 'fp16',
                          dynamic_loss_args=dict(init_scale=2.**10) if dtype == 'fp16' else None, verbose=False,
                          state=state)
     norms, path = [], os.path.join(outdir, f'dcp_{dtype}_{state}_{inner}')
@@ -457,7 +480,8 @@ def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject
     ref = fsdp2_reference(clip, lr, FSDP2_INJECT if inject else None) if rank == 0 else None
     return dict(norms=norms, params=full, loss=fsdp2_loss(full), skipped=[r.skipped for r in opt.history],
                 named=[r.params for r in opt.history], scaler=opt.scaler.state_dict(), state_dtypes=states,
-                masters=len(opt.masters.pairs), reference=ref)
+                masters=len(opt.masters.pairs), reference=ref, given=type(optimizer).__name__,
+                wrapped=sum(type(m).__name__.startswith('FSDP') for m in model.modules()))
 
 def fsdp2_fastai(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
                  opt='fastai', clip=1.0, lr=1e-2):

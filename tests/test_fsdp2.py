@@ -64,6 +64,22 @@ def test_fp16_optimizer_over_fsdp2_takes_its_fp32_params_as_masters_and_refuses_
     with pytest.raises(TypeError, match=r"torch.float16 params.*keep the params fp32.*MixedPrecisionPolicy"):
         FP16_Optimizer(torch.optim.SGD(sharded(mlp().half()).parameters(), lr=0.1), verbose=False)
 
+@pytest.mark.parametrize('dampening', [0., 0.1])
+def test_sgds_lean_state_made_up_front_on_fsdp2_steps_as_the_one_made_at_the_first_step(group, dampening):
+    ("On FSDP2, lean state exists before the first step (DCP loads only the keys a fresh optimizer holds); SGD's first "
+     "step with dampening (buffer = grad) is known by the rounding stream's count, still 0: bit for bit with the state "
+     "made at the first step, unsharded")
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    weights = []
+    for model in (mlp(), sharded(mlp())):
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening),
+                             verbose=False, state='bf16')
+        assert len(opt.optimizer.state) == (4 if len(weights) else 0)
+        for step in range(4):
+            opt.zero_grad(); opt.backward(model(X).float().pow(2).mean()); opt.step()
+        weights.append([getattr(p, 'full_tensor', p.detach)().detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+
 def test_fp16_optimizer_then_fully_shard_is_refused_at_the_backward(group):
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = mlp().half()
@@ -126,9 +142,56 @@ def test_fsdp2_bf16_with_lean_state_on_each_ranks_shards_trains_as_fp32(world, f
     assert not any(ranks[0]['skipped']) and ranks[0]['norms'] == pytest.approx(ref['norms'], rel=6e-2)
     assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=3e-2)
 
-@pytest.mark.parametrize('state, front, inner', [('fp32', 'fp16_optimizer', 'adamw'), ('bf16', 'fp16_optimizer', 'adamw'),
-                                                 ('bf16', 'amp', 'adamw'), ('bf16', 'fp16_optimizer', 'sgd')])
-def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3(state, front, inner):
+# accelerate's FSDP2 plugin (`accelerator.prepare(model, optimizer)`, tests/dist_workers.py: `accelerate_fsdp2`): its
+# AcceleratedOptimizer given to FP16_Optimizer or amp.initialize, which step the torch optimizer inside it
+@pytest.mark.parametrize('front, state, named', [('fp16_optimizer', 'bf16', '(24, 32) (inf)'),
+                                                 ('amp', '8bit', '2.weight (inf)')])
+def test_accelerates_fsdp2_plugin_under_each_front_end_skips_on_every_rank_and_trains_as_fp32(front, state, named):
+    pytest.importorskip('accelerate')
+    from dist_workers import FSDP2_INJECT
+    ranks = run('fp16', state, True, None, False, front, 1.0, 1e-2, 'adamw', 'accelerate', world=2)
+    agreed(ranks)
+    assert ranks[0]['given'] == 'AcceleratedOptimizer' and ranks[0]['wrapped'] == 5, "accelerate wrapped 4 + the root"
+    assert ranks[0]['masters'] == 0, "FSDP2's fp32 shards are the masters: no second copy"
+    ref = ranks[0]['reference']
+    assert ranks[0]['skipped'] == [step == FSDP2_INJECT for step in range(len(ref['norms']))]
+    assert all(r['named'][FSDP2_INJECT] == (named,) for r in ranks)
+    clipped = [i for i in range(len(ref['norms'])) if i != FSDP2_INJECT]
+    assert [ranks[0]['norms'][i] for i in clipped] == pytest.approx([ref['norms'][i] for i in clipped], rel=6e-2)
+    assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=3e-2) and ref['loss'] < 0.6 * ref['start']
+
+def test_accelerates_optimizer_is_refused_where_accelerate_would_scale_the_loss_or_skip_steps_too():
+    ("accelerate's own GradScaler (mixed_precision='fp16', made on GPUs; set here as it sets it) and its gradient "
+     "accumulation (steps skipped inside its AcceleratedOptimizer) would run beside mixedprec's: refused by name")
+    pytest.importorskip('accelerate')
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    from mixedprec import amp
+    try:
+        for kw, match in [({}, r"accelerate's own loss scaler.*mixed_precision='no'.*MixedPrecisionPolicy"),
+                          (dict(gradient_accumulation_steps=4), r"gradient_accumulation_steps=4.*delay_unscale")]:
+            accelerator = Accelerator(cpu=True, **kw)
+            if not kw: accelerator.scaler = torch.amp.GradScaler('cpu')
+            m = mlp()
+            model, opt = accelerator.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+            assert type(opt).__name__ == 'AcceleratedOptimizer'
+            with pytest.raises(ValueError, match=r"FP16_Optimizer: .*" + match): FP16_Optimizer(opt, verbose=False)
+            with pytest.raises(ValueError, match=r"amp.initialize: .*" + match):
+                amp.initialize(model, opt, opt_level='O2', verbosity=0)
+            assert all(p.dtype == torch.float32 for p in model.parameters()), "refused before anything changed"
+            AcceleratorState._reset_state(True)
+        accelerator = Accelerator(cpu=True)
+        m = mlp()
+        model, opt = accelerator.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        assert FP16_Optimizer(opt, verbose=False).optimizer is opt.optimizer, "the torch optimizer inside, stepped"
+    finally: AcceleratorState._reset_state(True)
+
+@pytest.mark.parametrize('state, front, inner, wrap', [
+    ('fp32', 'fp16_optimizer', 'adamw', 'fully_shard'), ('bf16', 'fp16_optimizer', 'adamw', 'fully_shard'),
+    ('bf16', 'amp', 'adamw', 'fully_shard'), ('bf16', 'fp16_optimizer', 'sgd', 'fully_shard'),
+    ('bf16', 'fp16_optimizer', 'sgd_dampening', 'fully_shard'), ('bf16', 'amp', 'adamw', 'accelerate')])
+def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3(state, front, inner, wrap):
     ("Saved through DCP as a user does (the inner optimizer and the loss scaler). Lean state's stochastic rounding "
      "stream comes back too: Adam's and SGD's state exists before the first step, as DCP loads only the keys the fresh "
      "optimizer holds (SGD's was made at its first step, and its stream restarted)")
@@ -136,7 +199,7 @@ def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads
     import tempfile, pathlib
     d = pathlib.Path(tempfile.mkdtemp())
     run_at = lambda resume, world: spawn('fsdp2_fp16_optimizer', d, 'fp16', state, False, 3, resume, front, 1.0, 1e-2,
-                                         inner, world=world)
+                                         inner, wrap, world=world)
     whole, two, three = run_at(False, 2), run_at(True, 2), run_at(True, 3)              # saved after step 3
     assert set(whole[0]['state_dtypes'].values()) == {torch.float32 if state == 'fp32' else torch.bfloat16}
     assert all(torch.equal(a, b) for a, b in zip(whole[0]['params'], two[0]['params']))
@@ -216,6 +279,33 @@ def test_fastai_on_fsdp2_refuses_what_cannot_train_saying_how_to_wrap(group, tmp
     learn.path = tmp_path
     with pytest.raises(TypeError, match=r"export .*FSDP2.*learn.save\(name\)"): learn.export()
     with pytest.raises(FileNotFoundError, match=r"nothing.dcp is not there.*DCP"): learn.load('nothing')
+
+def test_fastais_distrib_ctx_with_an_fsdp2_model_or_accelerates_fsdp_plugin_is_refused_saying_what_works(group):
+    ("fastai's DistributedTrainer prepares the model for DDP and takes `.module` back after the fit; with accelerate's "
+     "FSDP plugin it would shard the model after to_fp16() converted it. Refused at the fit's start, before anything "
+     "changes, and the Learner trains once it is gone")
+    pytest.importorskip('accelerate')
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin, DistributedType
+    import fastai.distributed
+    try:
+        learn = fsdp2_learner().to_fp16()
+        learn.to_distributed(cpu=True, sync_bn=False)
+        with pytest.raises(TypeError, match=r"distrib_ctx / to_distributed.*wrap the FSDP2 model in DDP.*"
+                                            r"fully_shard.*before building the Learner.*DistributedDL"):
+            learn.fit(1, 1e-2)
+        learn.remove_cb(fastai.distributed.DistributedTrainer)
+        learn.fit(1, 1e-2)
+        assert len(learn.mixed_precision.history) == 6 and type(learn.model).__name__.startswith('FSDP')
+        AcceleratorState._reset_state(True)
+        plain = fsdp2_learner(wrap=False).to_fp16()
+        plain.to_distributed(cpu=True, sync_bn=False, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        # what accelerate's state picks on GPUs with the plugin (DDP on CPUs)
+        plain.distributed_trainer.accelerator.state.distributed_type = DistributedType.FSDP
+        with pytest.raises(TypeError, match=r"its accelerate FSDP plugin would shard the model after to_fp16"):
+            plain.fit(1, 1e-2)
+        assert [p.dtype for p in plain.model.parameters()] == [torch.float16] * 4, "not sharded, still converted"
+    finally: AcceleratorState._reset_state(True)
 
 @pytest.mark.parametrize('state', ['bf16', '8bit'])
 def test_fastai_save_and_load_of_fsdp2_is_a_dcp_folder_with_the_optimizer_state_and_the_scaler(group, tmp_path, state):
