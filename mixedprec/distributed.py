@@ -139,7 +139,6 @@ def unwrap_accelerated(optimizer, where:str):
                          "then one step")
     return optimizer.optimizer
 
-
 # %% ../nbs/18_distributed.ipynb #d074d9a2
 def dcp_save(state:dict, path) -> Path:
     ("Save `state` (FSDP2's sharded DTensors and plain values) with torch.distributed.checkpoint (DCP) into folder "

@@ -261,6 +261,9 @@ def make_lean_state(engine):
         # SGD: a zero buffer; with dampening, its first step (buffer = grad) is known by the stream's count, still 0
         keep_buffer = keeps_buffer(kw.get('keep_buffer'), kw.get('momentum', 0))
         if plan.kind == 'sgd' and not keep_buffer: continue
+        # (a buffer the optimizer already holds, from its own steps, is converted at the first fused step, its stream
+        # started there: a count of 0 would take it for a first step)
+        if plan.kind == 'sgd': params = [p for p in params if state[p].get(plan.names['buf']) is None]
         for p in params: _make_state(state[p], p, p, plan.kind, plan.names, engine.state, keep_buffer)
         engine.masters.start_rounding(params, state)
 

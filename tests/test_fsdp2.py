@@ -64,17 +64,19 @@ def test_fp16_optimizer_over_fsdp2_takes_its_fp32_params_as_masters_and_refuses_
     with pytest.raises(TypeError, match=r"torch.float16 params.*keep the params fp32.*MixedPrecisionPolicy"):
         FP16_Optimizer(torch.optim.SGD(sharded(mlp().half()).parameters(), lr=0.1), verbose=False)
 
-@pytest.mark.parametrize('dampening', [0., 0.1])
-def test_sgds_lean_state_made_up_front_on_fsdp2_steps_as_the_one_made_at_the_first_step(group, dampening):
+@pytest.mark.parametrize('dampening, stepped', [(0., False), (0.1, False), (0.1, True)])
+def test_sgds_lean_state_made_up_front_on_fsdp2_steps_as_the_one_made_at_the_first_step(group, dampening, stepped):
     ("On FSDP2, lean state exists before the first step (DCP loads only the keys a fresh optimizer holds); SGD's first "
      "step with dampening (buffer = grad) is known by the rounding stream's count, still 0: bit for bit with the state "
-     "made at the first step, unsharded")
+     "made at the first step, unsharded. `stepped`: torch's SGD stepped twice before, its buffers kept, not restarted")
     from mixedprec.fp16_optimizer import FP16_Optimizer
     weights = []
     for model in (mlp(), sharded(mlp())):
-        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening),
-                             verbose=False, state='bf16')
-        assert len(opt.optimizer.state) == (4 if len(weights) else 0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening)
+        for step in range(2 if stepped else 0):
+            inner.zero_grad(); model(X).pow(2).mean().backward(); inner.step()
+        opt = FP16_Optimizer(inner, verbose=False, state='bf16')
+        assert len(opt.optimizer.state) == (4 if len(weights) or stepped else 0)
         for step in range(4):
             opt.zero_grad(); opt.backward(model(X).float().pow(2).mean()); opt.step()
         weights.append([getattr(p, 'full_tensor', p.detach)().detach().clone() for p in model.parameters()])
@@ -194,7 +196,8 @@ def test_accelerates_optimizer_is_refused_where_accelerate_would_scale_the_loss_
 def test_a_dcp_checkpoint_of_fsdp2_at_2_ranks_resumes_bit_for_bit_at_2_and_loads_at_3(state, front, inner, wrap):
     ("Saved through DCP as a user does (the inner optimizer and the loss scaler). Lean state's stochastic rounding "
      "stream comes back too: Adam's and SGD's state exists before the first step, as DCP loads only the keys the fresh "
-     "optimizer holds (SGD's was made at its first step, and its stream restarted)")
+     "optimizer holds (SGD's was made at its first step before, with dampening until 3387cc6, and its stream "
+     "restarted). `wrap='accelerate'`: the model and optimizer prepared by accelerate's FSDP2 plugin")
     from test_distributed import spawn
     import tempfile, pathlib
     d = pathlib.Path(tempfile.mkdtemp())
