@@ -128,8 +128,9 @@ def unwrap_accelerated(optimizer, where:str):
         raise ValueError(f"{where}: this optimizer came from `accelerator.prepare` with accelerate's own loss scaler "
                          "(`Accelerator(mixed_precision='fp16')`), and mixedprec scales the loss: two scalers would "
                          "unscale twice and skip apart. Build the Accelerator with mixed_precision='no' and give the "
-                         "compute dtype to FSDP2, `FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy="
-                         "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))`")
+                         "compute dtype to FSDP2, `FullyShardedDataParallelPlugin(fsdp_version=2, "
+                         "mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float16, "
+                         "reduce_dtype=torch.float32))`")
     if optimizer.gradient_state.num_steps > 1:
         raise ValueError(f"{where}: accelerate accumulates gradients here (gradient_accumulation_steps="
                          f"{optimizer.gradient_state.num_steps}) by skipping the steps of its AcceleratedOptimizer, "

@@ -291,7 +291,7 @@ def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:
                             keep_buffer)
         # from a zero buffer, only dampening makes SGD's first step differ; lean state made up front (make_lean_state)
         # has drawn no rounding seed before its first step
-        first = first or (store != 'fp32' and state[p].get('rounding_step') == 0)
+        first = first or (dampening != 0 and store != 'fp32' and state[p].get('rounding_step') == 0)
         runs.setdefault((first and dampening != 0, where(p), wd_of(p)), []).append(p)
     for (first, at, wd), sel in runs.items():
         st, grads, out = [

@@ -310,10 +310,14 @@ def fastai_ddp(rank, world, outdir, flat=False, opt='adam'):
     finally: fastai.learner.save_model = real_save
     return fastai_results(learn, writes=len(writes))
 
+def launched_as(rank, world):
+    "The launcher's variables, set as torchrun sets them (fastai's and accelerate's helpers read them)"
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
 def fastai_distrib_ctx(rank, world, outdir):
     """The fastai callback under fastai's own `learn.distrib_ctx()` (HF Accelerate's DDP on gloo, the launcher's variables set as torchrun sets
     them), with SaveModelCallback saving every epoch and loading the best at the end on every rank"""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    launched_as(rank, world)
     from fastai.learner import Learner
     from fastai.callback.core import Callback
     from fastai.callback.tracker import SaveModelCallback
@@ -424,7 +428,7 @@ def accelerate_fsdp2(rank, world, model, optimizer, policy):
     ("`accelerator.prepare(model, optimizer)` with accelerate's FSDP2 plugin (each Linear wrapped, then the root; "
      "the optimizer's params switched to the shards) and mixed_precision='no': accelerate's own code, with the "
      "distributed type it picks on GPUs (on CPUs it picks DDP)")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    launched_as(rank, world)
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin, DistributedType
