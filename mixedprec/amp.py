@@ -17,6 +17,7 @@ from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
 from .master import check_store, Masters
+from .engine import check_optimizer_state, load_optimizer_state
 from .state import check_state_store
 from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2, unwrap_accelerated
 
@@ -157,8 +158,7 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group:dict):
         "Add a group; its half params get fp32 masters at O2"
-        e = self.engine
-        e.add_param_group(param_group, make_masters=e.amp.props['master_weights'])
+        self.engine.add_param_group(param_group)
 
     def state_dict(self) -> dict:
         "The optimizer's `state_dict`, keyed by the masters"
@@ -166,8 +166,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, sd:dict):
         "Checked against the masters first (torch checks the group sizes only)"
-        self.engine.check_optimizer_state(sd, "optimizer.load_state_dict")
-        self.engine.load_optimizer_state(sd)
+        check_optimizer_state(sd, [g['params'] for g in self.param_groups], "optimizer.load_state_dict")
+        load_optimizer_state(self.optimizer, sd, self.engine.state)
 
 # %% ../nbs/17_amp.ipynb #6a0513d8
 class AutocastForward:
@@ -260,14 +260,14 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         _initialized.add(m)
     names, returned = {p: n for m in model_list for n, p in m.named_parameters()}, []
     for o in opt_list:
-        # the masters of the models' conversions, and fp32 masters for half params no conversion made
-        record = Masters.for_params((p for g in o.param_groups for p in g['params']) if props['master_weights']
-                                        else (), *records)
-        e = StepEngine.attach(o, record, names=names, decide=decide, impl=impl, hint=_HINT, store=masters,
-                              state=state)
+        # the masters of the models' conversions; masters of its own for half params no conversion cast
+        e = StepEngine.attach(o, Masters(parents=records), names=names, decide=decide, impl=impl, hint=_HINT,
+                              store=masters, state=state, make=props['master_weights'])
         e.amp = setup
         returned.append(AmpOptimizer(o, e))
         setup.engines.append(e)
+    held = [p for e in setup.engines for g in e.masters.model_groups for p in g]
+    for r in records: r.keep_only(held)          # what no optimizer holds does not train: it keeps no master
     if verbosity:
         print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale "
               f"{props['loss_scale']}, {num_losses} scaler(s)")
@@ -303,8 +303,10 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
 
 # %% ../nbs/17_amp.ipynb #939c780f
 def master_params(optimizer):
-    "The params `optimizer` owns, as an iterator: the fp32 masters at O2, the model's params otherwise"
-    return (p for g in optimizer.param_groups for p in g['params'])
+    ("The params `optimizer` owns, as an iterator: the fp32 masters at O2 (a master kept in its bf16 weight reads as "
+     "its fp32 value until the next step), the model's params otherwise")
+    e = _engines.get(optimizer)
+    return iter(e.masters.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
 
 def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
     ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (summed over ranks on "
@@ -337,9 +339,7 @@ def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 masters of every optimizer"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
-    sd['masters'] = []
-    for e in _state.engines:
-        sd['masters'].append(e.masters_state())
+    sd['masters'] = [e.masters.values() for e in _state.engines]
     return sd
 
 def load_state_dict(sd:dict):
@@ -354,7 +354,7 @@ def load_state_dict(sd:dict):
     if len(saved) != len(_state.engines):
         raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
                          "nothing was loaded")
-    for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.check_masters(ms, f"the state_dict (optimizer {i})")
+    for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.masters.check_values(ms, f"the state_dict (optimizer {i})")
     for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
     for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])
-    for e, ms in zip(_state.engines, saved): e.load_masters(ms)
+    for e, ms in zip(_state.engines, saved): e.masters.load_values(ms)

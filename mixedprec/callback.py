@@ -4,12 +4,12 @@
 
 # %% auto #0
 __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'fastai_export', 'fastai_save', 'fastai_load',
-           'fastai_freeze_to', 'FastaiMasters', 'MixedPrecision', 'MixedPrecisionOpt', 'MixedPrecisionOptimWrapper']
+           'fastai_freeze_to', 'TableColumns', 'FastaiMasters', 'MixedPrecision', 'MixedPrecisionOpt',
+           'MixedPrecisionOptimWrapper']
 
 # %% ../nbs/15_callback.ipynb #f6ab0a82
 import warnings
 from pathlib import Path
-from collections import defaultdict
 import torch
 from torch import nn
 from fastcore.foundation import L
@@ -27,11 +27,12 @@ from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow, ShardedConversion
-from .master import check_store, master_kind, Bf16Master, CheckpointError, check_param_state
+from .master import check_store, CheckpointError, check_param_state, flat_like, HALF
 from .state import check_state_store, fp32_state
-from .engine import StepEngine, unscale_into, steps_to_ints, _check_state_shapes, write_atomically, adapter_for, put_model_params_back
+from .engine import (StepEngine, unscale_into, write_atomically, adapter_for, state_by_model_param,
+                              state_onto_masters, check_optimizer_state, load_optimizer_state)
 from .distributed import (rank, refuse_shard, refuse_fsdp2, fsdp2_sharded, check_fsdp2, check_fsdp2_policy,
-                          dcp_save, dcp_load)
+                                   dcp_save, dcp_load)
 from fastcore.xtras import join_path_file
 from .ops import warn_once, require_impl
 
@@ -47,11 +48,10 @@ fastai_to_fp16.__doc__ = "fastai's own `Learner.to_fp16` (native AMP), as it was
 # %% ../nbs/15_callback.ipynb #a0883456
 _SCALER_KWARGS = ('min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size', 'skip_window',
                   'max_skip_share')
-
 _GRADSCALER_NAMES = {'init_scale': 'loss_scale', 'growth_interval': 'max_noskip', 'growth_factor': 'factor'}
 
-def _gradscaler_names(loss_scale, max_noskip, kwargs):
-    "torch GradScaler's (and fastai 2's) names for the scaler's settings, as ours"
+def _scaler(loss_scale, dynamic:bool, max_noskip:int, max_scale:float, verbose:bool, kwargs:dict) -> LossScaler:
+    "The callback's `LossScaler`, its extra settings under ours or torch GradScaler's (and fastai 2's) names"
     kwargs = dict(kwargs)
     if 'init_scale' in kwargs: loss_scale = kwargs.pop('init_scale')
     if 'growth_interval' in kwargs: max_noskip = kwargs.pop('growth_interval')
@@ -59,299 +59,178 @@ def _gradscaler_names(loss_scale, max_noskip, kwargs):
     if 'backoff_factor' in kwargs:
         b = kwargs.pop('backoff_factor')
         if abs(b * kwargs.get('factor', 2.) - 1) > 1e-12:
-            raise TypeError(f"backoff_factor={b} is not 1/growth factor: mixedprec's scale grows and backs off by "
-                            "the same `factor` "
-                            f"(default 2, so backoff 0.5); pass `factor=` (GradScaler's growth_factor) alone")
-    return loss_scale, max_noskip, kwargs
+            raise TypeError(f"backoff_factor={b} is not 1/growth factor: mixedprec's scale grows and backs off by the "
+                            "same `factor` (default 2, so backoff 0.5); pass `factor=` (GradScaler's growth_factor) "
+                            "alone")
+    bad = [k for k in kwargs if k not in _SCALER_KWARGS]
+    if bad:
+        raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are "
+                        f"{list(_SCALER_KWARGS)} (and GradScaler's {[*_GRADSCALER_NAMES, 'backoff_factor']})")
+    return LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs,
+                      advice="With fastai: `learn.to_bf16()`, or `learn.to_fp16(keep_fp32=(nn.BatchNorm2d, "
+                             "TheModule))` for the modules that overflow.")
 
 def _all_finite(o, limit:float=float('inf')) -> bool:
-    ("False if any floating tensor in `o` (recursively) holds inf or nan, or a magnitude above `limit` (the half "
-     "dtype's largest: the cast into the model makes it inf)")
+    "False if any floating tensor in `o` holds inf or nan, or a magnitude above `limit` (the cast into the model: inf)"
     if isinstance(o, torch.Tensor):
         return not o.is_floating_point() or bool((torch.isfinite(o) & (o.abs() <= limit)).all())
     if isinstance(o, (list, tuple)): return all(_all_finite(x, limit) for x in o)
     if isinstance(o, dict): return all(_all_finite(x, limit) for x in o.values())
     return True
 
+def _forward_overflow(model, xb) -> str:
+    "This batch's forward pass run again under `watch_overflow` (the buffers put back after): a sentence, or ''"
+    kept, watch = [(b, b.detach().clone()) for b in model.buffers()], None
+    try:
+        with torch.no_grad(), watch_overflow(model) as watch: model(*xb)
+    except Exception: return ''                     # the diagnosis must not hide the error it explains
+    finally:
+        with torch.no_grad():
+            for b, v in kept: b.copy_(v)
+    if watch is None or watch.first is None: return ''
+    return ("This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at "
+            f"{watch.first}. {watch.first.advice()}.")
+
+class TableColumns:
+    "Two columns of fastai's epoch table: the loss scale at the epoch's end, and the steps it skipped"
+    def __init__(self, scaler:LossScaler): self.scaler, self.start = scaler, 0
+    def start_epoch(self): self.start = self.scaler.n_skipped
+    def scale(self):
+        "The scale: an int when it is one (fastai prints floats with 6 decimals, wider than the column)"
+        s = self.scaler.drained().scale
+        return int(s) if s >= 1 and s == int(s) else s
+    def skipped(self): return self.scaler.drained().n_skipped - self.start
+    def add_to(self, learn):
+        if 'loss_scale' not in [getattr(m, 'name', None) for m in learn.metrics]:
+            learn.metrics = list(learn.metrics) + [ValueMetric(self.scale, 'loss_scale'),
+                                                   ValueMetric(self.skipped, 'skipped')]
+    def remove_from(self, learn):          # (they hold bound methods, which `export` need not pickle)
+        learn.metrics = [m for m in learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
+
 # %% ../nbs/15_callback.ipynb #fmasters1
 class FastaiMasters:
-    ("Where the callback keeps fastai's optimizer on the fp32 masters: swapped in at a fit and out when it leaves, "
-     "moved with the model's device, carried through copies and pickles, saved and loaded with the scaler")
+    ("A Learner's model and optimizer in mixed precision: the model converted once, fastai's optimizer swapped onto the "
+     "masters at each fit and off when the callback leaves, the masters following the model's device")
+    def __init__(self, cb): self.cb, self.conversion, self.engine, self.state_io = cb, None, None, None
+    def __getstate__(self): return {**self.__dict__, 'engine': None, 'state_io': None}   # made anew at the next fit
+    learn = property(lambda self: self.cb.learn)
+    masters = property(lambda self: self.engine.masters if self.engine is not None else None)
+
+    def prepare(self):
+        ("Convert the model to the half dtype (once), keeping fp32 masters of what trains; an FSDP2 model is cast by its "
+         "policy, and its sharded fp32 params are the masters")
+        cb, model = self.cb, self.learn.model
+        if self.conversion is not None: return
+        if fsdp2_sharded(model):
+            check_fsdp2(list(model.parameters()), "MixedPrecision", cb.master_store)
+            check_fsdp2_policy(model, cb.dtype, "MixedPrecision")
+            self.conversion = ShardedConversion(model, cb.dtype); return
+        self.conversion = convert_model(model, cb.dtype, cb.keep_fp32, cast_io=True, entries=_called_alone(model))
+        if not self.conversion.params and not self.conversion.buffers:     # nothing to cast: the callback does nothing
+            self.conversion.undo()
+            floats = any(p.is_floating_point() for p in model.parameters())
+            why = (f"every module with params is of a type kept in fp32: {', '.join(t.__name__ for t in cb.keep_fp32)}"
+                   if floats else "it has no float params or buffers")
+            warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and fastai's "
+                      "optimizer steps the model's params itself" + (
+                          ": train in fp32, or keep fewer module types in fp32" if floats else ""),
+                      ('nothing converted', id(cb)))
+        p = next(iter(self.conversion.params), None)
+        convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+        note = speed_note(cb.dtype, p.device, convs=convs) if p is not None else None
+        if note: warn_once(note)
+
+    def attach_opt(self):
+        "Swap the masters into `learn.opt` in place of the half params, carrying the state across; an engine over them"
+        cb, wrapped, opt = self.cb, self.learn.opt, _raw_opt(self.learn)
+        if self.engine is not None and self.engine.optimizer is not opt:
+            self.engine.masters.sync_training()        # a freeze on the old optimizer reaches the model
+        held = {id(p) for g in opt.param_lists for p in g}
+        if not (self.engine is not None and self.engine.optimizer is opt and
+                held == {id(p) for p in self.masters.master_params}):
+            names = {p: n for n, p in self.learn.model.named_parameters()}
+            self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=cb.flat_master,
+                                            store=cb.master_store, state=cb.state_store, scaler=cb.scaler,
+                                            clip=cb.clip, decide=cb.decide, impl=cb.impl)
+            # what the optimizer does not hold does not train: it keeps no master
+            self.conversion.masters.keep_only(p for g in self.masters.model_groups for p in g)
+        # `learn.opt` reads and writes the state in the model's layout (the same wrapper again when it was one)
+        io = wrapped if isinstance(wrapped, MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is cb else (
+            MixedPrecisionOpt.wrapping(cb, opt))
+        if io is not None: self.learn.opt = self.state_io = io
+
+    def release_opt(self):
+        "Put the model params back into fastai's optimizer, its state in its own layout; it is `learn.opt` again"
+        opt, e = _raw_opt(self.learn), self.engine
+        if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
+        if opt is not None and e is not None and e.optimizer is opt: e.held.detach()
+        elif opt is not None and e is None and self.cb.state_store != 'fp32':    # a copy's: lean moments as fp32
+            for state in adapter_for(opt).states():
+                for p, st in list(state.items()): state[p] = fp32_state(st)
+        self.engine = self.state_io = None
+
     def leave(self):
-        ("Return the Learner to fp32: weights from the masters, the optimizer on the model params with its state "
-         "kept")
+        "Return the Learner to fp32: weights from the masters, the optimizer on the model's params, its state kept"
         self.release_opt()
         if self.conversion is not None: self.conversion.undo()
         self.conversion = None
 
-    masters = property(lambda self: self.engine.masters if self.engine is not None else None,
-                       doc="The masters' layout in the optimizer (while it holds them)")
-
-    def attach_opt(self):
-        ("Swap the fp32 masters into `learn.opt` in place of the half model params, carrying the optimizer state "
-         "across; a step engine over them")
-        # `learn.opt` is this callback's `MixedPrecisionOpt` while attached
-        wrapped, opt = self.learn.opt, _raw_opt(self.learn)
-        if self.engine is not None and self.engine.optimizer is not opt:
-            self.engine.masters.sync_requires_grad()   # a freeze on the old optimizer reaches the model
-        self._copied_masters_to_model(opt)
-        held = [p for g in opt.param_lists for p in g]
-        if self.engine is not None and self.engine.optimizer is opt and {
-            id(p) for p in held} == {id(p) for p in self.masters.master_params}:
-            return self._wrap(wrapped, opt)
-        names = {p: n for n, p in self.learn.model.named_parameters()}
-        self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=self.flat_master,
-                                        store=getattr(self, 'master_store', 'fp32'),
-                                        state=getattr(self, 'state_store', 'fp32'), scaler=self.scaler,
-                                        clip=self.clip, decide=self.decide, impl=self.impl)
-        self._wrap(wrapped, opt)
-
-    def _wrap(self, wrapped, opt):
-        ("Make `learn.opt` a `MixedPrecisionOpt` over `opt` (the same one again when it already was), so "
-         "`learn.opt.state_dict()` is in the model's layout, as fastai and users read it")
-        io = wrapped if isinstance(wrapped,
-                                   MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is self else MixedPrecisionOpt.wrapping(self, opt)
-        if io is not None: self.learn.opt = self.state_io = io
-
-    def _copied_masters_to_model(self, opt):
-        ("A copied or unpickled Learner's optimizer holds the copies of the masters, and no engine: put the model "
-         "params back in their places, with their state")
-        if self.engine is not None: return
-        # flat master -> its params, as `__getstate__` noted them
-        flats = {id(fm): ps for fm, ps in (self.__dict__.pop('_copied_flats', None) or [])}
-        # bf16 master (the conversion's copy made a new one) -> its param
-        bf16s = {id(m): p for m, p in (self.__dict__.pop('_copied_bf16', None) or [])}
-        put_model_params_back(opt, self.conversion.masters, flats, bf16s)
-
-    def release_opt(self):
-        ("Put the model params back into fastai's optimizer, with their state in its own layout, and make it "
-         "`learn.opt` again")
-        opt, e = _raw_opt(self.learn), self.engine
-        if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
-        if opt is None or e is None: return
-        if e.optimizer is opt: e.detach()
-        self.engine = self.state_io = None
-
     def follow_model_device(self):
-        ("The model moved after `to_fp16()` (fastai moves it to the data's device at `fit`): move the masters and "
-         "the optimizer state after it")
+        "The model moved after `to_fp16()` (fastai moves it at `fit`): the masters and the optimizer state follow it"
         self.release_opt()
         self.conversion.follow_devices()
         adapter_for(_raw_opt(self.learn)).state_to_devices()
 
-# %% ../nbs/15_callback.ipynb #add722dd
-@patch
-def __getstate__(self:FastaiMasters):
-    ("Pickle without the step engine (it is rebuilt on the next optimizer), keeping the masters' values, which "
-     "params each flat master holds, and whose each bf16 master is")
-    flats = [(fm, ps) for fm, ps, _ in self.engine.masters.flats] if self.engine is not None else None
-    bf16s = [(m, p) for p, m in self.conversion.masters.items()
-             if isinstance(master_kind(m), Bf16Master)] if self.conversion is not None else None
-    return {**self.__dict__, 'engine': None, 'state_io': None, '_copied_flats': flats, '_copied_bf16': bf16s}
-
-@patch
-def __setstate__(self:FastaiMasters, state:dict):
-    "Unpickle: the step engine is made anew at the next optimizer (`attach_opt` puts the copied masters back first)"
-    self.__dict__.update({**state, 'engine': None, 'state_io': None})
-
-@patch
-def _check_trainable(self:FastaiMasters):
-    ("Once per fit, at the first backward: something trains, the optimizer holds every param the model trains, "
-     "and a change made through `.data` since the last step is taken (each step takes them too)")
-    self._checked = True
-    # changes through `.data` since the last step: the masters before anything reads them
-    self.conversion.take_data_edits()
-    model_params = [(n, p) for n, p in self.learn.model.named_parameters() if p.requires_grad]
-    if not model_params:
-        raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
-                         "(`learn.unfreeze()`), or use `get_preds` for inference")
-    if self.masters is not None: held = {id(p) for g in self.masters.model_groups for p in g}
-    # nothing converted (every module kept in fp32): fastai's optimizer holds the params
-    elif not self.conversion.steps_masters:
-        opt = _raw_opt(self.learn)
-        held = {id(p) for g in opt.param_lists for p in g} if opt is not None else set()
-    else: held = set()
-    missing = [n for n, p in model_params if id(p) not in held]
-    if missing:
-        refuse_fsdp2(self.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
-    if missing:
-        raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
-                         "were replaced after the "
-                                 "optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again after "
-                                 "changing the model, so they get masters and an optimizer.")
-
-@patch
-def state_dict(self:FastaiMasters) -> dict:
-    "The scaler state and the fp32 masters, one per model param"
-    masters = self.conversion.masters if self.conversion else {}
-    return {'scaler': self.scaler.state_dict(),
-            'masters': [
-                masters.value(p).clone() if p in masters else None for p in self.learn.model.parameters()]}
-
-@patch
-def load_state_dict(self:FastaiMasters, sd:dict):
-    ("Restore the scaler state and the fp32 masters from `state_dict()`; every tensor is checked before anything "
-     "changes")
-    self.prepare()
-    params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
-    if len(saved) != len(params):
-        raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
-                              "params: it comes from another model; nothing was loaded")
-    names = {p: f"master {i} ({n})" for i, (n, p) in enumerate(self.learn.model.named_parameters())}
-    found = {p: v for p, v in zip(params, saved) if v is not None and p in masters}
-    masters.check(found, names, "the state_dict")
-    self.scaler.check_state(sd.get('scaler'))
-    self.scaler.load_state_dict(sd['scaler'])
-    masters.load(found)
-    return self
-
-# %% ../nbs/15_callback.ipynb #4d846810
-class MixedPrecision(FastaiMasters, fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
-    "Train in fp16 or bf16 with fp32 master weights and dynamic loss scaling"
-    # an instance of fastai's own mixed-precision callbacks, so that fastai's ways out (`to_contiguous(to_fp32=True)`,
-    # `load_learner`, `to_non_native_fp32`, `remove_cb(MixedPrecision)`) find it; none of their events runs
-    # (autocast, GradScaler, fastai v1's loss scale)
-    order, run_valid = 10, True
-    # after_step: the engine's step wrote the masters into the model, and fastai's `learn.opt.zero_grad()` (the
-    # engine's) clears both kinds of grads right after it
-    before_batch = after_loss = after_step = after_batch = noop
-    param_groups = step = None
-    def __init__(self,
-        loss_scale:float=None,        # starting scale; 2**16 if dynamic else 512
-        max_noskip:int=1000,          # consecutive clean steps before the scale doubles
-        dynamic:bool=True,            # adapt the scale to overflows
-        clip:float=None,              # global L2 clip of the unscaled master grads
-        flat_master:bool=False,       # one flat fp32 master per param group
-        max_scale:float=2**24,        # cap on the scale
-        dtype=torch.float16,          # torch.float16 or torch.bfloat16
-        keep_fp32:tuple=(),           # module types that stay fp32 (a type or a tuple), besides batchnorm
-        keep_batchnorm:bool=True,     # keep every `_BatchNorm` in fp32 (fastai v1's rule); False makes them half too
-        check_loss:bool=True,         # skip (without lowering the scale) when the loss is already inf/nan
-        verbose:bool=False,           # print each change of loss scale, with its cause
-        table:bool=False,             # add the loss scale and the epoch's skipped steps to fastai's progress table
-        # where the skip is decided: 'cuda', 'always' or 'never' (default: `mixedprec.engine.settings`)
-        decide:str=None,
-        impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
-        # bf16 only: 'split' keeps the exact master as the bf16 weight + an int16 half, 'none' rounds stochastically
-        masters:str='fp32',
-        # removed (mixedprec's own ZeRO-1): shard with torch's FSDP2, `fully_shard`, and refused by name
-        shard:bool=False,
-        # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for
-        # fastai's or torch's SGD and Adam
-        state:str='fp32',
-        # `LossScaler` settings: min_scale, factor, max_overflow_at_min, max_bad_loss, history_size (and GradScaler's
-        # names)
-        **kwargs):
-        loss_scale, max_noskip, kwargs = _gradscaler_names(loss_scale, max_noskip, kwargs)
-        bad = [k for k in kwargs if k not in _SCALER_KWARGS]
-        if bad:
-            raise TypeError(f"MixedPrecision got unknown keyword argument(s) {bad}; the extra ones it takes are "
-                            f"{list(_SCALER_KWARGS)} "
-                                f"(and GradScaler's {[*_GRADSCALER_NAMES, 'backoff_factor']})")
-        if clip is not None and not clip > 0:
-            raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
-        self.master_store = check_store(masters, dtype, flat_master)
-        self.state_store = check_state_store(state, flat_master)
-        refuse_shard(shard, "MixedPrecision")
-        keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
-        if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
-        self.dtype, self.keep_fp32 = check_half_dtype(dtype), keep
-        self.clip, self.flat_master, self.check_loss = clip, flat_master, check_loss
-        self.table, self.decide, self.impl = table, decide, impl
-        self.scaler = LossScaler(loss_scale, dynamic, max_noskip, max_scale, verbose=verbose, **kwargs,
-                                 advice="With fastai: `learn.to_bf16()`, or "
-                                        "`learn.to_fp16(keep_fp32=(nn.BatchNorm2d, TheModule))` for the modules that "
-                                        "overflow.")
-        self.conversion, self.engine, self._checked, self._epoch_skipped, self._kept_history = None, None, False, 0, None
-        # `learn.opt` while attached: the `MixedPrecisionOpt` that reads and writes the state in the model's layout
-        self.state_io = None
-
-    @property
-    def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
-    @learn.setter
-    def learn(self, learn):
-        ("fastai sets `learn` to None when it removes the callback (`remove_cb`, or the end of `fit(cbs=...)`): "
-         "leave mixed precision then, as `to_fp32()` does")
-        old = self.__dict__.get('_learn')
-        if learn is not None and old is not None and learn is not old: self._move_from(old)
+    def moved(self, old, learn):
+        "Set to another Learner (`learn`): the first (`old`) leaves mixed precision, unless it is fitting now"
+        if learn is not None and old is not None and learn is not old:
+            if _fitting(old):
+                raise ValueError("this MixedPrecision callback runs the mixed precision of a Learner that is fitting "
+                                 "now (its masters are that model's): give each Learner its own, `cbs=MixedPrecision("
+                                 "...)` per Learner, or pass the class `cbs=MixedPrecision`")
+            old.remove_cb(self.cb)                 # the first Learner is fp32 again, with its weights from the masters
         if learn is None and old is not None and self.conversion is not None: self.leave()
-        self.__dict__['_learn'] = learn
 
-    def _move_from(self, old):
-        "Given to another Learner: leave the first one (back in fp32, without this callback), unless it is fitting now"
-        if _fitting(old):
-            raise ValueError("this MixedPrecision callback runs the mixed precision of a Learner that is fitting now "
-                             "(its masters are that model's): "
-                             "give each Learner its own, `cbs=MixedPrecision(...)` per Learner, or pass the class "
-                             "`cbs=MixedPrecision`")
-        old.remove_cb(self)                    # the first Learner is fp32 again, with its weights from the masters
+    def state_dict(self) -> dict:
+        "The scaler state and the fp32 masters, one per model param (None where it has none)"
+        masters = self.conversion.masters if self.conversion else {}
+        return {'scaler': self.cb.scaler.state_dict(), 'masters': [masters.value(p).clone() if p in masters else None
+                                                                   for p in self.learn.model.parameters()]}
+    def load_state_dict(self, sd:dict):
+        "Restore `state_dict()`: every tensor is checked before anything changes"
+        self.prepare()
+        params, saved, masters = list(self.learn.model.parameters()), sd.get('masters', []), self.conversion.masters
+        if len(saved) != len(params):
+            raise CheckpointError(f"the state_dict holds {len(saved)} masters but the model has {len(params)} "
+                                  "params: it comes from another model; nothing was loaded")
+        names = {p: f"master {i} ({n})" for i, (n, p) in enumerate(self.learn.model.named_parameters())}
+        found = {p: v for p, v in zip(params, saved) if v is not None and p.dtype in HALF}
+        masters.check(found, names, "the state_dict")
+        self.cb.scaler.check_state(sd.get('scaler'))
+        self.cb.scaler.load_state_dict(sd['scaler'])
+        masters.load(found)
 
-    @property
-    def model_pgs(self) -> list:
-        "The half model's params, by optimizer group (fastai's `NonNativeMixedPrecision` name)"
-        return self.masters.model_groups
-
-# %% ../nbs/15_callback.ipynb #fd64ab13
-@patch(as_prop=True)
-def master_pgs(self:MixedPrecision) -> list:
-    "The fp32 masters the optimizer steps, by group (fastai's `NonNativeMixedPrecision` name)"
-    return self.masters.groups
-
-@patch(as_prop=True)
-def loss_scale(self:MixedPrecision) -> float:
-    "The current loss scale (the scaler's books catch up first: a host read on a GPU)"
-    self.scaler.drain()
-    return self.scaler.scale
-
-@patch(as_prop=True)
-def skipped(self:MixedPrecision) -> bool:
-    "True if the last optimizer step was skipped (the books catch up first)"
-    self.scaler.drain()
-    return self.scaler.skipped
-
-@patch(as_prop=True)
-def history(self:MixedPrecision):
-    "A `StepRecord` per optimizer step (the books catch up first)"
-    self.scaler.drain()
-    return self.scaler.history
-
-@patch
-def plot(self:MixedPrecision, ax=None):
-    "Plot the loss scale and the skipped steps against the step"
-    return plot_history(self.history, ax)
-
-# %% ../nbs/15_callback.ipynb #8a8261d8
-@patch
-def prepare(self:MixedPrecision):
-    ("Convert the model to the half dtype (once), keeping fp32 masters of its weights; an FSDP2 model is cast by its "
-     "policy, and its sharded fp32 params are the masters")
-    if self.conversion is None and fsdp2_sharded(self.learn.model):
-        check_fsdp2(list(self.learn.model.parameters()), "MixedPrecision", self.master_store)
-        check_fsdp2_policy(self.learn.model, self.dtype, "MixedPrecision")
-        self.conversion = ShardedConversion(self.learn.model, self.dtype)
-    if self.conversion is None:
-        self.conversion = convert_model(self.learn.model, self.dtype, self.keep_fp32, cast_io=True,
-                                        entries=_called_alone(self.learn.model))
-        # nothing to cast: the cast hooks go, and the callback does nothing
-        if not self.conversion.masters and not self.conversion.buffers:
-            self.conversion.undo()
-            floats = any(p.is_floating_point() for p in self.learn.model.parameters())
-            why = ("every module with params is of a type kept in fp32: "
-                   f"{', '.join(t.__name__ for t in self.keep_fp32)}" if floats else
-                   "it has no float params or buffers")
-            warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and "
-                      "fastai's optimizer "
-                      f"steps the model's params itself" + (
-                          ": train in fp32, or keep fewer module types in fp32" if floats else ""),
-                      ('nothing converted', id(self)))
-        p = next(iter(self.conversion.masters), None)
-        convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in self.learn.model.modules())
-        note = speed_note(self.dtype, p.device, convs=convs) if p is not None else None
-        if note: warn_once(note)
-    return self
-
-@patch
-def after_create(self:MixedPrecision): self.prepare()
+# %% ../nbs/15_callback.ipynb #fitchecks
+def _refuse_at_fit(cb):
+    "Refuse, saying what to do, what cannot fit in mixed precision: the model changed or cast back, fastai's DDP on FSDP"
+    learn = cb.learn
+    _refuse_distrib_on_fsdp(learn)
+    cb.prepare()
+    back = [p for p in cb.conversion.params if p.dtype != cb.dtype]
+    if back:
+        raise ValueError(f"the model's weights are {back[0].dtype} again (`model.float()` after `to_fp16()`?) while "
+                         f"mixed precision is on, so inputs would be cast to {cb.dtype} for them: leave mixed precision "
+                         "with `learn.to_fp32()` (the model gets the fp32 masters), or convert anew with "
+                         "`learn.to_fp16()` / `to_bf16()`")
+    if any(isinstance(c, GradientClip) for c in learn.cbs):
+        raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never sees "
+                         "under mixedprec. Remove it and pass the max norm to mixedprec instead: "
+                         "`learn.to_fp16(clip=max_norm)`.")
+    changed = cb.conversion.unconverted()
+    if changed:
+        raise ValueError(f"the model has fp32 params that were added or replaced after `to_fp16()` "
+                         f"({', '.join(changed[:5])}). Call `learn.to_fp16()` (or `to_bf16()`) again after changing "
+                         "the model, so they are converted and get masters.")
 
 def _refuse_distrib_on_fsdp(learn):
     ("Refuse fastai's `DistributedTrainer` (`distrib_ctx`, `to_distributed`) with an FSDP model, saying what to do: it "
@@ -369,129 +248,133 @@ def _refuse_distrib_on_fsdp(learn):
                     "reduce_dtype=torch.float32))` before building the Learner, and give each rank its share of the "
                     "data with fastai's DistributedDL (`DistributedDL(dl)` for each of `learn.dls.loaders`)")
 
-@patch
-def before_fit(self:MixedPrecision):
-    ("Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the step "
-     "engine's")
-    _refuse_distrib_on_fsdp(self.learn)
-    self.prepare()
-    cast_back = [p for p in self.conversion.masters if p.dtype != self.dtype]
-    if cast_back:
-        raise ValueError(f"the model's weights are {cast_back[0].dtype} again (`model.float()` after "
-                         "`to_fp16()`?) while mixed precision is on, "
-                                   f"so inputs would be cast to {self.dtype} for them: leave mixed precision "
-                                   "with `learn.to_fp32()` (the model gets the fp32 masters), "
-                                   f"or convert anew with `learn.to_fp16()` / `to_bf16()`")
-    if any(isinstance(cb, GradientClip) for cb in self.learn.cbs):
-        raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never "
-                         "sees under mixedprec. "
-                         "Remove it and pass the max norm to mixedprec instead: `learn.to_fp16(clip=max_norm)`.")
-    if self.table: self._add_table_metrics()
-    self._checked = False
-    if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs):
-        self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
-    changed = self.conversion.unconverted()
-    if changed:
-        raise ValueError("the model has fp32 params that were added or replaced after `to_fp16()` "
-                         f"({', '.join(changed[:5])}). "
-                                 "Call `learn.to_fp16()` (or `to_bf16()`) again after changing the model, so "
-                                 "they are converted and get masters.")
-    if getattr(self.learn, 'opt', None) is None or not self.conversion.steps_masters: return
-    if any(m.device != p.device for p, m in self.conversion.masters.items()): self.follow_model_device()
-    self.attach_opt()
-    # fastai's ChannelsLast (order -1) has just laid the model out anew
-    self.engine.follow_layouts()
-    if not self.masters.sync_requires_grad():        # requires_grad changed within a flat master: lay them out anew
-        self.release_opt(); self.attach_opt()
-    for p in self.learn.model.parameters(): p.grad = None
-    self.engine.choose()
+def _check_trainable(held:FastaiMasters):
+    ("At a fit's first backward: something trains, the optimizer holds every param the model trains, and a change made "
+     "through `.data` since the last step is taken (each step takes them too)")
+    held.conversion.take_data_edits()
+    trained = [(n, p) for n, p in held.learn.model.named_parameters() if p.requires_grad]
+    if not trained:
+        raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
+                         "(`learn.unfreeze()`), or use `get_preds` for inference")
+    opt = _raw_opt(held.learn)
+    groups = held.masters.model_groups if held.masters is not None else (
+        opt.param_lists if opt is not None and not held.conversion.steps_masters else [])
+    holds = {id(p) for g in groups for p in g}
+    missing = [n for n, p in trained if id(p) not in holds]
+    if missing:
+        refuse_fsdp2(held.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
+        raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
+                         "were replaced after the optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) "
+                         "again after changing the model, so they get masters and an optimizer.")
 
-@patch
-def after_pred(self:MixedPrecision):
-    "Cast every floating leaf of the prediction to fp32"
-    self.learn.pred = to_fp32(self.learn.pred)
+# %% ../nbs/15_callback.ipynb #4d846810
+class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):
+    "Train in fp16 or bf16 with fp32 master weights and dynamic loss scaling"
+    # an instance of fastai's own mixed-precision callbacks, so that fastai's ways out (`to_contiguous(to_fp32=True)`,
+    # `load_learner`, `remove_cb(MixedPrecision)`) find it; none of their events runs
+    order, run_valid = 10, True
+    # after_step: the engine's step wrote the model; fastai's `learn.opt.zero_grad()` (the engine's) follows it
+    before_batch = after_loss = after_step = after_batch = noop
+    param_groups = step = None
+    def __init__(self,
+        loss_scale:float=None,        # starting scale; 2**16 if dynamic else 512
+        max_noskip:int=1000,          # consecutive clean steps before the scale doubles
+        dynamic:bool=True,            # adapt the scale to overflows
+        clip:float=None,              # global L2 clip of the unscaled master grads
+        flat_master:bool=False,       # one flat fp32 master per param group
+        max_scale:float=2**24,        # cap on the scale
+        dtype=torch.float16,          # torch.float16 or torch.bfloat16
+        keep_fp32:tuple=(),           # module types that stay fp32 (a type or a tuple), besides batchnorm
+        keep_batchnorm:bool=True,     # keep every `_BatchNorm` in fp32 (fastai v1's rule); False makes them half too
+        check_loss:bool=True,         # skip (without lowering the scale) when the loss is already inf/nan
+        verbose:bool=False,           # print each change of loss scale, with its cause
+        table:bool=False,             # add the loss scale and the epoch's skipped steps to fastai's progress table
+        decide:str=None,              # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
+        impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
+        masters='fp32',               # bf16 only: 'split' (exact: the weight and an int16 half), 'none'; or a kind
+        shard:bool=False,             # removed (mixedprec's own ZeRO-1): refused, naming FSDP2's `fully_shard`
+        state:str='fp32',             # the optimizer's moments: 'fp32', 'bf16' or '8bit' (fused SGD and Adam)
+        **kwargs):                    # `LossScaler` settings (min_scale, factor, ...; GradScaler's names too)
+        if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
+        check_store(masters, dtype, flat_master)
+        self.master_store, self.state_store = masters, check_state_store(state, flat_master)
+        refuse_shard(shard, "MixedPrecision")
+        keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
+        if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
+        self.dtype, self.keep_fp32 = check_half_dtype(dtype), keep
+        self.clip, self.flat_master, self.check_loss, self.decide, self.impl = clip, flat_master, check_loss, decide, impl
+        self.scaler = _scaler(loss_scale, dynamic, max_noskip, max_scale, verbose, kwargs)
+        self.held, self.table = FastaiMasters(self), TableColumns(self.scaler) if table else None
+        self._checked, self._kept_history = False, None
 
-# %% ../nbs/15_callback.ipynb #ffbc0139
-@patch
-def before_backward(self:MixedPrecision):
-    "Scale the loss (noting, on the device, whether it is finite)"
-    if not self._checked: self._check_trainable()
-    if self.engine is not None:
-        self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
+    @property
+    def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
+    @learn.setter
+    def learn(self, learn):
+        "fastai sets None when it removes the callback (`remove_cb`, the end of `fit(cbs=...)`): fp32 again then"
+        self.held.moved(self.__dict__.get('_learn'), learn)
+        self.__dict__['_learn'] = learn
 
-@patch
-def before_step(self:MixedPrecision):
-    ("Unscale into the master grads (check, clip, update the scale); cancel the step if it is skipped. fastai's "
-     "`opt.step()` is then the engine's")
-    xb, e = self.learn.xb, self.engine
-    if e is None: return                         # nothing was converted: nothing to unscale
-    e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
-              forward_overflow=lambda: self._forward_overflow(xb))                  # run when training stops
-    # a skip decided on the host: cancelled, as fastai's own MixedPrecision does
-    if not e.on_device and e.must_skip():
-        e.discard()
-        raise CancelStepException()
+    conversion, engine = property(lambda self: self.held.conversion), property(lambda self: self.held.engine)
+    masters, state_io = property(lambda self: self.held.masters), property(lambda self: self.held.state_io)
+    model_pgs = property(lambda self: self.masters.model_groups, doc="The model's params by optimizer group")
+    master_pgs = property(lambda self: self.masters.groups, doc="What the optimizer holds, by group")
+    loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
+    skipped = property(lambda self: self.scaler.drained().skipped, doc="True if the last step was skipped")
+    history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per optimizer step")
+    def plot(self, ax=None): "Plot the loss scale and the skipped steps"; return plot_history(self.history, ax)
+    def prepare(self): "Convert the model (once)"; self.held.prepare(); return self
+    def after_create(self): self.held.prepare()
 
-@patch
-def after_fit(self:MixedPrecision):
-    ("Give the optimizer's state its own layout (fastai's int step counts); take the table columns out of the "
-     "metrics")
-    opt = getattr(self.learn, 'opt', None)
-    if self.engine is not None and opt is not None:
-        # the last step into the books (naming overflowed params reads the master grads)
-        self.scaler.drain()
-        self.engine.own_layout()
-    if self._kept_history is not None:
-        self.scaler.drain()
-        while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()
-        self._kept_history = None
-    # the table columns hold bound methods, which `export` need not pickle
-    if self.table:
-        self.learn.metrics = [
-            m for m in self.learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
+    def before_fit(self):
+        "Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the engine's"
+        _refuse_at_fit(self)
+        self._checked = False
+        if self.table is not None: self.table.add_to(self.learn)
+        if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs):
+            self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
+        if getattr(self.learn, 'opt', None) is None or not self.conversion.steps_masters: return
+        if any(m.held.device != m.param.device for m in self.conversion.masters.values()):
+            self.held.follow_model_device()
+        self.held.attach_opt()
+        self.engine.held.prepare(follow=True)   # ChannelsLast (order -1) lays the model out anew; a freeze since
+        self.engine.choose()
+        for p in self.learn.model.parameters(): p.grad = None
+    on_train_begin = before_fit                 # fastai v1's names, for readers of the seed
 
-@patch
-def _forward_overflow(self:MixedPrecision, xb) -> str:
-    ("This batch's forward pass run again under `watch_overflow` (the buffers put back after): a sentence on the "
-     "first op that overflowed, or ''")
-    model, watch = self.learn.model, None
-    kept = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        with torch.no_grad(), watch_overflow(model) as watch: model(*xb)
-    except Exception: return ''                     # the diagnosis must not hide the error it explains
-    finally:
-        with torch.no_grad():
-            for b, v in kept: b.copy_(v)
-    if watch is None or watch.first is None: return ''
-    return ("This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at "
-            f"{watch.first}. {watch.first.advice()}.")
+    def after_pred(self): "Every floating leaf of the prediction to fp32"; self.learn.pred = to_fp32(self.learn.pred)
+    on_loss_begin = after_pred
 
-@patch
-def _add_table_metrics(self:MixedPrecision):
-    "Add the loss scale and the epoch's skipped steps to the Learner's metrics, for this fit"
-    names = [getattr(m, 'name', None) for m in self.learn.metrics]
-    if 'loss_scale' in names: return
-    self.learn.metrics = list(self.learn.metrics) + [ValueMetric(self._table_scale, 'loss_scale'),
-                                                     ValueMetric(self._table_skipped, 'skipped')]
+    def before_backward(self):
+        "Scale the loss (noting, on the device, whether it is finite)"
+        if not self._checked: self._checked = True; _check_trainable(self.held)
+        if self.engine is not None: self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
+    on_backward_begin = before_backward
 
-@patch
-def before_train(self:MixedPrecision): self._epoch_skipped = self.scaler.n_skipped
+    def before_step(self):
+        "Unscale into the master grads (check, clip, update the scale); a skip decided on the host cancels the step"
+        xb, e = self.learn.xb, self.engine
+        if e is None: return                         # nothing was converted: nothing to unscale
+        e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
+                  forward_overflow=lambda: _forward_overflow(self.learn.model, xb))      # run when training stops
+        if not e.runner.on_device and e.must_skip(): e.discard(); raise CancelStepException()
+    on_backward_end, on_step_end = before_step, after_step
 
-@patch
-def _table_scale(self:MixedPrecision):
-    "The scale for the table: an int when it is one (fastai prints floats with 6 decimals, wider than the column)"
-    s = self.loss_scale
-    return int(s) if s >= 1 and s == int(s) else s
+    def after_fit(self):
+        "Give the optimizer's state its own layout (fastai's int step counts); the table's columns go"
+        if self.engine is not None and getattr(self.learn, 'opt', None) is not None:
+            self.scaler.drain(); self.engine.held.own_layout()
+        if self._kept_history is not None:
+            self.scaler.drain()
+            while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()
+            self._kept_history = None
+        if self.table is not None: self.table.remove_from(self.learn)
+    on_train_end = after_fit
+    def before_train(self):
+        if self.table is not None: self.table.start_epoch()
 
-@patch
-def _table_skipped(self:MixedPrecision): self.scaler.drain(); return self.scaler.n_skipped - self._epoch_skipped
-
-# %% ../nbs/15_callback.ipynb #b7f1a2c3
-# fastai v1's hook names, for readers of the seed
-MixedPrecision.on_train_begin, MixedPrecision.on_loss_begin = MixedPrecision.before_fit, MixedPrecision.after_pred
-MixedPrecision.on_backward_begin = MixedPrecision.before_backward
-MixedPrecision.on_backward_end, MixedPrecision.on_step_end = MixedPrecision.before_step, MixedPrecision.after_step
-MixedPrecision.on_train_end = MixedPrecision.after_fit
+    def state_dict(self) -> dict: "The scaler state and the fp32 masters"; return self.held.state_dict()
+    def load_state_dict(self, sd:dict): "Restore `state_dict()`"; self.held.load_state_dict(sd); return self
 
 # %% ../nbs/15_callback.ipynb #ae1c62a9
 def _plain(o):
@@ -514,19 +397,25 @@ class MixedPrecisionOpt(GetAttr):
         if callable(getattr(opt, 'state_dict', None)): return MixedPrecisionOptimWrapper(cb, opt)
 
     def _attached(self):
-        "The callback, attached to the optimizer (a copied or unpickled Learner's masters go back into it first)"
+        "The callback, attached to the optimizer"
         cb = self.cb
         if cb.learn is None or _raw_opt(cb.learn) is not self.opt:
             raise RuntimeError("this optimizer has left mixed precision (`to_fp32()`, or a new `create_opt()`): use "
                                "`learn.opt`")
-        if cb.state_io is not self: cb.attach_opt()
+        if cb.state_io is not self: cb.held.attach_opt()
         return cb
+
+    def __reduce_ex__(self, protocol):
+        ("A copy (`copy.deepcopy(learn)`, pickle, `export`) is fastai's optimizer on the model's params, its state in "
+         "their layout: the copy's callback swaps its masters in at its next fit")
+        held = self.cb.engine.held if self.cb.engine is not None else None
+        return (_in_model_layout, (self.opt, held.masters.model_layout() if held is not None else None))
 
     def step(self, closure=None):
         ("The step engine's step: the fp32 masters stepped (or the step skipped), then written into the half model. "
          "Outside a fit, the grads of a plain `loss.backward()` are taken as they are (no loss scale)")
         e = self._attached().engine
-        if e.found is None and e.masters.raw_grads(): unscale_into([e], LossScaler(1., dynamic=False))
+        if e.found is None and e.masters.grads.raw(): unscale_into([e], LossScaler(1., dynamic=False))
         return e.step(closure)
 
     def zero_grad(self):
@@ -537,8 +426,8 @@ class MixedPrecisionOpt(GetAttr):
     def state_dict(self) -> dict:
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
         cb = self._attached(); opt, masters = self.opt, cb.masters
-        steps_to_ints(opt.state)
-        state = cb.engine.state_by_model_param()
+        cb.engine.held.own_layout()                   # fastai's int step counts
+        state = state_by_model_param(cb.engine.held)
         if masters.fsdp2 and cb.engine.state == '8bit':     # decoded: the scales cover blocks of this rank's shard
             state = {p: fp32_state(s, keep_bf16=True) for p, s in state.items()}
         params = [p for g in masters.model_groups for p in g]
@@ -577,8 +466,8 @@ class MixedPrecisionOpt(GetAttr):
         cb, opt = self.cb, self.opt
         params = [p for g in cb.masters.model_groups for p in g]
         # fp32, whatever the file holds
-        state = cb.engine.state_onto_masters(dict(zip(params, sd['state'])))
-        cb.engine.adapter.set_state(state, sd['hypers'])
+        state = state_onto_masters(cb.engine.held, dict(zip(params, sd['state'])))
+        cb.engine.held.adapter.set_state(state, sd['hypers'])
         for k, v in sd.items():                        # a wrapper's own state (Lookahead's count and slow weights)
             if k not in ('state', 'hypers', 'mixedprec'): setattr(opt, k, v)
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
@@ -595,7 +484,7 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
     def check_state_dict(self, sd:dict, what:str='the optimizer state'):
         "Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load (nothing changes)"
         cb = self._attached()
-        _check_state_shapes(sd, [g['params'] for g in cb.engine.optimizer.param_groups], what)
+        check_optimizer_state(sd, [g['params'] for g in cb.engine.optimizer.param_groups], what)
         scaler = sd.get('mixedprec', {}).get('scaler')
         if scaler is not None: cb.scaler.check_state(scaler)
 
@@ -604,7 +493,7 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
          "loads the file too)")
         self.check_state_dict(sd)
         scaler = sd.get('mixedprec', {}).get('scaler')
-        self.opt.load_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'})
+        load_optimizer_state(self.opt.opt, {k: v for k, v in sd.items() if k != 'mixedprec'}, self.cb.engine.state)
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
 
 def _fitting(learn) -> bool:
@@ -615,6 +504,22 @@ def _fitting(learn) -> bool:
             if frame.f_code is Learner._do_fit.__code__ and frame.f_locals.get('self') is learn: return True
             frame = frame.f_back
     return False
+
+def _in_model_layout(opt, layout:list):
+    ("fastai's optimizer `opt` (a copy) on the model's params that its held tensors stood for (`layout`, from "
+     "`MasterParams.model_layout`), each param's state split from theirs")
+    if layout is None: return opt
+    adapter = adapter_for(opt)
+    for state in adapter.states():
+        for held, parts in layout:
+            st = state.pop(held, None)
+            if st is None: continue
+            for p, at in parts:           # (a flat master's: each param's slice, laid out as the param)
+                state[p] = st if at is None else {k: v.as_strided(at[0], at[1], v.storage_offset() + at[2]).clone()
+                                                  if flat_like(v, held) else v for k, v in st.items()}
+    groups = {id(held): [p for p, _ in parts] for held, parts in layout}
+    adapter.set_groups([[p for h in g for p in groups.get(id(h), [h])] for g in adapter.groups()])
+    return opt
 
 def _raw_opt(learn):
     "`learn.opt` as fastai built it: the optimizer inside mixedprec's `MixedPrecisionOpt`, if it is one"
@@ -645,7 +550,7 @@ def _attach(learn, cb):
             # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
             learn.create_opt()
             if old is not None: adapter_for(learn.opt).take_state(adapter_for(old), list(learn.model.parameters()))
-        cb.attach_opt()
+        cb.held.attach_opt()
     except BaseException:
         # refused (an optimizer lean state cannot use, ...): the Learner is fp32 again, as it came
         learn.to_fp32()
@@ -741,7 +646,7 @@ def load(self:Learner, file, device=None, with_opt:bool=True, strict:bool=True, 
     hasopt = isinstance(state, dict) and set(state) == {'model', 'opt'}
     model, model_state = get_model(self.model), state['model'] if hasopt else state
     # keys, shapes, masters: checked once, by the model's own load hook, before the optimizer's state is checked
-    with cb.conversion.loader.checked(model, model_state, strict=strict):
+    with cb.conversion.doors.checked(model, model_state, strict=strict):
         if hasopt and with_opt: cb.state_io.check_state_dict(state['opt'], f"{file.name}'s optimizer state")
         model.load_state_dict(model_state, strict=strict)
         if hasopt and with_opt: cb.state_io.load_state_dict(state['opt'])
@@ -778,7 +683,7 @@ def freeze_to(self:Learner, n:int):
      "`requires_grad` at once")
     fastai_freeze_to(self, n)
     cb = getattr(self, 'mixed_precision', None)
-    if isinstance(cb, MixedPrecision) and cb.masters is not None: cb.masters.sync_requires_grad()
+    if isinstance(cb, MixedPrecision) and cb.masters is not None: cb.masters.sync_training()
 
 @patch
 def to_fp32(self:Learner):

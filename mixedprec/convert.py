@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['HALF_DTYPES', 'check_half_dtype', 'cast_floats', 'to_fp32', 'ModelConversion', 'CastIO', 'KeepDtype', 'DtypeHint',
-           'TakeMasterEdits', 'state_dict_hooks', 'SaveMasters', 'LoadMasters', 'check_state_keys', 'convert_model',
+           'TakeMasterEdits', 'state_dict_hooks', 'MasterDoors', 'modules_holding', 'check_state_keys', 'convert_model',
            'fp32_copy', 'ShardedConversion', 'Overflow', 'watch_overflow', 'speed_note']
 
 # %% ../nbs/12_convert.ipynb #1944725e
-import contextlib, copy, dataclasses, sys
+import contextlib, copy, dataclasses, gc, sys
+from functools import partial
 from collections.abc import Mapping
 import numpy as np
 import torch
@@ -17,9 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import (Masters, master_kind, Bf16Master, SplitMaster, store_master_, mark_written,
-                              take_model_edits, take_data_edits,
-                     take_master_edits, check_master_value)
+from .master import Masters, Fp32Master, check_master_value, HALF
 
 # %% ../nbs/12_convert.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -63,93 +62,71 @@ def to_fp32(o):
 
 # %% ../nbs/12_convert.ipynb #f7071421
 class ModelConversion:
-    "A model converted to half precision: its fp32 masters, and what to undo"
+    "A model converted to half precision: which params were cast, the record of their masters, and what to undo"
     def __init__(self, model, dtype, keep_fp32):
         self.model, self.dtype, self.keep_fp32 = model, dtype, tuple(keep_fp32)
-        self.masters, self.buffers, self.hooks, self.loader = Masters(), [], [], None
+        self.params, self.buffers, self.hooks, self.doors = [], [], [], None
+        self.masters = Masters([])
 
-    # True when the optimizer must step masters through the step engine: fp32 copies of the half params here
-    steps_masters = property(lambda self: bool(self.masters))
+    # True when the optimizer must step masters through the step engine: half params were cast here
+    steps_masters = property(lambda self: bool(self.params))
 
     def __repr__(self):
-        return (f"ModelConversion({self.dtype}, {len(self.masters)} masters, "
+        return (f"ModelConversion({self.dtype}, {len(self.params)} params cast, {len(self.masters)} masters, "
                 f"keep_fp32={[t.__name__ for t in self.keep_fp32]})")
 
     def take_data_edits(self):
-        ("Take the changes made through `.data`, which torch's version counter misses, by the step's own rule "
-         "(`adopt_edits_ref_`): an element of a half param that is not its master's rounding becomes its master's "
-         "value. A pass over the weights: the callback runs it once per fit, before anything reads the masters")
-        take_model_edits(self.masters.items())      # in-place edits first: the version counter shows them
-        take_data_edits(self.masters.items())
-        for p, m in self.masters.items(): mark_written(p, m)
+        ("Take the changes made through `.data`, which torch's version counter misses, by the step's own rule: an "
+         "element of a half param that is not its master's rounding becomes its master's value. A pass over the "
+         "weights: the callback runs it once per fit, before anything reads the masters")
+        for m in self.masters.values():
+            m.take_edits()                             # in-place edits first: the version counter shows them
+            m.adopt_data_edits()
+            m.mark_written()
 
     def unconverted(self) -> list:
-        "Names of fp32 params that should be half but have no master: the model changed after conversion"
-        kept = _kept_modules(self.model, self.keep_fp32)
+        "Names of fp32 params that should be half but were not cast: the model changed after conversion"
+        kept, cast = _kept_modules(self.model, self.keep_fp32), {id(p) for p in self.params}
         return [f"{mn}.{pn}" if mn else pn for mn, m in self.model.named_modules() if id(m) not in kept
-                for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float32 and p not in self.masters]
+                for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float32 and id(p) not in cast]
 
     def undo(self):
-        ("Restore fp32 params from the masters (params converted without masters, as amp's O3 does, from their half "
-         "values), fp32 buffers, and remove the cast hooks")
-        take_model_edits(self.masters.items())        # a model edited in place since the last step keeps the edit
-        kept = _kept_modules(self.model, self.keep_fp32)
+        ("Restore fp32 params from the masters (a param without one, frozen or converted without masters as amp's "
+         "O3 does, from its half value), fp32 buffers, and remove the cast hooks")
+        self.take_edits()                             # a model edited in place since the last step keeps the edit
         with torch.no_grad():
-            for p, m in self.masters.items():
-                p.data = master_kind(m).value().reshape(p.shape).to(p.device, copy=True)
+            for p in self.params:
+                if p.dtype not in HALF: continue
+                p.data = self.masters.value(p).reshape(p.shape).to(p.device, torch.float32, copy=True)
                 if p.grad is not None: p.grad = None
-            for mod in self.model.modules():
-                if id(mod) in kept: continue
-                for p in mod.parameters(recurse=False):
-                    if p.dtype in HALF_DTYPES and p not in self.masters: p.data = p.data.float()
             for mod, name in self.buffers: setattr(mod, name, getattr(mod, name).float())
         for h in self.hooks: h.remove()
         for name in KeepDtype.METHODS:
             if isinstance(self.model.__dict__.get(name), KeepDtype): del self.model.__dict__[name]
-        self.masters, self.buffers, self.hooks, self.loader = Masters(), [], [], None
+        self.params, self.buffers, self.hooks, self.doors, self.masters = [], [], [], None, Masters([])
         if self.model.__dict__.get('_mixedprec_conversion') is self: del self.model.__dict__['_mixedprec_conversion']
         return self.model
 
-    def follow_devices(self) -> bool:
-        ("Move each master to its model param's device, when the model moved after conversion (fastai moves it at "
-         "`fit`); True if any moved")
-        moved = False
+    def follow_devices(self):
+        "Move each master to its param's device, when the model moved after conversion (fastai moves it at `fit`)"
         with torch.no_grad():
-            for p, m in list(self.masters.items()):
-                if m.device == p.device: continue
-                kind = master_kind(m)
-                if isinstance(kind, SplitMaster):
-                    kind.low = kind.low.to(p.device)   # the param moved with the model; its low half follows
-                self.masters[p] = nn.Parameter(kind.value().reshape(p.shape).to(p.device, copy=True),
-                                               requires_grad=p.requires_grad)
-                if isinstance(kind, Bf16Master):
-                    store_master_(p, self.masters[p], kind.store)      # kept as it was: in the (moved) bf16 param
-                moved = True
-        return moved
+            for m in self.masters.values(): m.to_device()
 
     def take_edits(self):
-        ("Take what was changed in place since mixedprec last wrote the model: an edited param becomes its master's "
-         "value, an edited master (fp32) its param's")
-        take_model_edits(self.masters.items())
-        take_master_edits(self.masters.items())
+        "Take what was changed in place since mixedprec last wrote the model, in a param or in a master's value"
+        for m in self.masters.values(): m.take_edits()
 
     def __getstate__(self) -> dict:
-        ("Pickle (`copy.deepcopy`, fastai's `export`) with the masters kept in bf16 params as fp32 values of their "
-         "own, edits taken first")
+        ("Pickle (`copy.deepcopy`, fastai's `export`), edits taken first; a master without an fp32 tensor of its own "
+         "is copied as one (`StandInMaster`)")
         self.take_edits()                            # the copy starts from what the model and its masters say now
-        state = dict(self.__dict__)
-        if any(isinstance(master_kind(m), Bf16Master) for m in self.masters.values()):
-            state['masters'] = Masters({p: (nn.Parameter(master_kind(m).value().clone(), requires_grad=m.requires_grad)
-                                            if isinstance(master_kind(m), Bf16Master) else m)
-                                        for p, m in self.masters.items()})
-        return state
+        return dict(self.__dict__)
 
     def __setstate__(self, state:dict):
-        ("Unpickle: the copy holds fp32 masters (a bf16 master's too: its `state_dict()` values are then lasting "
-         "tensors, which an EMA lerps in place), and its params what its masters say, so a change to either after "
-         "this is seen. A copied Learner keeps its masters as its optimizer says at its next fit")
+        ("Unpickle: the copy holds fp32 masters (whose `state_dict()` values an EMA lerps in place), and its params "
+         "what its masters say, so a change to either after this is seen")
         self.__dict__.update(state)
-        for p, m in self.masters.items(): mark_written(p, m)
+        for m in self.masters.values(): m.mark_written()
 
 # %% ../nbs/12_convert.ipynb #1ece372d
 _NATIVE_MIXED = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -254,7 +231,7 @@ class DtypeHint:
         if not any(s in str(e) for s in _DTYPE_ERRORS): return
         e._mixedprec_hint = True
         conversion = getattr(self.model if self.model is not None else module, '_mixedprec_conversion', None)
-        back = [p for p in (conversion.masters if conversion is not None else ()) if p.dtype != self.dtype]
+        back = [p for p in (conversion.params if conversion is not None else ()) if p.dtype != self.dtype]
         if back:
             e.add_note(f"mixedprec: this model was converted to {name}, and its weights are {back[0].dtype} again "
                        "(`.float()` or `.to(torch.float32)` "
@@ -300,11 +277,11 @@ class TakeMasterEdits:
     ("Forward pre-hook on a converted model: a master changed in place since mixedprec last wrote its param (a write "
      "into the values of `model.state_dict()`, as timm's EMA and weight-averaging code do) is rounded into its param "
      "first")
-    def __init__(self, conversion): self.conversion = conversion
+    def __init__(self, record:Masters): self.record = record
     def __call__(self, module, args):
         if torch.compiler.is_compiling():
             return     # traced code does not read version counters: a compiled model takes such edits at its next step
-        take_master_edits(self.conversion.masters.items())
+        for m in self.record.values(): m.take_edits()
 
 def state_dict_hooks(model:nn.Module) -> tuple:
     ("`model`'s `register_state_dict_post_hook` and `register_load_state_dict_pre_hook` (torch before 2.5: the same "
@@ -314,76 +291,85 @@ def state_dict_hooks(model:nn.Module) -> tuple:
     return save, load or (lambda hook: model._register_load_state_dict_pre_hook(hook, with_module=True))
 
 # %% ../nbs/12_convert.ipynb #8f5fc87e
-class SaveMasters:
-    "`state_dict` hook: the fp32 master of each half param in place of its rounded value"
-    def __init__(self, conversion): self.conversion = conversion
-    def __call__(self, module, state_dict, prefix, local_metadata):
-        masters = self.conversion.masters
-        take_model_edits(masters.items())            # a model edited in place since the last step saves the edit
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if p in masters and prefix + name in state_dict:
-                state_dict[prefix + name] = masters.value(p).reshape(p.shape)
+_ASSIGN = ("load_state_dict(..., assign=True) would put the checkpoint's tensors in place of the model's half params: "
+           "the optimizer would not hold them, and mixedprec would not cast them. Load without assign=True, which "
+           "copies the values into the half params and their fp32 masters. Nothing was loaded")
 
-class LoadMasters:
-    ("`load_state_dict` pre-hook: every shape is checked first; then floating values loaded for half params go into "
-     "their fp32 masters")
-    def __init__(self, conversion): self.conversion, self.prechecked = conversion, None
-    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # (the root's hook runs before any param is loaded)
-        if local_metadata.get('assign_to_params_buffers', False):
-            raise RuntimeError("load_state_dict(..., assign=True) would put the checkpoint's tensors in place of the "
-                               "model's half params: the "
-                               "optimizer would not hold them, and mixedprec would not cast them. Load without "
-                               "assign=True, which copies the "
-                               "values into the half params and their fp32 masters. Nothing was loaded")
-        pre, self.prechecked = self.prechecked, None
-        # torch hands the hook a copy of the dict: the same tensors under the same keys are the state checked before
-        same = pre is not None and not prefix and len(pre[0]) == len(state_dict) and all(state_dict.get(k) is v for k, v in pre[0].items())
-        todo = pre[1] if same else self.check(module, state_dict, prefix, strict)
-        masters = self.conversion.masters
-        for p, v, key in todo:
-            kind = master_kind(masters[p])
-            kind.set_(v)
-            if isinstance(kind, Bf16Master):
-                state_dict[key] = kind.param.detach().clone()   # torch copies this into the param next: the split's half
+class MasterDoors:
+    ("The `state_dict()` and `load_state_dict()` doors of a model's modules onto the masters in `record`: whichever "
+     "module they are called on (a submodule too: peft saves one), a param's master is what is saved and loaded")
+    def __init__(self, record:Masters, params=None):
+        self.record, self.params, self.prechecked, self._root = record, params, None, None
+    def install(self, modules) -> list:
+        "Hook every module in `modules`; returns the handles"
+        res = []
+        for m in modules:
+            save, load = state_dict_hooks(m)
+            # (partials: torch marks a hook with an attribute, which a bound method cannot take)
+            res += [save(partial(self.save)), load(partial(self.load)),
+                    m.register_load_state_dict_post_hook(partial(self.loaded))]
+        return res
 
-    def check(self, module, state_dict, prefix:str='', strict:bool=True) -> list:
-        ("Raise, before anything is copied, when `state_dict` does not fit `module`: keys (with `strict`), shapes, "
-         "the masters' values (floating, finite) and the fp32 params' (finite: they are their own masters); else the "
-         "(half param, value, key)s to load")
-        masters, todo, saved, names = self.conversion.masters, [], {}, {}
-        params = {id(p) for p in module.parameters()}
-        if strict:
-            # torch checks the keys after it has copied: the masters would be written first
-            check_state_keys(module, state_dict, prefix)
+    def save(self, module, state_dict, prefix, local_metadata):
+        "`state_dict` post-hook: each direct param's master's fp32 value in place of its rounding"
+        for name, p in module._parameters.items():
+            m = self.record.get(p) if p is not None else None
+            if m is None or prefix + name not in state_dict: continue
+            m.take_edits()                   # a param edited in place since the last step saves the edit
+            state_dict[prefix + name] = m.value().reshape(p.shape)
+
+    def load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        ("`load_state_dict` pre-hook: at the load's root, everything is checked before anything changes; then each "
+         "direct param's floating value goes into its master exactly")
+        if local_metadata.get('assign_to_params_buffers', False): raise RuntimeError(_ASSIGN)
+        if self._root is None:               # the module the load was called on (its hooks run first)
+            pre, self.prechecked, self._root = self.prechecked, None, module
+            # torch hands the hook a copy of the dict: the same tensors under the same keys were checked before
+            same = pre is not None and len(pre) == len(state_dict) and all(state_dict.get(k) is v for k, v in pre.items())
+            if not same: self.check(module, state_dict, prefix, strict)
+        for name, p in module._parameters.items():
+            m, v = self.record.get(p) if p is not None else None, state_dict.get(prefix + name)
+            if m is None or not isinstance(v, torch.Tensor): continue
+            m.set_(v)
+            state_dict[prefix + name] = m.param.detach().clone()     # torch copies this into the param next
+
+    def loaded(self, module, incompatible_keys):
+        "`load_state_dict` post-hook: the params hold what their masters say, not an edit to take"
+        for p in module._parameters.values():
+            m = self.record.get(p) if p is not None else None
+            if m is not None: m.mark_written()
+        if module is self._root: self._root = None
+
+    def check(self, module, state_dict, prefix:str='', strict:bool=True):
+        ("Raise, before anything is copied, when `state_dict` does not fit `module`: keys (with `strict`), shapes, the "
+         "masters' values and the fp32 params' (floating, finite: they are their own masters)")
+        if strict: check_state_keys(module, state_dict, prefix)   # torch checks the keys after it has copied
+        what, params = "Error(s) in loading state_dict", {id(p) for p in module.parameters()}
         for name, t in [*module.named_parameters(remove_duplicate=False),
                         *module.named_buffers(remove_duplicate=False)]:
             v = state_dict.get(prefix + name)
             if not isinstance(v, torch.Tensor) or t is None: continue
             # torch would copy every tensor that fits before it raises: nothing is loaded instead
             if v.shape != t.shape:
-                raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {prefix + name}: the "
-                                   f"checkpoint holds {tuple(v.shape)}, "
-                                   f"the model {tuple(t.shape)}. It comes from another model; nothing was loaded")
-            if t in masters:
-                saved[t], names[t] = v, prefix + name
-                todo.append((t, v, prefix + name))
-            elif id(t) in params and t.is_floating_point():
-                check_master_value(v, t, prefix + name, "Error(s) in loading state_dict")
-        masters.check(saved, names, "Error(s) in loading state_dict")
-        return todo
+                raise RuntimeError(f"{what}: size mismatch for {prefix + name}: the checkpoint holds "
+                                   f"{tuple(v.shape)}, the model {tuple(t.shape)}. It comes from another model; "
+                                   "nothing was loaded")
+            if id(t) in params and t.is_floating_point(): check_master_value(v, t, prefix + name, what)
 
     @contextlib.contextmanager
     def checked(self, module, state_dict, strict:bool=True):
-        "A block in which `state_dict`, checked here first, loads into `module` without this hook checking it again (a door that checks more than the model, `learn.load`, checks each tensor once)"
-        self.prechecked = (state_dict, self.check(module, state_dict, '', strict))
+        "A block in which `state_dict`, checked here first, loads into `module` without being checked again"
+        self.check(module, state_dict, '', strict)
+        self.prechecked = state_dict
         try: yield
         finally: self.prechecked = None
 
-    def loaded(self, module, incompatible_keys):
-        ("`load_state_dict` post-hook: torch has copied the rounded values into the half params, whose masters hold "
-         "the exact ones: not an edit to take")
-        for p, m in self.conversion.masters.items(): mark_written(p, m)
+def modules_holding(params) -> list:
+    ("The modules whose own params are among `params`, found once among the live objects (for a front end given no "
+     "model: `FP16_Optimizer`)")
+    ids = {id(p) for p in params}
+    return [o for o in gc.get_objects()
+            if issubclass(type(o), nn.Module) and any(id(p) in ids for p in o._parameters.values())]
 
 def _state_keys(module, prefix:str='') -> set:
     ("The keys `module.state_dict()` would hold, under `prefix`, without making it (persistent buffers, extra state; "
@@ -436,24 +422,21 @@ def _check_range(t, dtype, what):
                                           "the fp32 masters keep them, but the forward pass sees zeros. Consider bf16", ('tiny', what))
 
 def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchNorm,), cast_io:bool=False,
-                  masters:bool=True,
-                  entries:tuple=()) -> ModelConversion:
-    ("Cast `model` in place to `dtype`, except modules of a `keep_fp32` type; return the fp32 masters (none with "
-     "`masters=False`) and what to undo. `entries`: submodules that code calls by themselves too (a GAN's generator "
-     "and critic), whose inputs and outputs are cast like the model's")
+                  masters:bool=True, entries:tuple=()) -> ModelConversion:
+    ("Cast `model` in place to `dtype`, except modules of a `keep_fp32` type, keeping fp32 masters of the params that "
+     "train (none with `masters=False`); returns what to undo. `entries`: submodules that code calls by themselves "
+     "too (a GAN's generator and critic), whose inputs and outputs are cast like the model's")
     dtype = check_half_dtype(dtype)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_model takes an nn.Module, got {type(model).__name__}")
     if getattr(model, '_mixedprec_conversion', None) is not None:
         raise ValueError("this model is already converted to half precision by mixedprec: converting it again would "
-                         "build masters from its "
-                         "rounded half weights. Undo the first conversion (`learn.to_fp32()`, or `.undo()` on what "
-                         "`convert_model` returned), "
-                         "or pass a fresh model (amp.initialize takes each model once); for a copy of a converted "
-                         "model, pass "
+                         "build masters from its rounded half weights. Undo the first conversion "
+                         "(`learn.to_fp32()`, or `.undo()` on what `convert_model` returned), or pass a fresh model "
+                         "(amp.initialize takes each model once); for a copy of a converted model, pass "
                          "`fp32_copy(model)` (mixedprec.convert), an fp32 copy with its masters' values")
     keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
-    res, kept, seen = ModelConversion(model, dtype, keep), _kept_modules(model, keep), set()
+    res, kept, seen, made = ModelConversion(model, dtype, keep), _kept_modules(model, keep), set(), []
     with torch.no_grad():
         for m in model.modules():
             if id(m) in kept:
@@ -462,9 +445,10 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                                         out_only=(torch.float32,)).register(m)
                 continue
             for p in m.parameters(recurse=False):
-                if p in seen or p.dtype not in (torch.float32, *HALF_DTYPES): continue
-                seen.add(p)
-                if masters: res.masters[p] = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                if id(p) in seen or p.dtype not in (torch.float32, *HALF_DTYPES): continue
+                seen.add(id(p)); res.params.append(p)
+                # the masters of what trains, from the exact weights before the cast; a frozen param keeps none
+                if masters and p.requires_grad: made.append(Fp32Master.make(p, p.detach().float()))
                 _check_range(p.detach(), dtype, f"weights of a {type(m).__name__}")
                 p.data = p.data.to(dtype)
             for name, b in m.named_buffers(recurse=False):
@@ -472,18 +456,19 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                 res.buffers.append((m, name))
                 setattr(m, name, b.to(dtype))
                 _check_range(b, dtype, f"buffer {name} of a {type(m).__name__}")
+    res.masters = Masters(res.params)
+    for m in made: res.masters.register(m)
     if masters:
-        res.loader = load = LoadMasters(res)
-        save_hook, load_hook = state_dict_hooks(model)
-        res.hooks += [save_hook(SaveMasters(res)), load_hook(load),
-                      model.register_load_state_dict_post_hook(load.loaded),
-                          model.register_forward_pre_hook(TakeMasterEdits(res))]
-        for p, m in res.masters.items(): mark_written(p, m)
+        res.doors = MasterDoors(res.masters)
+        # every module that holds a cast param, or one below it: `state_dict()` and loads on any of them see masters
+        res.hooks += res.doors.install(m for m in model.modules() if any(id(p) in seen for p in m.parameters()))
+        res.hooks.append(model.register_forward_pre_hook(TakeMasterEdits(res.masters)))
+        for m in res.masters.values(): m.mark_written()
     if cast_io:
         for entry in (model, *entries): res.hooks += CastIO(dtype, torch.float32, out_only=HALF_DTYPES).register(entry)
         res.hooks.append(model.register_forward_hook(DtypeHint(dtype), always_call=True))
-        res.hooks += [child.register_forward_hook(DtypeHint(dtype, model),
-                                                  always_call=True) for child in model.children()]
+        res.hooks += [child.register_forward_hook(DtypeHint(dtype, model), always_call=True)
+                      for child in model.children()]
     for name in KeepDtype.METHODS: model.__dict__[name] = KeepDtype(model, name)
     model._mixedprec_conversion = res
     return res

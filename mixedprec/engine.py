@@ -4,29 +4,27 @@
 
 # %% auto #0
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults',
-           'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
-           'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'keeps_buffer', 'make_lean_state', 'fused_group_step',
-           'fused_opt_step', 'put_model_params_back', 'Stage', 'EngineCheckpoint', 'EngineLayout', 'StepEngine',
-           'write_atomically', 'save_checkpoint', 'scale_into', 'OverflowNames', 'unscale_into']
+           'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'steppable',
+           'fuses', 'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_state', 'keeps_buffer', 'FusedStep',
+           'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'HeldOptimizer', 'StepRunner', 'StepEngine',
+           'state_by_model_param', 'state_onto_masters', 'check_optimizer_state', 'load_optimizer_state',
+           'write_atomically', 'save_checkpoint', 'clip_grads_', 'clip_norm', 'scale_into', 'OverflowNames',
+           'unscale_into']
 
 # %% ../nbs/14_engine.ipynb #e0000002
-import contextvars
+import contextvars, functools
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
-from itertools import chain
 from enum import Enum
 from typing import Callable, NamedTuple
 import torch
 from . import ops
 from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler
-from torch import nn
 from fastcore.foundation import L
-from fastcore.basics import patch
-from .master import (MasterParams, Masters, clip_grads_, master_kind, CheckpointError, split_flat_state,
-                              flat_slice, _mix, check_param_state)
-from .state import _like, SCALES, Int8State, fp32_state, check_state_store, state_store
+from .master import MasterParams, Masters, CheckpointError, _mix, check_param_state, check_store
+from .state import SCALES, Int8State, fp32_state, check_state_store, state_store
 from .distributed import agree, sum_over_ranks, rank0s
 
 # %% ../nbs/14_engine.ipynb #e0000007
@@ -150,10 +148,15 @@ def fused_plan(opt) -> FusedPlan:
         if plan is not None: return plan
     return None
 
-def fuses(masters:MasterParams, impl:str=None) -> bool:
-    ("True when the fused kernels can step an optimizer over `masters`: per-param masters, and the kernels built for "
-     "their device")
-    return not masters.flat and bool(masters.pairs) and backend(masters.pairs[0][1], impl or masters.impl) != 'ref'
+def steppable(layout:MasterParams) -> bool:
+    "True when the fused kernels know how to step every master of `layout` that trains (kinds they step, not flat)"
+    return bool(layout.masters) and all(m.step_kind is not None for m in layout.masters if m.trains)
+
+def fuses(layout:MasterParams, impl:str=None) -> bool:
+    ("True when the fused kernels step an optimizer over `layout`: masters of half params (or FSDP2's shards), of kinds "
+     "they step, and the kernels built for the device (an fp32 model keeps the optimizer's own step, exactly)")
+    return (steppable(layout) and (bool(layout.trained) or layout.fsdp2) and
+            backend(layout.masters[0].param, impl or layout.impl) != 'ref')
 
 # %% ../nbs/14_engine.ipynb #a8deb048
 class OptimizerAdapter:
@@ -224,16 +227,15 @@ def adapter_for(opt) -> OptimizerAdapter:
 
 # %% ../nbs/14_engine.ipynb #e000000d
 def _step_count(st, p):
-    ("`st['step']` as the 1-element fp32 count beside `p` that the kernels read (torch keeps it on the CPU, fastai "
-     "as an int)")
+    "`st['step']` as the 1-element fp32 count beside `p` that the kernels read (torch keeps it on the CPU, fastai an int)"
     s = st.get('step', 0)
     if isinstance(s, torch.Tensor):
         if s.device != p.device or s.dtype != torch.float32: st['step'] = s.to(p.device, torch.float32)
     else: st['step'] = torch.full((), float(s), dtype=torch.float32, device=p.device)
     return st['step']
 
-def _make_state(st:dict, p:torch.Tensor, like:torch.Tensor, kind:str, names:dict, store:str, keep_buffer:bool) -> bool:
-    ("Param `p`'s optimizer state `st` as the fused `kind` step keeps it (`store`, laid out as `like`): made (zeros) "
+def make_state(st:dict, like:torch.Tensor, kind:str, names:dict, store:str, keep_buffer:bool) -> bool:
+    ("One param's optimizer state `st` as the fused `kind` step keeps it (`store`, laid out as `like`): made (zeros) "
      "where there is none, converted where it was made elsewhere (a load, the optimizer's own step); True when SGD's "
      "buffer is new")
     keep = lambda k: state_store(store).keep(st, k, like, signed=k != names['sqr'])
@@ -244,12 +246,97 @@ def _make_state(st:dict, p:torch.Tensor, like:torch.Tensor, kind:str, names:dict
         if first: keep(names['buf'])                                  # zeros
         return first
     if st.get(names['avg']) is None: keep(names['avg']); keep(names['sqr'])
-    _step_count(st, p)
+    _step_count(st, like)
     return False
 
 def keeps_buffer(keep_buffer:bool, momentum:float) -> bool:
     "Whether SGD keeps a momentum buffer: as the plan says (fastai's, at any momentum), else torch's, with momentum"
     return momentum != 0 if keep_buffer is None else keep_buffer
+
+class _Launch(NamedTuple):
+    "One kernel launch's arguments, prepared: the params it steps, and what they step with"
+    first: bool; step_kind: str; weight_decay: float; held: list; targets: list; out: list; lows: list
+    states: list; scales: list; counts: torch.Tensor; steps: list
+
+# %% ../nbs/14_engine.ipynb #fe2a3709
+class FusedStep:
+    ("An optimizer's step through the fused kernels over one layout, each group's launches prepared once and made anew "
+     "only where something changed")
+    def __init__(self, plan:FusedPlan, layout:MasterParams, store:str='fp32', impl:str=None):
+        self.plan, self.layout, self.store, self.impl, self._prepared = plan, layout, store, impl, {}
+        self.lean = store != 'fp32'
+    def reset(self): "Prepare every launch anew (the optimizer's state was laid out otherwise)"; self._prepared = {}
+
+    def __call__(self, opt, found_inf:torch.Tensor):
+        "Step `opt` over the layout's masters; a no-op on the device where `found_inf` is set"
+        state, compiling = opt.state, torch.compiler.is_compiling()
+        for i, (params, kw) in enumerate(self.plan.groups(opt)):
+            ps = [p for p in params if p.grad is not None]
+            if not ps: continue
+            wd = kw.get('weight_decay', 0.)
+            key = (tuple(map(id, ps)), tuple(id(state[p]) for p in ps), tuple(map(wd, ps)) if callable(wd) else wd)
+            hit = self._prepared.get(i)
+            if compiling or hit is None or hit[0] != key:
+                launches, again = self._prepare(ps, state, kw, views=not compiling)
+                hit = self._prepared[i] = (None if again else key, launches)
+            for launch in hit[1]: self._launch(launch, found_inf, kw, state)
+
+    def _prepare(self, ps:list, state:dict, kw:dict, views:bool=True) -> tuple:
+        "The launches of one group's params `ps`, their state made or converted; and whether to prepare them again"
+        plan, of_held, runs, again = self.plan, self.layout.of_held, {}, False
+        keep_buffer = keeps_buffer(kw.get('keep_buffer'), kw.get('momentum', 0))
+        wd = kw.get('weight_decay', 0.)
+        for p in ps:
+            m, st = of_held[id(p)], state[p]
+            first = make_state(st, m.target, plan.kind, plan.names, self.store, keep_buffer)
+            # lean state made up front (`make_lean_state`) has drawn no rounding seed before its first step
+            first = (first or (self.lean and st.get('rounding_step') == 0)) and kw.get('dampening', 0) != 0
+            again |= first                       # SGD's first step with dampening differs from the next ones
+            runs.setdefault((first, m.step_kind, wd(p) if callable(wd) else wd), []).append((p, m, st))
+        return [self._launch_of(key, items, keep_buffer, views) for key, items in runs.items()], again
+
+    def _launch_of(self, key:tuple, items:list, keep_buffer:bool, views:bool) -> _Launch:
+        (first, step_kind, wd), names = key, self.plan.names
+        held, ms, sts = [p for p, _, _ in items], [m for _, m, _ in items], [st for _, _, st in items]
+        keys = ([names['buf']] if keep_buffer else []) if self.plan.kind == 'sgd' else [names['avg'], names['sqr']]
+        counts, steps = None, [st['step'] for st in sts] if self.plan.kind == 'adam' else []
+        if steps and views:                  # the step counts as views of one tensor, advanced by one op
+            counts = torch.stack([s.reshape(()) for s in steps])
+            steps = list(counts.unbind())
+            for st, s in zip(sts, steps): st['step'] = s
+        return _Launch(first, step_kind, wd, held, [m.target for m in ms],
+                       [m.param for m in ms] if step_kind == 'copy' else [],
+                       [m.low for m in ms] if step_kind == 'split' else None,
+                       [[st[k] for st in sts] for k in keys],
+                       [[st[k + SCALES] for st in sts] for k in keys] if self.store == '8bit' else None, counts, steps)
+
+    def _launch(self, run:_Launch, found_inf, kw:dict, state:dict):
+        grads, extra = [p.grad for p in run.held], dict(impl=self.impl)
+        seeds = None
+        if run.step_kind == 'none' or self.lean:
+            if torch.compiler.is_compiling():
+                raise NotImplementedError("stochastic rounding (masters='none', state='bf16' or '8bit') inside "
+                                          "torch.compile: its seeds are host ints that change at every step. Compile "
+                                          "the model (the forward and backward), and let mixedprec's step run eagerly")
+            seeds = self.layout.rounding_seeds(run.held, state)      # this step's seed of each (its stream advances)
+        if run.step_kind == 'split': extra['lows'] = run.lows
+        if run.step_kind == 'none': extra['seeds'] = seeds
+        if self.lean and run.states:
+            extra['state_seeds'] = [tuple(_mix(s, j + 1) for j in range(len(run.states))) for s in seeds]
+        if self.lean and self.store == '8bit': extra['state_scales'] = run.scales
+        if self.plan.kind == 'sgd':
+            sgd_step_(grads, run.targets, run.states[0] if run.states else [], run.out, found_inf, 1., kw['lr'],
+                      kw.get('momentum', 0.), kw.get('dampening', 0.), run.weight_decay, kw.get('nesterov', False),
+                      first_run=run.first, decoupled=kw.get('decoupled', False), **extra)
+            return
+        b1, b2 = kw['betas']
+        adam_step_(grads, run.targets, run.states[0], run.states[1], run.out, found_inf, run.steps, 1., kw['lr'],
+                   b1, b2, kw['eps'], run.weight_decay, kw['decoupled'], advance=run.counts is None, **extra)
+        if run.counts is not None: run.counts.add_((~found_inf).to(run.counts))
+
+def fused_opt_step(opt, plan:FusedPlan, layout:MasterParams, found_inf:torch.Tensor, impl:str=None, store:str='fp32'):
+    "One fused step of `opt` (recognised as `plan`) over `layout`, nothing prepared ahead (`torch.compile` traces it)"
+    FusedStep(plan, layout, store, impl)(opt, found_inf)
 
 def make_lean_state(engine):
     ("Make the whole lean state of `engine`'s Adam or SGD now, as its first fused step would (zeros, and each "
@@ -264,169 +351,8 @@ def make_lean_state(engine):
         # (a buffer the optimizer already holds, from its own steps, is converted at the first fused step, its stream
         # started there: a count of 0 would take it for a first step)
         if plan.kind == 'sgd': params = [p for p in params if state[p].get(plan.names['buf']) is None]
-        for p in params: _make_state(state[p], p, p, plan.kind, plan.names, engine.state, keep_buffer)
+        for p in params: make_state(state[p], p, plan.kind, plan.names, engine.state, keep_buffer)
         engine.masters.start_rounding(params, state)
-
-# %% ../nbs/14_engine.ipynb #fe2a3709
-def fused_group_step(kind:str, params:list, state:dict, half_of:dict, found_inf:torch.Tensor, lr:float,
-                     weight_decay=0., decoupled:bool=False,
-                     momentum:float=0., dampening:float=0., nesterov:bool=False, betas:tuple=(0.9, 0.999),
-                         eps:float=1e-8,
-                     keep_buffer:bool=None, names:dict=TORCH_STATE, impl:str=None, bf16_of:dict=None,
-                         seeds_for:Callable=None,
-                     store:str='fp32'):
-    ("One param group's fused 'sgd' or 'adam' step over fp32 `params` with grads, keeping their state in `state` "
-     "under `names` (as `store` says: 'fp32', or 'bf16' or '8bit' rounded stochastically); `weight_decay` may be a "
-     "function of the param. Masters in `bf16_of` live in their bf16 params (split, or rounded with "
-     "`seeds_for(masters)`)")
-    bf16_of = bf16_of or {}
-    # how the kernels reach each master
-    where = lambda p: bf16_of[id(p)].store if id(p) in bf16_of else 'copy' if id(p) in half_of else 'own'
-    wd_of = weight_decay if callable(weight_decay) else (lambda p: weight_decay)
-    keep_buffer = keeps_buffer(keep_buffer, momentum)
-    runs = {}
-    for p in params:
-        # new state is laid out as the tensor the kernels step
-        first = _make_state(state[p], p, bf16_of[id(p)].param if id(p) in bf16_of else p, kind, names, store,
-                            keep_buffer)
-        # from a zero buffer, only dampening makes SGD's first step differ; lean state made up front (make_lean_state)
-        # has drawn no rounding seed before its first step
-        first = first or (dampening != 0 and store != 'fp32' and state[p].get('rounding_step') == 0)
-        runs.setdefault((first and dampening != 0, where(p), wd_of(p)), []).append(p)
-    for (first, at, wd), sel in runs.items():
-        st, grads, out = [
-            state[p] for p in sel], [p.grad for p in sel], [half_of[id(p)] for p in sel] if at == 'copy' else []
-        params, kw = sel, dict(impl=impl)
-        keys = ([names['buf']] if keep_buffer else []) if kind == 'sgd' else [names['avg'], names['sqr']]
-        lists, lean = len(keys), store != 'fp32' and len(keys) > 0
-        if (at == 'none' or lean) and torch.compiler.is_compiling():
-            raise NotImplementedError("stochastic rounding (masters='none', state='bf16' or '8bit') inside "
-                                      "torch.compile: its seeds are host ints that change at "
-                                      "every step. Compile the model (the forward and backward), and let mixedprec's "
-                                      "step run eagerly")
-        # this step's rounding seed of each param (its stream advances once)
-        seeds = seeds_for(sel) if at == 'none' or lean else None
-        if at in ('split', 'none'):
-            params = [bf16_of[id(p)].param for p in sel]
-            kw.update(lows=[bf16_of[id(p)].low for p in sel]) if at == 'split' else kw.update(seeds=seeds)
-        if lean:
-            # a stream per state list, apart from the weight's
-            kw.update(state_seeds=[tuple(_mix(s, j + 1) for j in range(lists)) for s in seeds])
-        if lean and store == '8bit': kw.update(state_scales=[[s[k + SCALES] for s in st] for k in keys])
-        if kind == 'sgd':
-            sgd_step_(grads, params, [s[names['buf']] for s in st] if keep_buffer else [], out, found_inf, 1., lr,
-                      momentum, dampening, wd, nesterov,
-                      first_run=first, decoupled=decoupled, **kw)
-        else:
-            adam_step_(grads, params, [s[names['avg']] for s in st], [s[names['sqr']] for s in st], out, found_inf,
-                       [s['step'] for s in st], 1.,
-                       lr, betas[0], betas[1], eps, wd, decoupled, **kw)
-
-def fused_opt_step(opt, plan:FusedPlan, masters:MasterParams, found_inf:torch.Tensor, impl:str=None, store:str='fp32'):
-    ("Step `opt` (recognised as `plan`) over per-param `masters` with the fused kernels, writing the half params, "
-     "its state kept as `store` says ('fp32', 'bf16' or '8bit'); a no-op on the device where `found_inf` is set")
-    for params, kw in plan.groups(opt):
-        ps = [p for p in params if p.grad is not None]
-        if ps:
-            fused_group_step(plan.kind, ps, opt.state, masters._half_of, found_inf, names=plan.names, impl=impl,
-                             bf16_of=masters._bf16_of,
-                                seeds_for=partial(masters.rounding_seeds, state=opt.state), store=store, **kw)
-
-# %% ../nbs/14_engine.ipynb #e000000f
-def _clip(group:list, max_norm:float) -> torch.Tensor:
-    ("Clip the master grads of every `MasterParams` in `group` by their global L2 norm (`clip_grad_norm_`'s rule: "
-     "the norm of the per-tensor norms); the norm, read nowhere")
-    # one slot per model param on every rank, flat or not: the same vector
-    slots = [g for ms in group for g in ms.norm_slots()]
-    where = [i for i, g in enumerate(slots) if g is not None]
-    grads = [slots[i] for i in where]
-    device = group[0].device()
-    norms = ops.l2norm(grads, per_tensor=True, impl=group[0].impl)[1].to(device) if grads else None
-    if len(where) == len(slots) and norms is not None:
-        each = norms                  # every master has a grad: the common case
-    else:
-        each = torch.zeros(len(slots), dtype=torch.float32, device=device)
-        if grads:
-            # kept: a host-to-device copy per step could wait for the GPU
-            key, index = getattr(group[0], '_slot_index', (None, None))
-            if key != (tuple(where), device):
-                index = torch.tensor(where, device=device)
-                group[0]._slot_index = ((tuple(where), device), index)
-            each[index] = norms
-    if any(ms.fsdp2 for ms in group):
-        each = sum_over_ranks(each * each).sqrt()          # FSDP2: each rank holds a shard of every param
-    return clip_grads_([g for ms in group for g in ms.master_grads()], max_norm, group[0].impl,
-                       norm=torch.linalg.vector_norm(each))
-
-def _decoded_8bit(optimizer, sd:dict) -> dict:
-    ("The state dict of an optimizer over FSDP2's shards with its 8-bit moments decoded to fp32, sharded as their "
-     "params: the scales cover blocks of a rank's shard, so DCP saves the values, and they load at any world size")
-    sd['state'] = {i: fp32_state(s, keep_bf16=True) for i, s in sd['state'].items()}
-    return sd
-
-def _check_state_shapes(opt_sd:dict, groups:list, what:str):
-    "Raise, naming the first one, when a torch optimizer state dict does not fit the param `groups`"
-    if not (isinstance(opt_sd, dict) and 'param_groups' in opt_sd and 'state' in opt_sd):
-        raise ValueError(f"{what} holds no torch optimizer state dict; nothing was loaded")
-    saved = [i for g in opt_sd['param_groups'] for i in g['params']]
-    if [len(g['params']) for g in opt_sd['param_groups']] != [len(ps) for ps in groups]:
-        raise ValueError(f"{what} holds optimizer state for {[len(g['params']) for g in opt_sd['param_groups']]} "
-                         "params per group, this optimizer has "
-                         f"{[len(ps) for ps in groups]}: it comes from another model; nothing was loaded")
-    params = [p for ps in groups for p in ps]
-    for n, (i, p) in enumerate(zip(saved, params)):
-        check_param_state(opt_sd.get('state', {}).get(i, {}), p, f"param {n}", what)
-
-def _swap_in(adapter, record:Masters, names:dict, impl:str, flat:bool=False, store:str='fp32') -> MasterParams:
-    ("Lay out the masters of the groups of the optimizer `adapter` holds (`record`: the `Masters` of its half params) "
-     "and swap them in, moving its state onto them")
-    masters = MasterParams(adapter.groups(), record, flat=flat, key=adapter.flat_key(), names=names, impl=impl,
-                           store=store)
-    for state in adapter.states(): masters.move_state_to_masters(state)
-    adapter.set_groups(masters.groups)
-    return masters
-
-def put_model_params_back(optimizer, record:Masters, flats:dict=None, copied:dict=None) -> bool:
-    ("A deep-copied or unpickled optimizer holds copies of the masters and no engine: put the model params back in "
-     "their places (`record`: the `Masters` of its half params; `flats`: id of a flat master -> its params; `copied`: id of "
-     "a master the copy's `record` made anew -> its param), with their state. False when it holds none")
-    adapter, flats = adapter_for(optimizer), flats or {}
-    of = {id(m): p for p, m in record.items()} | (copied or {})
-    if not any(id(q) in of or id(q) in flats for g in adapter.groups() for q in g): return False
-    states, groups = adapter.states(), []
-    for g in adapter.groups():
-        new = []
-        for q in g:
-            if id(q) in of:
-                p = of[id(q)]; new.append(p)
-                for st in states:
-                    if q in st: st[p] = st.pop(q)
-                continue
-            if id(q) not in flats: new.append(q); continue
-            ps = flats[id(q)]
-            # the copied views keep their offsets and strides in the flat master
-            views = {p: record[p] for p in ps}
-            for st in states:
-                s = st.pop(q, None)
-                if s is not None: st.update(split_flat_state(s, views, q.data))
-            # a whole master again, from the flat one; the layout is made anew
-            for p in ps:
-                record[p] = nn.Parameter(flat_slice(q.detach(), views[p], q), requires_grad=q.requires_grad)
-            new += ps
-        groups.append(new)
-    adapter.set_groups(groups)
-    return True
-
-# %% ../nbs/14_engine.ipynb #ea92b1eb
-def _check_lean(optimizer, state:str, flat:bool=False) -> str:
-    ("`state` checked for `optimizer`: lean state ('bf16', '8bit') needs an optimizer the fused steps know, and "
-     "per-param masters")
-    check_state_store(state, flat)
-    if state != 'fp32' and fused_plan(optimizer) is None:
-        raise ValueError(f"state={state!r} is kept by the fused steps, which know torch's SGD, Adam and AdamW and "
-                         "fastai's SGD and Adam, "
-                         f"not {type(optimizer).__name__} (with these settings): use one of those, or state='fp32'")
-    return state
 
 # %% ../nbs/14_engine.ipynb #fb293c04
 class Stage(Enum):
@@ -436,372 +362,345 @@ class Stage(Enum):
     UNSCALED = "the grads unscaled into the masters, a decision pending for `step`"
     STEPPED = "stepped or skipped; nothing pending since"
 
-class EngineCheckpoint:
-    "What a `StepEngine` saves and loads: the fp32 masters, the optimizer's state in the model's layout, the scaler"
-    def state_by_model_param(self) -> dict:
-        ("The optimizer's state keyed by model param, a flat master's split into its params' (a new dict; the "
-         "optimizer keeps its own)")
-        state = dict(self.adapter.states()[0])
-        self.masters.move_state_to_model(state)
-        return state
+class Progress:
+    ("Where one engine's step stands, and its pending decision: the one record of its progress, moved by the engine "
+     "through these methods")
+    def __init__(self):
+        self.stage = Stage.READY
+        self.found = self.last_found = None       # the pending decision and the last step's (0-dim bool, True: skip)
+        self.skip = None                          # the pending decision, read on the host
+        self.loss_finite = None                   # every loss scaled since the last unscale was finite (0-dim bool)
+        self.scalers = set()                      # the scalers that advanced on the engine's grads
+    def __repr__(self): return f"Progress({self.stage.name}, pending={self.found is not None})"
 
-    def state_onto_masters(self, state:dict) -> dict:
-        ("State keyed by model param (read from a file) as the optimizer over the masters holds it: cast to fp32, "
-         "keyed by master (flat: concatenated)")
-        # lean state as this engine keeps it: no fp32 copy at a resume
-        keep = dict(keep_codes=self.state == '8bit', keep_bf16=self.state == 'bf16')
-        state = {p: fp32_state(s, **keep) for p, s in state.items()}
-        self.masters.move_state_to_masters(state, keep_bf16=keep['keep_bf16'])
-        return state
+    def decided(self, skip:torch.Tensor):
+        "An unscale's decision (True: skip), or-ed into the pending one while accumulating"
+        self.found, self.skip = (skip if self.found is None else self.found | skip), None
+    def must_skip(self) -> bool:
+        "The pending decision, read on the host: True if the step will be skipped. The one place a host read decides"
+        if self.found is None: return False
+        if self.skip is None: self.skip = bool(self.found.item())
+        return self.skip
+    def skip_anyway(self, device):
+        "Skip the pending step whatever was decided (a clip's non-finite norm found after the decision)"
+        self.found, self.skip = torch.ones((), dtype=torch.bool, device=device), True
+    def ended(self, stage:Stage):
+        "The pending step was taken or skipped: nothing is pending"
+        self.last_found, self.found, self.skip, self.stage = self.found, None, None, stage
+    def cleared(self):
+        "The grads were cleared: a decision about them goes with them"
+        self.found, self.skip, self.stage = None, None, Stage.READY
+    def last_skipped(self) -> bool:
+        "True if the last step was skipped (a host read when it was decided on the device)"
+        return bool(self.last_found) if self.last_found is not None else False
 
-    def masters_state(self) -> list:
-        "A copy of each half param's fp32 master, in the layout's order"
-        return [master_kind(m).value().clone() for _, m, _ in self.masters.pairs]
+def _check_lean(optimizer, state:str, flat:bool=False) -> str:
+    "`state` checked for `optimizer`: lean state ('bf16', '8bit') needs an optimizer the fused steps know"
+    check_state_store(state, flat)
+    if state != 'fp32' and fused_plan(optimizer) is None:
+        raise ValueError(f"state={state!r} is kept by the fused steps, which know torch's SGD, Adam and AdamW and "
+                         f"fastai's SGD and Adam, not {type(optimizer).__name__} (with these settings): use one of "
+                         "those, or state='fp32'")
+    return state
 
-    def check_masters(self, saved:list, what:str='the state_dict'):
-        "Raise, naming the first misfit, unless `saved` holds a floating tensor of each master's shape"
-        pairs = self.masters.pairs
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(pairs):
-            raise CheckpointError(f"{what} holds {len(saved) if isinstance(saved, (list, tuple)) else 'no'} fp32 "
-                                  f"masters, this optimizer has {len(pairs)} half params: "
-                                  f"it comes from another model; nothing was loaded")
-        names = {p: f"master {i} ({self.masters.names.get(p, 'param')})" for i, (p, _, _) in enumerate(pairs)}
-        self.masters.record.check({p: v for (p, _, _), v in zip(pairs, saved)}, names, what)
+def _swap_in(adapter, record:Masters, kind:type, names:dict, impl:str, flat:bool=False, make:bool=True,
+             keep_bf16:bool=False, previous:MasterParams=None) -> MasterParams:
+    "Lay the masters out over the groups `adapter`'s optimizer holds, and swap them in, its state moved onto them"
+    layout = MasterParams(adapter.groups(), record, kind, flat=flat, key=adapter.flat_key(), names=names, impl=impl,
+                          make=make, previous=previous)
+    for state in adapter.states(): layout.state_in(state, keep_bf16)
+    adapter.set_groups(layout.groups)
+    return layout
 
-    def load_masters(self, saved:list):
-        "Copy checked masters (`check_masters`) into the masters and, rounded, into the half params"
-        self.masters.record.load({p: v for (p, _, _), v in zip(self.masters.pairs, saved)})
+# %% ../nbs/14_engine.ipynb #c4b82992
+class HeldOptimizer:
+    ("An optimizer whose groups hold masters in place of the model's params: the swap in and out, the layout made anew "
+     "when which params train changes, and how its next step runs (the fused kernels, or its own step)")
+    def __init__(self, optimizer, record:Masters, names:dict=None, flat:bool=False, store='fp32', make:bool=True,
+                 state:str='fp32', impl:str=None, decide:str=None):
+        self.optimizer, self.adapter, self.impl = optimizer, adapter_for(optimizer), impl
+        self.state = _check_lean(optimizer, state, flat)                    # before anything changes
+        self.decide = _check_decide(decide) if decide is not None else None
+        kind = check_store(store, flat=flat)
+        if state != 'fp32' and make and kind.step_kind is None:
+            raise ValueError(f"state={state!r} is kept by the fused steps, which do not step masters of kind "
+                             f"{kind.__name__}: use state='fp32' with it")
+        self.masters = _swap_in(self.adapter, record, kind, names, impl, flat, make, keep_bf16=state == 'bf16')
+        # stochastic rounding: every rank draws the same bits, whatever its torch seed
+        if state != 'fp32' or kind.needs_seed: self.masters.rounding_seed = rank0s(self.masters.rounding_seed)
+        self.own = optimizer.step                # what `step()` meant before a front end handed it to the engine
+        self._followed, self.own_layout_due = False, True
+        if state == 'fp32': self.decode_state()     # lean state is read by the fused steps only, as it is
+    def __repr__(self): return f"HeldOptimizer({type(self.optimizer).__name__}, {self.masters})"
 
-    def check_optimizer_state(self, opt_sd:dict, what:str='the state_dict'):
-        "Raise, naming the first misfit, unless a torch optimizer state dict fits this optimizer's masters"
-        _check_state_shapes(opt_sd, [g['params'] for g in self.optimizer.param_groups], what)
+    def relayout(self):
+        ("Lay the masters out anew over the optimizer's groups (which params train changed; a group was added): the "
+         "masters of the params that still train are kept, with their state as the engine keeps it")
+        ms = self.masters
+        self.leave()
+        self.masters = _swap_in(self.adapter, ms.record, ms.kind, ms.names, ms.impl, ms.flat, ms.make,
+                                keep_bf16=self.state == 'bf16', previous=ms)
+        self.masters.rounding_seed = ms.rounding_seed
 
-    def load_optimizer_state(self, opt_sd:dict):
-        ("Load a (checked) torch optimizer state dict into the optimizer over the masters. torch casts every state "
-         "tensor to its param's dtype, which would turn 8-bit codes into floats and train on garbage: those and "
-         "their scales are put back as saved (decoded, where this engine does not keep 8-bit state)")
-        codes = {i: {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
-                 for i, s in opt_sd['state'].items()}
-        self.optimizer.load_state_dict(opt_sd)
-        ids = [i for g in opt_sd['param_groups'] for i in g['params']]
-        for i, p in zip(ids, [p for g in self.optimizer.param_groups for p in g['params']]):
-            if not codes.get(i): continue
-            st, saved = self.optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in codes[i].items()}
-            for k in saved: st.pop(k, None)
-            st.update(saved if self.state == '8bit' else fp32_state(saved))
+    def prepare(self, follow:bool=False) -> bool:
+        ("Before an unscale (or a fit, `follow`): the masters laid out as the params (a model laid out anew after the "
+         "front end took it), and anew where which params train changed; True if anything was laid out anew")
+        moved = (follow or not self._followed) and self.follow_layouts()
+        if not self.masters.sync_training(): return moved
+        self.relayout()
+        return True
 
-    def state_dict(self) -> dict:
-        "The scaler's state and the fp32 masters"
-        return {'scaler': self.scaler.state_dict(), 'masters': self.masters_state()}
-
-    def load_state_dict(self, sd:dict):
-        "Restore `state_dict()`: every tensor is checked before anything changes"
-        if not (isinstance(sd, dict) and 'scaler' in sd and 'masters' in sd):
-            raise ValueError("not a StepEngine state_dict: it needs 'scaler' and 'masters'")
-        self.check_masters(sd['masters']); self.scaler.check_state(sd['scaler'])
-        self.scaler.load_state_dict(sd['scaler'])
-        self.load_masters(sd['masters'])
-
-# %% ../nbs/14_engine.ipynb #elayout1
-class EngineLayout:
-    ("How a `StepEngine`'s optimizer holds the masters: laid out in memory as the params, its state in the layout its "
-     "own step reads, a param group added, and the way out (`detach`)")
-    def detach(self):
-        ("The way out: give the optimizer back the model params, with their state in its own layout and lean moments "
-         "as fp32 (a no-op when its groups were replaced since)")
-        self.own_layout()
-        if self.state != 'fp32': self._decode_state()
+    def leave(self):
+        "Give the optimizer the model params back, with their state (a no-op when its groups were replaced since)"
         if {id(p) for g in self.adapter.groups() for p in g} != {id(p) for p in self.masters.master_params}: return
-        for state in self.adapter.states(): self.masters.move_state_to_model(state)
+        for state in self.adapter.states(): self.masters.state_out(state)
         self.adapter.set_groups(self.masters.model_groups)
+        self.masters.leave()
+
+    def detach(self):
+        "The way out: the optimizer on the model params, its state in its own layout, lean moments as fp32"
+        self.own_layout()
+        if self.state != 'fp32': self.decode_state()
+        self.leave()
 
     def follow_layouts(self) -> bool:
-        ("Give the masters and their optimizer state the half params' memory layout, when the model's changed since "
-         "(`to_channelslast()`)")
-        self._layouts_followed = True
-        return self.masters.follow_layouts(self.adapter.states())
+        "Give the masters and their optimizer state the params' memory layout, where the model's changed since"
+        self._followed = True
+        return self.masters.follow(self.adapter.states())
 
     def own_layout(self):
-        ("Give the optimizer's state the layout its own step expects (fastai's int step counts), when the optimizer "
-         "leaves the engine")
+        "Give the optimizer's state the layout its own step expects (fastai's int step counts), as it leaves the engine"
+        self.recognised = fused_plan(self.optimizer)
         if self.recognised is not None and self.recognised.own_layout is not None:
             for state in self.adapter.states(): self.recognised.own_layout(state)
-        self._own_layout_due = False
+        self.own_layout_due = False
 
-    def _decode_state(self):
-        ("Lean moments (bf16, 8-bit) back to fp32, where the optimizer's own step reads them: its own step keeps "
-         "fp32 state")
+    def decode_state(self):
+        "Lean moments (bf16, 8-bit) back to fp32, where the optimizer's own step reads them"
         for state in self.adapter.states():
             for p, st in list(state.items()): state[p] = fp32_state(st)
 
-    def add_param_group(self, group:dict, make_masters:bool=True):
-        ("Add a param group to the torch optimizer: its half params get fp32 masters (`make_masters`), and the "
-         "layout is rebuilt with the state kept")
+    def add_param_group(self, group:dict):
+        "Add a param group to the torch optimizer: its half params that train get masters; the state is kept"
         params = group['params']
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        opt, ms = self.optimizer, self.masters
-        if make_masters: ms.record.add_missing(params)
-        self.detach()
-        type(opt).add_param_group(opt, {**group, 'params': params})
-        self.masters = _swap_in(self.adapter, ms.record, ms.names, ms.impl, ms.flat, ms.store)
-        self.choose()
+        self.leave()
+        type(self.optimizer).add_param_group(self.optimizer, {**group, 'params': [params] if isinstance(
+            params, torch.Tensor) else list(params)})
+        self.relayout()
 
-# %% ../nbs/14_engine.ipynb #c4b82992
-class StepEngine(EngineLayout, EngineCheckpoint):
+# %% ../nbs/14_engine.ipynb #steprun1
+class StepRunner:
+    ("How an optimizer's next step runs over its masters: the fused kernels (which read the decision on the device, "
+     "where they may), or the optimizer's own step and then the master copy")
+    def __init__(self, held:HeldOptimizer):
+        self.held, opt, ms = held, held.optimizer, held.masters
+        recognised = fused_plan(opt)
+        lean = held.state != 'fp32' and steppable(ms)     # the references keep lean state where no kernels run
+        self.plan = recognised if recognised is not None and (fuses(ms, held.impl) or lean) else None
+        self.fused = FusedStep(self.plan, ms, held.state, held.impl) if self.plan is not None else None
+        when = held.decide or current_decide()
+        self.on_device = self.plan is not None and self.plan.device_ok and when != 'never' and (
+            when == 'always' or ms.device().type == 'cuda')
+    def __repr__(self):
+        return self.plan.name + (' (skip decided on the device)' if self.on_device else '') if self.plan else 'its own step'
+
+    def fused_step(self, found:torch.Tensor):
+        ("The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper "
+         "(`Optimizer.profile_hook_step`), so its step hooks run as for its own step")
+        opt = self.held.optimizer
+        if self.held.own_layout_due is False: self.fused.reset()      # the state left the kernels' layout since
+        run = lambda o: self.fused(o, found)
+        if isinstance(opt, torch.optim.Optimizer):
+            opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
+            torch.optim.Optimizer.profile_hook_step(run)(opt)
+        else: run(opt)
+        self.held.own_layout_due = True           # the kernels keep the state in their layout (fastai's counts as tensors)
+
+    def own_step(self, closure=None):
+        "The optimizer's own step (as it was before a front end took it), then the master copy, also after an exception"
+        held, opt = self.held, self.held.optimizer
+        if held.own_layout_due: held.own_layout()
+        own = held.own
+        if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
+        def evaluate():
+            "The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several points)"
+            held.masters.masters_to_model()
+            held.masters.store_materialized()
+            return closure()
+        return held.masters.own_step(opt.state, lambda: own(evaluate) if closure is not None else own())
+
+# %% ../nbs/14_engine.ipynb #d19c8a81
+class StepEngine:
     ("The step protocol under every front end: scale the loss; unscale, check and agree into one decision; step or "
-     "skip; clear grads; save and load")
+     "skip; clear grads")
     def __init__(self,
-        optimizer,                # a torch or fastai optimizer that holds `masters.groups`
-        masters:MasterParams,     # the master layout of the optimizer's params
+        held:HeldOptimizer,       # the optimizer, its groups holding the masters
         scaler:LossScaler=None,   # the loss scale (amp passes one per loss to `scale_into`/`unscale_into` instead)
         clip:float=None,          # global L2 clip of the unscaled master grads
-        decide:str=None,          # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
-        impl:str=None,            # the ops' implementation: 'auto', 'fused' or 'ref' (default: `settings`)
         hint:str='',              # what to call, in this front end's words, when a backward skipped the scaling
-        # how to read and set the optimizer's groups and state (default: `adapter_for(optimizer)`)
-        adapter:OptimizerAdapter=None,
-        # the optimizer's moments: 'fp32', or 'bf16' or '8bit' rounded stochastically (the fused steps keep them)
-        state:str='fp32',
     ):
-        self.optimizer, self.masters, self.scaler, self.clip, self.hint = optimizer, masters, scaler, clip, hint
-        self.adapter = adapter if adapter is not None else adapter_for(optimizer)
-        self.state = _check_lean(optimizer, state, masters.flat)
-        # stochastic rounding: every rank draws the same bits, whatever its torch seed
-        if self.state != 'fp32' or masters.store == 'none':
-            masters.rounding_seed = rank0s(masters.rounding_seed)
-        self.decide, self.impl = _check_decide(decide) if decide is not None else None, impl
-        # the pending decision and the last step's: 0-dim bool tensors (True: skip)
-        self.found = self.last_found = None
-        # every loss scaled since the last unscale was finite (0-dim bool tensor)
-        self.loss_finite = None
-        # where the step protocol stands: the engine's one state (see `STAGES`)
-        self.stage = Stage.READY
-        # the scalers that advanced on this engine's grads; the decision as read on the host
-        self.scalers, self._skip = set(), None
-        # True inside `step()`: the optimizer's own step runs for the engine, not behind its back
-        self.stepping = False
-        own = optimizer.step                      # what `step()` meant before a front end handed it to the engine
-        self._own = own if not isinstance(getattr(own, '__self__', None), StepEngine) else None
-        # masters laid out as the params yet; state in the optimizer's own layout
-        self._layouts_followed, self._own_layout_due = False, True
-        if self.state == 'fp32':
-            # lean state is only ever read by the fused steps, which keep it as it is (no fp32 copy at a resume)
-            self._decode_state()
+        self.held, self.scaler, self.clip, self.hint = held, scaler, clip, hint
+        self.progress, self.stepping = Progress(), False   # stepping: the optimizer's own step runs for the engine
         self.choose()
 
     @classmethod
-    def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, store:str='fp32', **kwargs):
-        ("The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its "
-         "groups given the masters in `record` (a `Masters`: half param -> its master; one flat master per group with "
-         "`flat`; kept as `store` says) and its state moved onto them")
-        adapter = adapter_for(optimizer)
-        _check_lean(optimizer, kwargs.get('state', 'fp32'), flat)      # before anything changes
-        e = cls(optimizer, _swap_in(adapter, record, names, kwargs.get('impl'), flat, store), adapter=adapter,
-                **kwargs)
+    def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, store='fp32', make:bool=True,
+               state:str='fp32', impl:str=None, decide:str=None, **kwargs) -> 'StepEngine':
+        ("The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its groups "
+         "laid out over masters from `record` (of the kind `store` names; flat with `flat`), its state on them")
+        e = cls(HeldOptimizer(optimizer, record, names, flat, store, make, state, impl, decide), **kwargs)
         if e.masters.fsdp2 and e.state != 'fp32': make_lean_state(e)       # for DCP: every key, from the start
-        # (fastai's optimizer: `learn.opt.state_dict()` decodes it)
         if e.masters.fsdp2 and e.state == '8bit' and isinstance(optimizer, torch.optim.Optimizer):
-            optimizer.register_state_dict_post_hook(_decoded_8bit)
+            optimizer.register_state_dict_post_hook(_decoded_8bit)     # (fastai's: `learn.opt.state_dict()` decodes)
         return e
+    def __repr__(self): return f"StepEngine({type(self.optimizer).__name__}: {self.runner}, {self.masters})"
 
-    def __repr__(self):
-        plan = self.plan.name + (
-            ' (skip decided on the device)' if self.on_device else '') if self.plan else 'its own step'
-        return f"StepEngine({type(self.optimizer).__name__}: {plan}, {self.masters})"
-
-    @property
-    def device(self) -> torch.device: "Where the params live"; return self.masters.device()
-
-    @property
-    def accumulating(self) -> bool:
-        ("True when the masters hold unscaled grads of a pending step, so the next unscale adds to them (gradient "
-         "accumulation); the pending decision says it")
-        return self.found is not None
-
-    def choose(self):
-        "Choose how the next step runs: a fused plan or the optimizer's own step, and where the skip is decided"
-        self.recognised = fused_plan(self.optimizer)
-        _check_lean(self.optimizer, self.state)
-        # the references keep lean state too, where no kernels run
-        lean = self.state != 'fp32' and not self.masters.flat
-        self.plan = self.recognised if self.recognised is not None and (
-            fuses(self.masters, self.impl) or lean) else None
-        when = self.decide or current_decide()
-        self.on_device = self.plan is not None and self.plan.device_ok and when != 'never' and (
-            when == 'always' or self.device.type == 'cuda')
+    optimizer = property(lambda self: self.held.optimizer)
+    masters = property(lambda self: self.held.masters, doc="The layout of the masters in the optimizer")
+    state = property(lambda self: self.held.state, doc="How the optimizer's moments are kept")
+    device = property(lambda self: self.masters.device(), doc="Where the params live")
+    stage = property(lambda self: self.progress.stage, doc="Where the step protocol stands")
+    found = property(lambda self: self.progress.found, doc="The pending decision (0-dim bool tensor, True: skip)")
+    accumulating = property(lambda self: self.progress.found is not None,
+                            doc="True when the masters hold unscaled grads of a pending step: the next unscale adds")
+    def choose(self): "Choose how the next step runs (see `StepRunner`)"; self.runner = StepRunner(self.held)
+    def add_param_group(self, group:dict):
+        "Add a param group: its half params that train get masters"; self.held.add_param_group(group); self.choose()
 
     def scale(self, loss:torch.Tensor, check:bool=True) -> torch.Tensor:
-        ("`loss.float()` times the loss scale, a tensor (nothing is read on the host); notes whether `loss` is "
-         "finite unless `check=False`")
+        "`loss.float()` times the loss scale, a tensor; notes whether `loss` is finite unless `check=False`"
         return scale_into([self], loss, self.scaler, check)
-
     def unscale(self, input_finite=True, forward_overflow=None) -> torch.Tensor:
-        ("Unscale into the masters, check, clip, agree and advance the scaler: the decision (a 0-dim bool tensor, "
-         "True: skip), kept until `step`")
+        "Unscale into the masters, check, clip, agree and advance the scaler: the decision (0-dim bool), kept for `step`"
         return unscale_into([self], self.scaler, self.clip, input_finite, forward_overflow)
 
-# %% ../nbs/14_engine.ipynb #d19c8a81
-@patch
-def scaled(self:StepEngine, finite):
-    "A loss was scaled for this engine's grads: note whether it was finite; unscaled grads held already are set aside, to be added after the new ones' unscale"
-    if finite is not None: self.loss_finite = finite if self.loss_finite is None else self.loss_finite & finite
-    self.masters.drop_lent_grads()                              # the half params' grads are the backward's again
-    if self.stage == Stage.UNSCALED: self.masters.stash_own_grads()
-    self.stage = Stage.SCALED
+    def scaled(self, finite):
+        "A loss was scaled for this engine's grads: note whether it was finite; unscaled fp32 grads are set aside"
+        pr = self.progress
+        if finite is not None: pr.loss_finite = finite if pr.loss_finite is None else pr.loss_finite & finite
+        self.masters.grads.drop_lent()                              # the half params' grads are the backward's again
+        if pr.stage == Stage.UNSCALED: self.masters.grads.set_aside()
+        pr.stage = Stage.SCALED
 
-@patch
-def unscaled(self:StepEngine, inv:torch.Tensor, scaler:LossScaler) -> tuple:
-    "Unscale the half grads by `inv` into the masters (added to what they hold while accumulating): their overflow flag, and whether the losses scaled since were finite (or None)"
-    if not self._layouts_followed: self.follow_layouts()        # once: a model laid out anew after the front end took it
-    if not self.accumulating: self.choose()
-    if not self.masters.sync_requires_grad():
-        raise RuntimeError("a param's requires_grad changed inside a flat master, whose params share one: change it "
-                           "between fits (mixedprec lays the flat masters out anew at the next fit), or use per-param "
-                           "masters (flat_master=False)")
-    flag, finite = self.masters.grads_to_masters(inv, accumulate=self.accumulating), self.loss_finite
-    self.loss_finite, self.stage = None, Stage.UNSCALED
-    self.scalers.add(scaler)
-    return flag, finite
+    def unscaled(self, inv:torch.Tensor, scaler:LossScaler) -> tuple:
+        "Unscale the half grads by `inv` into the masters (added while accumulating): their flag, and the losses'"
+        pr = self.progress
+        if self.held.prepare():                # laid out anew: which params train changed, or the model's layout
+            if self.accumulating and self.masters.flat:
+                raise RuntimeError("which params train changed between two accumulated backwards, and flat masters "
+                                   "hold the grads of several params: change it between steps, or use per-param "
+                                   "masters (flat_master=False)")
+            self.choose()
+        elif not self.accumulating: self.choose()
+        flag, finite = self.masters.grads.unscale(inv, accumulate=self.accumulating), pr.loss_finite
+        pr.loss_finite, pr.stage = None, Stage.UNSCALED
+        pr.scalers.add(scaler)
+        return flag, finite
 
-@patch
-def decided(self:StepEngine, skip:torch.Tensor):
-    "The decision of an unscale (True: skip), or-ed into the pending one while accumulating"
-    self.found, self._skip = (skip if self.found is None else self.found | skip), None
+    def decided(self, skip:torch.Tensor): "An unscale's decision (True: skip)"; self.progress.decided(skip)
+    def must_skip(self) -> bool: "The pending decision, read on the host"; return self.progress.must_skip()
+    def last_skipped(self) -> bool: "True if the last step was skipped"; return self.progress.last_skipped()
+    def settle_books(self):
+        "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
+        for s in self.progress.scalers: s.drain()
 
-@patch
-def must_skip(self:StepEngine) -> bool:
-    ("The pending decision, read on the host: True if the step will be skipped. The one place a host read "
-     "decides a step")
-    if self.found is None: return False
-    if self._skip is None: self._skip = bool(self.found.item())
-    return self._skip
+    def discard(self):
+        "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
+        self.settle_books()
+        self.masters.grads.zero()
+        self.progress.ended(Stage.READY)
 
-@patch
-def skip_anyway(self:StepEngine):
-    "Skip the pending step whatever was decided (a clip's non-finite norm found after the decision)"
-    self.found = torch.ones((), dtype=torch.bool, device=self.device)
-    self._skip, self.on_device = True, False
+    def step(self, closure=None):
+        "Step or skip by the pending decision: the fused kernels (reading it on the device), or the own step and the copy"
+        found, runner = self.progress.found, self.runner
+        if found is None and closure is None:
+            self._check_scaled()
+            return None                  # nothing unscaled since the last step: a second `step()` does not repeat it
+        self.masters.take_edits()        # the model is the user's handle: in-place edits (a clamp) are where it starts
+        self.stepping = True
+        try:
+            if found is not None and runner.on_device: return runner.fused_step(found)
+            if self.must_skip():         # the books name the overflowed params before their grads are zeroed
+                self.settle_books(); self.masters.grads.zero(); return None
+            if runner.plan is not None and closure is None:
+                return runner.fused_step(torch.zeros((), dtype=torch.bool, device=self.device))
+            return runner.own_step(closure)
+        finally:
+            self.stepping = False
+            self.masters.end_reads()
+            self.masters.grads.drop_lent()
+            self.progress.ended(Stage.STEPPED)
+            self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
 
-@patch
-def settle_books(self:StepEngine):
-    "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
-    for s in self.scalers: s.drain()
+    def _check_scaled(self):
+        "Raise when the half model holds grads that no unscale took in: a backward without the scaling call"
+        if self.masters.grads.raw():
+            raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this "
+                               "step would train nothing" + (f": {self.hint}" if self.hint else ''))
 
-@patch
-def discard(self:StepEngine):
-    "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
-    self.settle_books()
-    self.masters.zero_grads()
-    self.last_found, self.found, self._skip, self.stage = self.found, None, None, Stage.READY
+    def zero_grad(self, set_to_none:bool=True):
+        ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
+         "(zeroed grads stay, and are stepped); a decision about grads that are gone goes with them")
+        if not set_to_none:                # zeroed in place: steps not yet in the books keep which params overflowed
+            for s in self.progress.scalers: s.freeze_names()
+        self.masters.grads.zero(set_to_none)
+        self.progress.cleared()
 
-@patch
-def step(self:StepEngine, closure=None):
-    ("Step or skip by the pending decision: the fused kernels (reading it on the device), or the optimizer's own "
-     "step and the master copy")
-    found, plan = self.found, self.plan
-    if found is None and closure is None:
-        self._check_scaled()
-        # nothing unscaled since the last step: a second `step()` does not repeat the first
-        return None
-    # the model is the user's handle: in-place edits since the last step (a clamp) are where the step starts
-    self.masters.take_model_edits()
-    self.stepping = True
-    try:
-        if found is not None and self.on_device: res = self._fused(found)
-        elif self.must_skip():                 # the books name the overflowed params before their grads are zeroed
-            self.settle_books(); self.masters.zero_grads(); return None
-        elif plan is not None and closure is None:
-            res = self._fused(torch.zeros((), dtype=torch.bool, device=self.device))
-        else: res = self._own_step(closure)
-        return res
-    finally:
-        self.stepping = False
-        self.masters.drop_lent_grads()
-        self.last_found, self.found, self._skip, self.stage = found, None, None, Stage.STEPPED
-        self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
+    def clip_now(self, max_norm:float, norm_type:float=2.) -> float:
+        "Clip the master grads of the pending step by their global norm (a non-finite one skips it); returns the norm"
+        if self.stage != Stage.UNSCALED:
+            raise RuntimeError("clipping needs the unscaled grads of a pending step, and the step protocol is at "
+                               f"stage {self.stage.name}: clip after the backward's unscale (FP16_Optimizer: after "
+                               "`optimizer.backward(loss)`; amp: after the `scale_loss` block) and before `step()`")
+        norm = clip_norm([self.masters], max_norm, norm_type).item()
+        if not torch.isfinite(torch.tensor(norm)):
+            self.progress.skip_anyway(self.device); self.runner.on_device = False
+        return norm
 
-@patch
-def _fused(self:StepEngine, found):
-    ("The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper "
-     "(`Optimizer.profile_hook_step`), so its step hooks (`register_step_pre_hook`/`post_hook`, global ones too) "
-     "run as for its own step")
-    opt = self.optimizer
-    run = lambda o: fused_opt_step(o, self.plan, self.masters, found, self.impl, self.state)
-    if isinstance(opt, torch.optim.Optimizer):
-        opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
-        torch.optim.Optimizer.profile_hook_step(run)(opt)
-    else: run(opt)
-    # the kernels keep the state in their layout (fastai's step counts as tensors)
-    self._own_layout_due = True
+# %% ../nbs/14_engine.ipynb #ckpt14
+def state_by_model_param(held:HeldOptimizer) -> dict:
+    "The optimizer's state keyed by model param, a flat master's split into its params' (a new dict)"
+    state = dict(held.adapter.states()[0])
+    held.masters.state_out(state)
+    return state
 
-# %% ../nbs/14_engine.ipynb #831df7f3
-@patch
-def _own_step(self:StepEngine, closure=None):
-    ("The optimizer's own step (as it was before a front end replaced it), then the master copy, also after an "
-     "exception")
-    opt = self.optimizer
-    if self._own_layout_due: self.own_layout()
-    # the fused steps take edits through `.data` as they read the masters; this step reads them here
-    self.masters.adopt_data_edits()
-    restore = self.masters.hold_gradless(opt.state) if self.masters.flat else None
-    own = self._own or partial(type(opt).step, opt)
-    if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
-    self.masters.materialize()                # bf16 masters without an fp32 copy get one for the length of the step
-    def evaluate():
-        ("The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several "
-         "points in one step)")
-        self.masters.masters_to_model()
-        self.masters.store_materialized()
-        return closure()
-    try: return own(evaluate) if closure is not None else own()
-    finally:
-        if restore is not None: restore()
-        self.masters.release(opt.state)
-        self.masters.masters_to_model()
+def state_onto_masters(held:HeldOptimizer, state:dict) -> dict:
+    "State keyed by model param (read from a file) as the optimizer over the masters holds it (lean state kept lean)"
+    keep = dict(keep_codes=held.state == '8bit', keep_bf16=held.state == 'bf16')
+    state = {p: fp32_state(s, **keep) for p, s in state.items()}
+    held.masters.state_in(state, keep_bf16=keep['keep_bf16'])
+    return state
 
-@patch
-def _check_scaled(self:StepEngine):
-    ("Raise when the half model holds grads that no unscale took in: a backward without the scaling call, which "
-     "would train nothing")
-    if self.masters.raw_grads():
-        raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this "
-                           "step would train nothing"
-                           + (f": {self.hint}" if self.hint else ''))
+def check_optimizer_state(opt_sd:dict, groups:list, what:str):
+    "Raise, naming the first misfit, unless torch optimizer state dict `opt_sd` fits the param `groups`"
+    if not (isinstance(opt_sd, dict) and 'param_groups' in opt_sd and 'state' in opt_sd):
+        raise ValueError(f"{what} holds no torch optimizer state dict; nothing was loaded")
+    sizes = [len(g['params']) for g in opt_sd['param_groups']]
+    if sizes != [len(ps) for ps in groups]:
+        raise ValueError(f"{what} holds optimizer state for {sizes} params per group, this optimizer has "
+                         f"{[len(ps) for ps in groups]}: it comes from another model; nothing was loaded")
+    saved, params = [i for g in opt_sd['param_groups'] for i in g['params']], [p for ps in groups for p in ps]
+    for n, (i, p) in enumerate(zip(saved, params)):
+        check_param_state(opt_sd.get('state', {}).get(i, {}), p, f"param {n}", what)
 
-@patch
-def zero_grad(self:StepEngine, set_to_none:bool=True, masters:bool=True):
-    ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
-     "(zeroed grads stay, and are stepped); the next unscale starts afresh. `masters=False`: the optimizer's own "
-     "`zero_grad` clears the masters'")
-    self.masters.drop_lent_grads()
-    if not set_to_none:                # zeroed in place: steps not yet in the books keep which params overflowed
-        for s in self.scalers: s.freeze_names()
-    for p in chain(*self.masters.model_groups, *(self.masters.groups if masters else ())):
-        if p.grad is None: continue
-        if set_to_none: p.grad = None
-        else: p.grad.detach_(); p.grad.zero_()
-    self.masters.clearing(set_to_none)
-    # a decision about grads that are gone is dropped with them
-    self.found, self._skip, self.stage = None, None, Stage.READY
+def load_optimizer_state(optimizer:torch.optim.Optimizer, opt_sd:dict, store:str):
+    ("Load a (checked) torch optimizer state dict into `optimizer`, 8-bit codes and their scales put back as saved "
+     "(decoded where the optimizer does not keep 8-bit state, `store`)")
+    codes = {i: {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
+             for i, s in opt_sd['state'].items()}
+    optimizer.load_state_dict(opt_sd)
+    ids = [i for g in opt_sd['param_groups'] for i in g['params']]
+    for i, p in zip(ids, [p for g in optimizer.param_groups for p in g['params']]):
+        if not codes.get(i): continue
+        st, saved = optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in codes[i].items()}
+        for k in saved: st.pop(k, None)
+        st.update(saved if store == '8bit' else fp32_state(saved))
 
-@patch
-def last_skipped(self:StepEngine) -> bool:
-    "True if the last step was skipped (a host read when it was decided on the device)"
-    return bool(self.last_found) if self.last_found is not None else False
-
-@patch
-def clip_now(self:StepEngine, max_norm:float, norm_type:float=2.) -> float:
-    ("Clip the master grads of the pending step by their global norm; a non-finite norm skips the step. Returns "
-     "the norm")
-    if self.stage != Stage.UNSCALED:
-        raise RuntimeError("clipping needs the unscaled grads of a pending step, and the step protocol is at "
-                           f"stage {self.stage.name}: clip after the "
-                           "backward's unscale (FP16_Optimizer: after `optimizer.backward(loss)`; amp: after "
-                           "the `scale_loss` block) and before `step()`")
-    if norm_type == 2: norm = _clip([self.masters], max_norm).item()
-    else: norm = torch.nn.utils.clip_grad_norm_(self.masters.master_params, max_norm, norm_type).item()
-    if not torch.isfinite(torch.tensor(norm)): self.skip_anyway()
-    return norm
+def _decoded_8bit(optimizer, sd:dict) -> dict:
+    ("The state dict of an optimizer over FSDP2's shards with its 8-bit moments decoded to fp32, sharded as their "
+     "params: the scales cover blocks of a rank's shard, so DCP saves the values, and they load at any world size")
+    sd['state'] = {i: fp32_state(s, keep_bf16=True) for i, s in sd['state'].items()}
+    return sd
 
 # %% ../nbs/14_engine.ipynb #242accc6
 def _write_error(path, e:BaseException) -> str:
@@ -851,23 +750,56 @@ def save_checkpoint(obj, path, **torch_save_kwargs):
      "(for `FP16_Optimizer` and amp checkpoints)")
     return write_atomically(path, lambda tmp: torch.save(obj, tmp, **torch_save_kwargs))
 
+# %% ../nbs/14_engine.ipynb #e000000f
+def clip_grads_(grads:list, max_norm:float, impl:str=None, norm:torch.Tensor=None) -> torch.Tensor:
+    "Clip `grads` in place by their global L2 norm (or `norm`, computed elsewhere); returns the norm (nothing is read)"
+    if norm is None: norm = ops.l2norm(grads, impl=impl)
+    # a non-finite norm skips the step anyway, and leaves the grads as they are (named by what they hold)
+    coef = torch.where(torch.isfinite(norm), torch.clamp(max_norm / (norm + 1e-6), max=1.0), torch.ones_like(norm))
+    if grads: ops.scale_check_(grads, grads, coef, impl=impl)
+    return norm
+
+@functools.lru_cache(maxsize=8)
+def _slot_index(where:tuple, device) -> torch.Tensor:
+    "The indices `where` as a tensor on `device`, kept (a host-to-device copy per step could wait for the GPU)"
+    return torch.tensor(where, device=device)
+
+def clip_norm(layouts:list, max_norm:float, norm_type:float=2.) -> torch.Tensor:
+    ("Clip the master grads of every layout in `layouts` by their global `norm_type` norm (`clip_grad_norm_`'s rule); "
+     "the norm, read nowhere, the same on every rank of FSDP2 (each holds a shard of every param)")
+    slots = [g for ms in layouts for g in ms.grads.slots()]     # one per model param on every rank, flat or not
+    where, device, impl = [i for i, g in enumerate(slots) if g is not None], layouts[0].device(), layouts[0].impl
+    grads, fsdp2 = ops.local_shards([slots[i] for i in where]), any(ms.fsdp2 for ms in layouts)
+    each = torch.zeros(len(slots), dtype=torch.float32, device=device)
+    if grads:
+        norms = (ops.l2norm(grads, per_tensor=True, impl=impl)[1] if norm_type == 2 else
+                 torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])).to(device)
+        each = norms if len(grads) == len(slots) else each.index_put_((_slot_index(tuple(where), device),), norms)
+    if norm_type == float('inf'):
+        total = each.max() if len(each) else each.sum()
+        if fsdp2: total = agree(total)                        # the largest over ranks
+    elif fsdp2: total = torch.linalg.vector_norm(sum_over_ranks(each.pow(norm_type)).pow(1 / norm_type), norm_type)
+    else: total = torch.linalg.vector_norm(each, norm_type)
+    clip_grads_([g for ms in layouts for g in ms.grads.held_grads()], max_norm, impl, norm=total)
+    return total
+
 # %% ../nbs/14_engine.ipynb #e0000011
 def _nonfinite_weights(engines:list, limit:int=5) -> str:
     "A sentence naming the params whose weights (masters) or optimizer state hold inf or NaN, or ''"
     bad = []
     for e in engines:
         ms, state = e.masters, e.optimizer.state
-        for w in (p for g in ms.groups for p in g):
-            what = (['weights'] if not torch.isfinite(master_kind(w).value()).all() else []) + \
-                   [k for k, v in state.get(w, {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
-            if what: bad.append(f"{ms.names.get(ms._half_of.get(id(w), w), tuple(w.shape))} ({', '.join(what)})")
+        for m in ms.masters:
+            what = (['weights'] if not torch.isfinite(m.value()).all() else []) + [
+                k for k, v in state.get(m.held, {}).items()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
+            if what: bad.append(f"{ms.names.get(m.param, tuple(m.param.shape))} ({', '.join(what)})")
     if not bad: return ''
     return (" The weights themselves are no longer finite: "
             f"{', '.join(bad[:limit])}{f' and {len(bad) - limit} more' if len(bad) > limit else ''}. "
             "An optimizer step wrote inf/NaN into them (in half-precision weights without fp32 masters, Adam's eps "
-            "underflows), so the "
-            "non-finite losses and grads that follow are its consequence, not the data's: keep fp32 masters, or "
-            "train in bf16.")
+            "underflows), so the non-finite losses and grads that follow are its consequence, not the data's: keep "
+            "fp32 masters, or train in bf16.")
 
 def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=True) -> torch.Tensor:
     ("`loss.float()` times `scaler`'s scale (a tensor on the loss's device); each engine notes whether `loss` is "
@@ -889,23 +821,21 @@ class OverflowNames:
         if self.frozen is None: peaks = [None] * len(self.grads)
         else: peaks = [torch.stack(p).tolist() if p else [] for p in self.frozen]
         return [n for e, g, pk in zip(self.engines, self.grads, peaks)
-                for n in e.masters.nonfinite_grads(grads=g, peaks=pk)]
+                for n in e.masters.grads.nonfinite(grads=g, peaks=pk)]
 
 def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=True,
                  forward_overflow=None) -> torch.Tensor:
     ("Unscale the model grads into the masters of `engines`, check them and the losses, clip, agree across ranks and "
      "advance `scaler`: one decision, kept by each engine (`forward_overflow`: a sentence on where this batch's "
      "forward overflowed, asked for only when training stops)")
-    for s in {scaler, *(s for e in engines for s in e.scalers)}: s.drain()
+    for s in {scaler, *(s for e in engines for s in e.progress.scalers)}: s.drain()
     device = engines[0].device
     inv = scaler.tensors(device)[1]
     flags, loss_bad = [], torch.zeros((), dtype=torch.bool, device=device)
-    # (from READY or STEPPED an unscale finds no grads: a step that changes nothing, as in apex, for a GAN's idle
-    # optimizer)
-    for e in engines:
-        if e.stage == Stage.UNSCALED:
-            raise RuntimeError("unscaling needs a scaled backward since the last unscale, and the step protocol is "
-                               "at stage UNSCALED: the grads were unscaled already; unscale once per backward, then step")
+    # (from READY or STEPPED an unscale finds no grads: a step that changes nothing, as in apex, for a GAN's idle one)
+    if any(e.stage == Stage.UNSCALED for e in engines):
+        raise RuntimeError("unscaling needs a scaled backward since the last unscale, and the step protocol is at "
+                           "stage UNSCALED: the grads were unscaled already; unscale once per backward, then step")
     for e in engines:
         flag, finite = e.unscaled(inv, scaler)
         flags.append(flag.to(device))
@@ -915,15 +845,13 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     code = torch.where(both[1] > 0, 2, torch.where(both[0] > 0, 1, 0))              # an index into CODES
     norm = None
     if clip is not None:
-        norm = _clip([e.masters for e in engines], clip)
+        norm = clip_norm([e.masters for e in engines], clip)
         code = torch.where((code == 0) & ~torch.isfinite(norm), 3, code)
-    # kept until the books name the overflowed params
-    grads = [e.masters.unscaled_grads() for e in engines]
+    grads = [e.masters.grads.unscaled() for e in engines]     # kept until the books name the overflowed params
     for e in engines:
-        e.masters.zero_model_grads()
-        # until the step, `p.grad` stands for the master's unscaled grad: torch's clip reaches it
-        e.masters.lend_grads()
-    name = OverflowNames(engines, grads)
-    skip = scaler.advance(code, norm, name, input_finite, diagnose=lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else ''))
+        e.masters.grads.zero_model()
+        e.masters.grads.lend()                # until the step, `p.grad` stands for the master's unscaled grad
+    diagnose = lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else '')
+    skip = scaler.advance(code, norm, OverflowNames(engines, grads), input_finite, diagnose=diagnose)
     for e in engines: e.decided(skip)
     return skip

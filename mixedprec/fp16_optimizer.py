@@ -7,12 +7,11 @@ __all__ = ['FP16_Optimizer']
 
 # %% ../nbs/16_fp16_optimizer.ipynb #afa52880
 import torch
-from fastcore.basics import patch
 from .scaler import LossScaler, ScalingError
-from .master import Masters
-from .engine import StepEngine, Stage
+from .master import Masters, check_store
+from .convert import MasterDoors, modules_holding
+from .engine import StepEngine, Stage, check_optimizer_state, load_optimizer_state
 from .ops import require_impl
-from .master import check_store
 from .distributed import check_fsdp2, refuse_shard, unwrap_accelerated, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
@@ -32,24 +31,18 @@ def _dynamic_scaler(args:dict) -> LossScaler:
 
 # %% ../nbs/16_fp16_optimizer.ipynb #74791148
 class FP16_Optimizer:
-    ("Wrap a torch optimizer over fp16/bf16 (and fp32) params with fp32 master weights and static or dynamic loss "
-     "scaling")
+    "Wrap a torch optimizer over fp16/bf16 (and fp32) params with fp32 master weights and static or dynamic loss scaling"
     def __init__(self,
         init_optimizer:torch.optim.Optimizer, # an optimizer built on the model's (half) params
         static_loss_scale:float=1.0,          # the scale when not dynamic
         dynamic_loss_scale:bool=False,        # adapt the scale to overflows (overrides `static_loss_scale`)
         dynamic_loss_args:dict=None,          # `LossScaler` keyword args for the dynamic scale
         verbose:bool=True,                    # print the ingested param groups, and each change of scale
-        # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
-        decide:str=None,
+        decide:str=None,                      # where the skip is decided: 'cuda', 'always' or 'never'
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
-        # bf16 params only: 'split' (exact master as weight + int16 half) or 'none' (stochastic rounding)
-        masters:str='fp32',
-        # removed (mixedprec's own ZeRO-1): shard with torch's FSDP2, `fully_shard`, and refused by name
-        shard:bool=False,
-        # the optimizer's moments: 'fp32', 'bf16' (half the bytes) or '8bit' (a quarter), rounded stochastically, for
-        # SGD, Adam, AdamW
-        state:str='fp32',
+        masters='fp32',                       # bf16 params: 'split' or 'none' keep the master in the weight
+        shard:bool=False,                     # removed (mixedprec's own ZeRO-1): refused, naming FSDP2
+        state:str='fp32',                     # the optimizer's moments: 'fp32', 'bf16' or '8bit'
     ):
         init_optimizer = unwrap_accelerated(init_optimizer, "FP16_Optimizer")     # accelerate's wrapper
         if not isinstance(init_optimizer, torch.optim.Optimizer):
@@ -60,133 +53,105 @@ class FP16_Optimizer:
         if dynamic_loss_args is not None and not dynamic_loss_scale:
             raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
-        if dynamic_loss_scale: self.scaler = _dynamic_scaler(dynamic_loss_args)
-        else: self.scaler = LossScaler(static_loss_scale, dynamic=False)
+        self.scaler = _dynamic_scaler(dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale,
+                                                                                                dynamic=False)
         self.scaler.verbose = verbose
         self.scaler.advice = ("With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow "
                               "kept in fp32.")
         halves = {p.dtype for p in params if p.dtype != torch.float32}
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
-        self.engine = StepEngine.attach(init_optimizer, Masters().add_missing(params), scaler=self.scaler, decide=decide, impl=impl,
-                                        store=masters, state=state,
-                                      hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
-        if verbose: print(self._describe())
+        self.engine = StepEngine.attach(init_optimizer, Masters(), store=masters, state=state, decide=decide,
+                                        impl=impl, scaler=self.scaler,
+                                        hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
+        # the model's `state_dict()` (and a submodule's) saves the masters: their modules, found once
+        self.doors = MasterDoors(self.engine.masters.record)
+        self._hooks = self.doors.install(modules_holding(params))
+        if verbose: print(_describe(self))
 
     masters = property(lambda self: self.engine.masters, doc="The `MasterParams` layout")
-    param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's param groups "
-                                                                          "(holding the masters)")
+    param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's groups (masters)")
     state = property(lambda self: self.optimizer.state, doc="The wrapped optimizer's state (keyed by the masters)")
-    skipped = property(lambda self: self.engine.last_skipped(), doc="True if the last step was skipped (a host read "
-                                                                    "when decided on the device)")
-    @property
-    def loss_scale(self) -> float:
-        "The current loss scale (the scaler's books catch up first)"
-        self.scaler.drain()
-        return self.scaler.scale
-    @property
-    def history(self):
-        "A `StepRecord` per step (the books catch up first)"
-        self.scaler.drain()
-        return self.scaler.history
+    skipped = property(lambda self: self.engine.last_skipped(), doc="True if the last step was skipped")
+    loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
+    history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per step (books caught up)")
     @property
     def overflow(self) -> bool:
-        ("True if the grads overflowed: the pending step will be skipped (after `step()`: it was). A host read when "
-         "decided on the device")
+        "True if the grads overflowed: the pending step will be skipped (after `step()`: it was)"
         e = self.engine
         return e.must_skip() if e.found is not None else e.last_skipped()
-
     def __repr__(self): return f"FP16_Optimizer({type(self.optimizer).__name__}, {self.scaler})"
-
-    def _describe(self) -> str:
-        "The ingested groups: how many half and fp32 params each holds"
-        lines = [f"FP16_Optimizer wrapping {type(self.optimizer).__name__}, loss scale {self.scaler.scale:g} "
-                 f"({'dynamic' if self.scaler.dynamic else 'static'}):"]
-        for i, g in enumerate(self.masters.model_groups):
-            half = sum(p in self.masters.record for p in g)
-            if self.masters.fsdp2: lines.append(f"  group {i}: {len(g)} params sharded by FSDP2, fp32: their own masters")
-            else: lines.append(f"  group {i}: {half} half params with fp32 masters, {len(g) - half} fp32 params")
-        return '\n'.join(lines)
 
     def backward(self, loss:torch.Tensor, update_master_grads:bool=True, retain_graph:bool=False):
         "`(loss.float()*loss_scale).backward()`, then (by default) unscale the grads into the fp32 masters"
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward takes the scalar loss tensor")
         self.engine.scale(loss).backward(retain_graph=retain_graph)
-        if not any(p.grad is not None for g in self.engine.masters.model_groups for p in g):
-            raise RuntimeError("FP16_Optimizer.backward: the loss reached none of the params this optimizer holds, "
-                               "so this step would train "
-                               "nothing. Either every param it holds is frozen, or the model's params were replaced "
-                               "after the optimizer was "
-                               "built (a re-created module, `load_state_dict(..., assign=True)`, FSDP2's "
-                               "`fully_shard`): build the optimizer on the "
-                               f"params that train, then FP16_Optimizer. With FSDP2: {FSDP2_ADVICE}")
+        # FSDP2 keeps the grads of a backward without gradient sync itself (accumulation): none are here yet
+        if not any(p.grad is not None for g in self.engine.masters.model_groups for p in g) and not (
+            self.masters.fsdp2 and not update_master_grads):
+            raise RuntimeError("FP16_Optimizer.backward: the loss reached none of the params this optimizer holds, so "
+                               "this step would train nothing. Either every param it holds is frozen, or the model's "
+                               "params were replaced after the optimizer was built (a re-created module, "
+                               "`load_state_dict(..., assign=True)`, FSDP2's `fully_shard`): build the optimizer on "
+                               f"the params that train, then FP16_Optimizer. With FSDP2: {FSDP2_ADVICE}")
         if update_master_grads: self.update_master_grads()
 
+    def update_master_grads(self):
+        "Unscale the model grads into the fp32 masters, check and update the scale (once per backward, as in apex)"
+        if self.engine.stage != Stage.UNSCALED: self.engine.unscale()
 
+    def step(self, closure=None):
+        "Step the fp32 masters and copy them into the model; skip when the grads overflowed"
+        return self.engine.step() if closure is None else self.engine.step(closure=_retrying(self, closure))
+    def zero_grad(self, set_grads_to_None:bool=True): "Clear the model's and the masters' grads"; self.engine.zero_grad(set_grads_to_None)
+    def clip_master_grads(self, max_norm:float, norm_type:float=2) -> float:
+        "Clip the fp32 master grads by their global norm; the norm, or -1 when the grads overflowed (skipped)"
+        if self.overflow: return -1
+        norm = self.engine.clip_now(max_norm, norm_type)
+        return -1 if self.engine.must_skip() else norm
 
+    def state_dict(self) -> dict:
+        "The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters"
+        return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
+                'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.masters.values()}
+    def load_state_dict(self, sd:dict):
+        "Restore the scaler, the wrapped optimizer and the fp32 masters; everything is checked before anything changes"
+        missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
+        if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
+        self.masters.check_values(sd['fp32_from_fp16'])
+        check_optimizer_state(sd['optimizer_state_dict'], [g['params'] for g in self.param_groups], 'the state_dict')
+        self.scaler.check_state(sd['loss_scaler'])
+        self.scaler.load_state_dict(sd['loss_scaler'])
+        load_optimizer_state(self.optimizer, sd['optimizer_state_dict'], self.engine.state)
+        self.masters.load_values(sd['fp32_from_fp16'])
 
+    def add_param_group(self, param_group:dict):
+        "Add a param group (its half params that train get fp32 masters), keeping the state of the existing ones"
+        self.engine.add_param_group(param_group)
+        self._hooks += self.doors.install(modules_holding(self.engine.masters.model_groups[-1]))
 
+# %% ../nbs/16_fp16_optimizer.ipynb #fp16desc
+def _describe(opt:FP16_Optimizer) -> str:
+    "The ingested groups: how many half params with masters, frozen half params and fp32 params each holds"
+    lines = [f"FP16_Optimizer wrapping {type(opt.optimizer).__name__}, loss scale {opt.scaler.scale:g} "
+             f"({'dynamic' if opt.scaler.dynamic else 'static'}):"]
+    ms = opt.masters
+    for i, g in enumerate(ms.model_groups):
+        if ms.fsdp2: lines.append(f"  group {i}: {len(g)} params sharded by FSDP2, fp32: their own masters"); continue
+        half = [p for p in g if p.dtype != torch.float32]
+        trained = sum(p in ms.record for p in half)
+        lines.append(f"  group {i}: {trained} half params with fp32 masters, {len(half) - trained} frozen (no master), "
+                     f"{len(g) - len(half)} fp32 params")
+    return '\n'.join(lines)
 
-        # 'overflow' is kept for apex's readers only: it tells of a step taken (or skipped) before the save, and the
-        # grads it was about are not in the checkpoint
-
-# %% ../nbs/16_fp16_optimizer.ipynb #74c92614
-@patch
-def update_master_grads(self:FP16_Optimizer):
-    ("Unscale the model grads into the fp32 master grads, check them for inf/nan, and update the scale (once per "
-     "backward: a second call changes nothing, as in apex)")
-    if self.engine.stage == Stage.UNSCALED: return
-    self.engine.unscale()
-
-@patch
-def step(self:FP16_Optimizer, closure=None):
-    "Step the fp32 masters and copy them into the model; skip when the grads overflowed"
-    if closure is None: return self.engine.step()
-    def wrapped(max_retries:int=64):
-        "The closure (which must call `self.backward(loss)`), re-run while it overflows"
+def _retrying(opt:FP16_Optimizer, closure, max_retries:int=64):
+    "The closure (which must call `opt.backward(loss)`), re-run while it overflows"
+    def wrapped():
         loss = closure()
         for _ in range(max_retries):
-            if not self.engine.must_skip(): return loss
-            self.engine.discard()
+            if not opt.engine.must_skip(): return loss
+            opt.engine.discard()
             loss = closure()
-        raise ScalingError(f"the closure still overflowed after {max_retries} retries at loss scale "
-                           f"{self.loss_scale:g}")
-    return self.engine.step(closure=wrapped)
-
-@patch
-def zero_grad(self:FP16_Optimizer, set_grads_to_None:bool=True):
-    "Clear the model's and the masters' grads"
-    self.engine.zero_grad(set_grads_to_None)
-
-@patch
-def clip_master_grads(self:FP16_Optimizer, max_norm:float, norm_type:float=2) -> float:
-    ("Clip the fp32 master grads by their global norm; returns the norm, or -1 when the grads overflowed (a "
-     "non-finite norm skips the step)")
-    if self.overflow: return -1
-    norm = self.engine.clip_now(max_norm, norm_type)
-    return -1 if self.engine.must_skip() else norm
-
-@patch
-def state_dict(self:FP16_Optimizer) -> dict:
-    "The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters"
-    return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
-            'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.engine.masters_state()}
-
-@patch
-def load_state_dict(self:FP16_Optimizer, sd:dict):
-    ("Restore the scaler, the wrapped optimizer and the fp32 masters (and the half params from them); everything "
-     "is checked before anything changes")
-    missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
-    if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
-    self.engine.check_masters(sd['fp32_from_fp16'])
-    self.engine.check_optimizer_state(sd['optimizer_state_dict'])
-    self.scaler.check_state(sd['loss_scaler'])
-    self.scaler.load_state_dict(sd['loss_scaler'])
-    self.engine.load_optimizer_state(sd['optimizer_state_dict'])
-    self.engine.load_masters(sd['fp32_from_fp16'])
-
-@patch
-def add_param_group(self:FP16_Optimizer, param_group:dict):
-    "Add a param group (half params get fp32 masters), keeping the state of the existing ones"
-    self.engine.add_param_group(param_group)
+        raise ScalingError(f"the closure still overflowed after {max_retries} retries at loss scale {opt.loss_scale:g}")
+    return wrapped

@@ -549,8 +549,11 @@ def _pick(l, idx):
     "The tensors of `l` at `idx` (`l` itself when `idx` covers it)"
     return l if len(idx) == len(l) else [l[i] for i in idx]
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 def is_dtensor(t) -> bool:
     "True when `t` is a DTensor (FSDP2's sharded params, their grads and optimizer state); none exists before its import"
+    if type(t) in _PLAIN: return False                  # the common case, at no cost: it runs for every tensor of a step
     for name in ('torch.distributed.tensor', 'torch.distributed._tensor'):     # (torch before 2.5: the second)
         cls = getattr(sys.modules.get(name), 'DTensor', None)
         if cls is not None: return isinstance(t, cls)
@@ -894,10 +897,9 @@ def _check_steps(steps, params):
             raise ValueError(f"a step count must be on its param's device ({p.device}), got {s.device}")
 
 def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_scale:float, lr:float, beta1:float=0.9,
-               beta2:float=0.999,
-               eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None, seeds:list=None,
-                   state_seeds:list=None,
-               state_scales:list=None, impl:str=None):
+               beta2:float=0.999, eps:float=1e-8, weight_decay:float=0., decoupled:bool=True, lows:list=None,
+               seeds:list=None, state_seeds:list=None, state_scales:list=None, impl:str=None,
+               advance:bool=True):   # advance the step counts (False: the caller advances them, views of one tensor)
     ("torch.optim.AdamW's (`decoupled`) or Adam's step on fp32 masters, taking the `.data` edits of the half copy "
      "`out` as masters, then writing it (or on bf16 masters: split with `lows`, rounded with `seeds`; 8-bit moments "
      "with `[exp_avg scales, exp_avg_sq scales]`); a no-op when `found_inf` is set")
@@ -924,4 +926,4 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
                           *_bf16_args(params, lows, seeds, g), _state_seeds_arg(state_seeds, g, params[0].device),
                           _state_scales_arg(state_scales, g))
     # after the update, which used count + 1: a refused call changes nothing
-    _advance(step, steps, found_inf)
+    if advance: _advance(step, steps, found_inf)

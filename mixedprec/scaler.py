@@ -229,6 +229,12 @@ def freeze_names(self:LossScaler):
         if hasattr(entry[3], 'freeze'): entry[3].freeze()
 
 @patch
+def drained(self:LossScaler) -> LossScaler:
+    "The scaler, its books caught up (a host read on a GPU)"
+    self.drain()
+    return self
+
+@patch
 def drain(self:LossScaler):
     ("Catch the host's books up with every step `advance` took, in order (waiting for a copy that has not "
      "landed): scale, counters, history, messages, `ScalingError`")

@@ -40,9 +40,14 @@ def group_learner(width=16, **kwargs):
     return synth_learner(model=model, splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())], **kwargs)
 
 def masters_of(learn):
-    "The fp32 master of each model param (the param itself when it is fp32)"
+    "What the optimizer holds for each model param: its fp32 master, or the param itself (fp32, or frozen)"
     mp = learn.mixed_precision
-    return [mp.conversion.masters.get(p, p) for p in learn.model.parameters()]
+    return [mp.conversion.masters.held(p) for p in learn.model.parameters()]
+
+def master_values(learn):
+    "The fp32 value of each model param: its master's (wherever it lives), or its own"
+    mp = learn.mixed_precision
+    return [mp.conversion.masters.value(p) for p in learn.model.parameters()]
 
 class Record(Callback):
     "Run `fn(learn, event)` at each event, ordered just before (`offset=-1`) or after (`offset=1`) MixedPrecision"

@@ -5,13 +5,13 @@ import pytest, torch
 from torch import nn
 from mixedprec import ops, amp
 from mixedprec.ops import split_bf16_ref, join_bf16_ref, round_stochastic_ref, rounding_bits_ref, sgd_step_, adam_step_
-from mixedprec.master import MasterParams, master_kind, check_store, mark_written
+from mixedprec.master import check_store, SplitMaster, RoundedMaster, Fp32Master
 from mixedprec.convert import convert_model
 from mixedprec.engine import StepEngine, settings
 from mixedprec.scaler import LossScaler
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from fastai.optimizer import Adam
-from helpers import synth_learner, masters_of
+from helpers import synth_learner, masters_of, master_values
 
 DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
 CHUNK = 1 << 16
@@ -176,7 +176,7 @@ def test_split_masters_equal_fp32_masters_given_the_same_grads_over_300_steps(op
     x, y = digits()
     m_split, e_split, _ = _engine('split', opt_cls, **kw)
     m_fp32, e_fp32, _ = _engine('fp32', opt_cls, **kw)
-    assert (e_split.plan is None) == (opt_cls is torch.optim.RMSprop)
+    assert (e_split.runner.plan is None) == (opt_cls is torch.optim.RMSprop)
     for i in range(300):
         idx = torch.arange(i * 32, i * 32 + 32) % len(x)
         loss = nn.functional.cross_entropy(m_split(x[idx].bfloat16()).float(), y[idx])
@@ -185,7 +185,7 @@ def test_split_masters_equal_fp32_masters_given_the_same_grads_over_300_steps(op
         e_fp32.scaled(None)                                      # its grads were set by hand, not by a scaled backward
         for e in (e_split, e_fp32): e.unscale(); e.step(); e.zero_grad()
         if i % 50 == 49 or i == 299:
-            for a, b in zip(e_split.masters_state(), e_fp32.masters_state()):
+            for a, b in zip(e_split.masters.values(), e_fp32.masters.values()):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), i
     for p, q in zip(m_split.parameters(), m_fp32.parameters()):
         same = bits16(p.detach()) == bits16(q.detach())
@@ -231,7 +231,7 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
                               scaler=LossScaler(1., dynamic=False))
         for _ in range(steps):
             e.scale((w.float() - 250).pow(2).sum()).backward(); e.unscale(); e.step(); e.zero_grad()
-        return master_kind(e.masters.pairs[0][1]).value().mean().item(), w.detach().float().mean().item()
+        return e.masters.trained[0].value().mean().item(), w.detach().float().mean().item()
     assert run('plain') == 256.
     fp32, _ = run('fp32')
     assert 251.5 < fp32 < 252.5                                    # 6 * 0.998**600 = 1.8 from the target, as in fp32
@@ -243,17 +243,17 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
 
 def test_bf16_masters_keep_no_fp32_copy_of_the_weights():
     model, e, conv = _engine('split')
-    for p, m, _ in e.masters.pairs:
-        assert m.untyped_storage().nbytes() == 4 and master_kind(m).low.dtype == torch.int16 and master_kind(m).param is p
+    for m in e.masters.trained:
+        assert type(m) is SplitMaster and m.held.untyped_storage().nbytes() == 4 and m.low.dtype == torch.int16
     model, e, conv = _engine('none')
-    assert all(m.untyped_storage().nbytes() == 4 and master_kind(m).low is None for _, m, _ in e.masters.pairs)
+    assert all(type(m) is RoundedMaster and m.held.untyped_storage().nbytes() == 4 for m in e.masters.trained)
     x, y = digits()
     e.scale(nn.functional.cross_entropy(model(x[:8].bfloat16()).float(),
                                         y[:8])).backward(); e.unscale(); e.step(); e.zero_grad()
-    assert all(m.grad is None for _, m, _ in e.masters.pairs)    # the fp32 grads live from the unscale to the step only
+    assert all(m.grad is None for m in e.masters.trained)    # the fp32 grads live from the unscale to the step only
     with pytest.raises(RuntimeError, match='more than one element'):
         with torch.no_grad():
-            e.masters.pairs[0][1].add_(1)      # writing the stand-in raises instead of training nothing
+            e.masters.trained[0].held.add_(1)      # writing the stand-in raises instead of training nothing
 
 def test_wrong_settings_say_what_to_do():
     with pytest.raises(ValueError, match="one of"): check_store('bf16', torch.bfloat16)
@@ -274,12 +274,12 @@ def test_wrong_settings_say_what_to_do():
 def test_fastai_to_bf16_with_bf16_masters_trains_like_fp32_masters(store):
     ref = synth_learner(); ref.to_bf16(); ref.fit(3, 1e-2)
     learn = synth_learner(); learn.to_bf16(masters=store); learn.fit(3, 1e-2)
-    assert 'split' not in repr(
-        ref.mixed_precision.masters) and f"masters={store!r}" in repr(learn.mixed_precision.masters)
-    assert learn.mixed_precision.engine.plan is not None           # fastai's Adam, fused
+    assert ref.mixed_precision.masters.kind.__name__ == 'Fp32Master'
+    assert learn.mixed_precision.masters.kind.store == store
+    assert learn.mixed_precision.engine.runner.plan is not None           # fastai's Adam, fused
     if store == 'split':
-        for a, b in zip(masters_of(ref), masters_of(learn)):
-            torch.testing.assert_close(master_kind(b).value(), master_kind(a).value(), rtol=1e-2, atol=1e-2)
+        for a, b in zip(master_values(ref), master_values(learn)):
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
     else:
         # rounding noise moves small weights; the fit is as good
         assert learn.validate()[0] < 1.5 * ref.validate()[0]
@@ -289,31 +289,32 @@ def test_fastai_to_bf16_with_bf16_masters_trains_like_fp32_masters(store):
 
 def test_fastai_save_and_load_round_trip_split_masters_exactly_and_into_fp32(tmp_path):
     learn = synth_learner(path=tmp_path); learn.to_bf16(masters='split'); learn.fit(2, 1e-2)
-    saved = [master_kind(m).value().clone() for m in masters_of(learn)]
+    saved = [v.clone() for v in master_values(learn)]
     learn.save('split')
     other = synth_learner(path=tmp_path, seed=7); other.to_bf16(masters='split'); other.fit(1, 1e-2)
     other.load('split')
-    for a, b in zip(saved, masters_of(other)): assert torch.equal(a, master_kind(b).value())
+    for a, b in zip(saved, master_values(other)): assert torch.equal(a, b)
     other.fit(1, 1e-2)                                              # and it trains on from there
     plain = synth_learner(path=tmp_path, seed=7); plain.create_opt(); plain.load('split')
     for a, p in zip(saved, plain.model.parameters()): assert torch.equal(a, p.detach())
     fp32m = synth_learner(path=tmp_path, seed=7); fp32m.to_bf16(); fp32m.load('split')
-    for a, b in zip(saved, masters_of(fp32m)): assert torch.equal(a, master_kind(b).value())
+    for a, b in zip(saved, master_values(fp32m)): assert torch.equal(a, b)
 
 @pytest.mark.parametrize("store", ['split', 'none'])
 def test_a_copy_of_a_bf16_master_model_holds_fp32_masters_and_the_learner_copy_trains_on(store):
     learn = synth_learner(); learn.to_bf16(masters=store); learn.fit(1, 1e-2)
     conv = learn.mixed_precision.conversion
-    saved = [master_kind(m).value().clone() for m in conv.masters.values()]
+    saved = [m.value().clone() for m in conv.masters.values()]
     clone = pickle.loads(pickle.dumps(conv))
-    assert all(master_kind(m).store == "fp32" and m.dtype == torch.float32 and torch.equal(a, m.detach()) for a, m in zip(saved, clone.masters.values()))
+    assert all(type(m) is Fp32Master and m.held.dtype == torch.float32 and torch.equal(a, m.held.detach())
+               for a, m in zip(saved, clone.masters.values()))
     # the original keeps its bf16 masters
-    assert all(master_kind(m).store == store for m in conv.masters.values())
+    assert all(m.store == store for m in conv.masters.values())
     twin = copy.deepcopy(learn)
     # the copied Learner keeps its masters in bf16 again at its fit
     twin.fit(1, 1e-2); learn.fit(1, 1e-2)
-    assert all(master_kind(m).store == store for m in twin.mixed_precision.conversion.masters.values())
-    for a, b in zip(masters_of(twin), masters_of(learn)): assert torch.equal(master_kind(a).value(), master_kind(b).value())
+    assert all(getattr(m, 'store', None) == store for m in twin.mixed_precision.conversion.masters.values())
+    for a, b in zip(master_values(twin), master_values(learn)): assert torch.equal(a, b)
 
 @pytest.mark.parametrize("store", ['split', 'none'])
 def test_an_ema_of_a_bf16_master_model_by_its_copys_state_dict_is_the_fp32_ema_of_the_masters(store):
@@ -362,18 +363,18 @@ def test_amp_o2_bf16_with_bf16_masters(store):
         return model, opt
     (m1, o1), (m2, o2) = run('fp32'), run(store)
     assert opt_masters_store(o2) == store
-    for a, b in zip(o1._mixedprec_engine.masters_state(), o2._mixedprec_engine.masters_state()):
+    for a, b in zip(o1._mixedprec_engine.masters.values(), o2._mixedprec_engine.masters.values()):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
     sd = amp.state_dict()                                           # the masters of the last initialize, as fp32 values
     assert all(t.dtype == torch.float32 for t in sd['masters'][0])
     amp.load_state_dict(sd)
-    for a, b in zip(sd['masters'][0], o2._mixedprec_engine.masters_state()):
+    for a, b in zip(sd['masters'][0], o2._mixedprec_engine.masters.values()):
         if store == 'split': assert torch.equal(a, b)
         else:
             # without a low half, a loaded master is its nearest bf16
             assert torch.equal(a.bfloat16().float(), b)
 
-def opt_masters_store(opt): return opt._mixedprec_engine.masters.store
+def opt_masters_store(opt): return opt._mixedprec_engine.masters.kind.store
 
 @pytest.mark.parametrize("store", ['split', 'none'])
 def test_fp16_optimizer_with_bf16_masters_round_trips_its_state_dict(store):
@@ -395,7 +396,7 @@ def test_fp16_optimizer_with_bf16_masters_round_trips_its_state_dict(store):
         assert torch.equal(bits16(p.detach()), bits16(w))     # the load set the model's weights too
     # resumed: the same 20 steps give the same weights (SR's stream is in the state)
     train(m2, o2, 20, 30)
-    for a, b in zip(o1.engine.masters_state(), o2.engine.masters_state()): assert torch.equal(a, b)
+    for a, b in zip(o1.masters.values(), o2.masters.values()): assert torch.equal(a, b)
 
 def test_split_masters_follow_channels_last():
     from fastai.vision.all import Learner
@@ -416,9 +417,9 @@ def test_split_masters_follow_channels_last():
     b = learner(); b.to_bf16(masters='split'); b.to_channelslast(); b.fit(1, 1e-2)
     conv_w = b.model[0].weight
     assert conv_w.is_contiguous(memory_format=torch.channels_last)
-    assert master_kind(b.mixed_precision.conversion.masters[conv_w]).low.stride() == conv_w.stride()
-    for p, q in zip(masters_of(a), masters_of(b)):
-        torch.testing.assert_close(master_kind(p).value(), master_kind(q).value(), rtol=2e-2, atol=2e-2)
+    assert b.mixed_precision.conversion.masters.get(conv_w).low.stride() == conv_w.stride()
+    for p, q in zip(master_values(a), master_values(b)):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-2)
 
 def test_overflow_diagnostics_are_the_same_in_every_mode():
     names = {}
@@ -460,7 +461,7 @@ def test_split_masters_train_a_transformer_as_fp32_masters():
             with amp.scale_loss(loss, opt) as sl: sl.backward()
             opt.step(); opt.zero_grad()
             losses.append(loss.item())
-        return losses, e.masters_state()
+        return losses, e.masters.values()
     (l1, m1), (l2, m2) = run('fp32'), run('split')
     assert l2[-1] < l2[0] * 0.8
     torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=2e-2, atol=0)
@@ -472,8 +473,8 @@ def test_stochastic_rounding_under_an_optimizers_own_step_is_reproducible_and_le
     def run(seed):
         model, e, acc = _train('none', steps=60, seed=seed, opt_cls=torch.optim.RMSprop, lr=1e-3)
         # RMSprop: its own step, on fp32 masters made for the step
-        assert e.plan is None
-        assert all(m.untyped_storage().nbytes() == 4 for _, m, _ in e.masters.pairs)
+        assert e.runner.plan is None
+        assert all(m.held.untyped_storage().nbytes() == 4 for m in e.masters.trained)
         return model, acc
     (a, acc), (b, _) = run(0), run(0)
     assert acc > 0.8
@@ -490,10 +491,10 @@ def test_fastai_split_masters_follow_the_model_to_the_gpu():
         learn = synth_learner()
         if device == 'cuda': learn.dls.to('cuda')                  # fastai moves the model at fit
         learn.to_bf16(masters=masters); learn.fit(1, 1e-2)
-        return [master_kind(m).value().cpu() for m in masters_of(learn)], learn
+        return [v.cpu() for v in master_values(learn)], learn
     split, learn = run('split')
     for m in learn.mixed_precision.conversion.masters.values():
-        assert master_kind(m).low.device.type == 'cuda' and master_kind(m).param.device.type == 'cuda'
+        assert m.low.device.type == 'cuda' and m.param.device.type == 'cuda'
     fp32, _ = run('fp32')
     for a, b in zip(split, fp32): torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     gap = lambda xs, ys: max((x - y).abs().max().item() for x, y in zip(xs, ys))
@@ -513,7 +514,7 @@ def test_split_masters_with_a_scheduler_and_step_hooks_match_fp32_masters():
             idx = torch.arange(i * 16, i * 16 + 16) % len(x)
             with amp.scale_loss(nn.functional.cross_entropy(model(x[idx]).float(), y[idx]), opt) as sl: sl.backward()
             opt.step(); opt.zero_grad(); sched.step()
-        return calls, opt._mixedprec_engine.masters_state()
+        return calls, opt._mixedprec_engine.masters.values()
     (c1, m1), (c2, m2) = run('fp32'), run('split')
     assert c1 == c2 and len(c1) == 40                              # the hook ran every step, with the same schedule
     for a, b in zip(m1, m2): torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
@@ -525,7 +526,7 @@ def test_an_interrupted_fit_with_split_masters_leaves_a_usable_learner():
             if self.train_iter == 3: raise KeyboardInterrupt
     learn = synth_learner(); learn.to_bf16(masters='split')
     with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2, cbs=Interrupt())
-    masters = [master_kind(m).value().clone() for m in learn.mixed_precision.conversion.masters.values()]
+    masters = [m.value().clone() for m in learn.mixed_precision.conversion.masters.values()]
     for p, m in zip(learn.mixed_precision.conversion.masters, masters):
         assert torch.equal(bits16(p.detach()), bits16(split_bf16_ref(m)[0]))
     learn.fit(1, 1e-2)                                              # trains on

@@ -53,7 +53,7 @@ def test_dtypes_at_each_event_and_oracles():
         for p, m, old, g in zip(learn.model.parameters(), masters_of(learn), seen['old'], seen['grads']):
             # fastai's own step; the fused one (device decision) rounds its own way
             want = old.add(g * (1 / mp.history[-1].scale), alpha=-lr)
-            if mp.engine.plan is None: assert torch.equal(m.detach(), want)
+            if mp.engine.runner.plan is None: assert torch.equal(m.detach(), want)
             else: torch.testing.assert_close(m.detach(), want, rtol=1e-6, atol=1e-8)
             assert torch.equal(p.detach(), m.detach().to(p.dtype))
         seen['steps'] = seen.get('steps', 0) + 1
@@ -241,7 +241,7 @@ def test_state_dict_round_trip():
     other = synth_learner(seed=0).to_fp16()
     other.mixed_precision.load_state_dict(sd)
     assert other.mixed_precision.scaler.state_dict() == learn.mixed_precision.scaler.state_dict()
-    half = lambda l: [l.mixed_precision.conversion.masters[p] for p in l.model.parameters() if p.dtype == torch.half]
+    half = lambda l: [l.mixed_precision.conversion.masters.held(p) for p in l.model.parameters() if p.dtype == torch.half]
     for a, b in zip(half(other), half(learn)):
         assert torch.equal(a.detach(), b.detach())       # fp32 params travel in the model's state
     assert [m is None for m in sd['masters']] == [False, False, True, True, False, False]

@@ -293,7 +293,8 @@ def test_a_fastai_run_stopped_by_non_finite_losses_names_the_op_and_keeps_its_bu
     # as in a training step: batchnorm updates its statistics
     learn.model.train()
     stats = [b.clone() for b in learn.model.buffers()]
-    assert "exp in the model (Exp)" in mp._forward_overflow(xb)
+    from mixedprec.callback import _forward_overflow
+    assert "exp in the model (Exp)" in _forward_overflow(learn.model, xb)
     # the diagnosis ran the forward in train mode, and put the statistics back
     assert all(torch.equal(a, b) for a, b in zip(stats, learn.model.buffers()))
 

@@ -67,8 +67,7 @@ def test_fastai_callback_flat_masters_and_a_checkpoint_that_loads_in_one_process
                     path=tmp_path).to_fp16(flat_master=True)
     learn.load('ddp', with_opt=True)
     assert learn.mixed_precision.scaler.state_dict() == r0['scaler']
-    masters = [learn.mixed_precision.conversion.masters.get(p,
-                                                            p).detach().reshape(-1) for p in learn.model.parameters()]
+    masters = [learn.mixed_precision.conversion.masters.value(p).reshape(-1) for p in learn.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(masters, r0['masters']))
 
 def test_a_stalled_rank_is_named_after_the_agreement_timeout(tmp_path):

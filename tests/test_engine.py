@@ -88,7 +88,7 @@ def test_add_param_group_at_o2_gives_the_new_params_masters():
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     opt.add_param_group({'params': model[2].parameters()})
     assert [p.dtype for p in amp.master_params(opt)] == [torch.float32] * 4
-    assert len(opt.param_groups) == 2 and opt._mixedprec_engine.masters.pairs[-1][0] is model[2].bias
+    assert len(opt.param_groups) == 2 and opt._mixedprec_engine.masters.trained[-1].param is model[2].bias
 
 def test_a_backward_without_the_scaling_call_raises_at_the_step():
     model = two_layer()
@@ -364,7 +364,7 @@ def test_attach_then_detach_gives_the_optimizer_back_its_params_and_state(make_o
         p is q for p in held for q in params
             if q.dtype == torch.float16), "the optimizer holds masters, not the half params"
     assert any(p in state for state in adapter.states() for p in held), "the state moved onto the masters"
-    e.detach()
+    e.held.detach()
     assert [p for g in adapter.groups() for p in g] == params
     after = {id(p): st for state in adapter.states() for p, st in state.items()}
     for i, st in before.items():

@@ -25,8 +25,8 @@ def _fit_recording(opt_func, where, fit=lambda l: l.fit_one_cycle(3, 1e-2), **kw
     with settings(impl='ref' if where == 'fastai' else None, decide='never' if where == 'fastai' else where):
         learn = synth_learner(opt_func=opt_func, wd=kw.pop('wd', None)).to_fp16(**kw)
         seen = set()
-        learn.add_cb(Record(1, before_step=lambda l: seen.add((getattr(l.mixed_precision.engine.plan, 'name', None),
-                                                               l.mixed_precision.engine.on_device))))
+        learn.add_cb(Record(1, before_step=lambda l: seen.add((getattr(l.mixed_precision.engine.runner.plan, 'name', None),
+                                                               l.mixed_precision.engine.runner.on_device))))
         fit(learn)
     return learn, seen
 

@@ -8,7 +8,7 @@ from fastai.optimizer import Adam, RMSProp, SGD
 from mixedprec import amp
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import ScalingError
-from helpers import synth_learner, masters_of, Record, mlp
+from helpers import synth_learner, masters_of, master_values, Record, mlp
 
 def snapshot(*objs):
     "Every tensor and number reachable from state dicts, models and scalers, copied"
@@ -114,11 +114,11 @@ def test_an_interrupt_anywhere_in_a_step_leaves_the_half_weights_equal_to_the_ma
         if calls[0] == 3: raise KeyboardInterrupt
     cbs = [] if event == 'inside the step' else [Record(1, **{event: boom})]
     with pytest.raises(KeyboardInterrupt): learn.fit(1, cbs=cbs)
-    for p, m in zip(learn.model.parameters(), masters_of(learn)):
-        assert torch.equal(p.detach(), m.detach().to(p.dtype)), (event, opt)
+    for p, m in zip(learn.model.parameters(), master_values(learn)):
+        assert torch.equal(p.detach(), m.to(p.dtype)), (event, opt)
     if event == 'inside the step': return
     learn.fit(1)                                                   # fit works next
-    masters = [m.detach().clone() for m in masters_of(learn)]
+    masters = [m.clone() for m in master_values(learn)]
     learn.to_fp32()                                                # and so does to_fp32, from the masters
     assert all(torch.equal(p.detach(), m) for p, m in zip(learn.model.parameters(), masters))
 

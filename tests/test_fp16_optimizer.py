@@ -173,14 +173,14 @@ def test_bad_arguments():
                                       lambda ps: torch.optim.Adam(ps, lr=1e-2)])
 def test_fused_step_matches_the_wrapped_optimizer(make, monkeypatch, decide):
     data = batches(6)
-    runs, real = [], engine.fused_opt_step
+    runs, real = [], engine.FusedStep.__call__
     for use_fused in (False, True):
         model = half_mlp()
         opt = FP16_Optimizer(make(list(model.parameters())), dynamic_loss_scale=True,
                              dynamic_loss_args=dict(init_scale=2.**8), verbose=False,
                              impl=None if use_fused else 'ref')
         calls = []
-        monkeypatch.setattr(engine, 'fused_opt_step', lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        monkeypatch.setattr(engine.FusedStep, '__call__', lambda *a, **kw: calls.append(1) or real(*a, **kw))
         run(model, opt, data, inject_at=2)
         # on the device the overflowed step runs, as a no-op
         assert len(calls) == (0 if not use_fused else 5 if decide == 'host' else 6)
@@ -191,4 +191,4 @@ def test_fused_step_matches_the_wrapped_optimizer(make, monkeypatch, decide):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     s1, s2 = o1.optimizer.state_dict(), o2.optimizer.state_dict()
     assert s1['state'].keys() == s2['state'].keys() and all(s1['state'][k].keys() == s2['state'][k].keys() for k in s1['state'])
-    for p, m, _ in o2.masters.pairs: assert torch.equal(p.detach(), m.detach().half())
+    for m in o2.masters.trained: assert torch.equal(m.param.detach(), m.held.detach().half())

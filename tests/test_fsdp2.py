@@ -47,7 +47,7 @@ def test_fully_shard_then_amp_o2_takes_the_fp32_params_as_masters_and_casts_noth
     dtypes = [p.dtype for p in model.parameters()]
     model, opt = amp.initialize(model, opt, opt_level='O2', verbosity=0)
     assert [p.dtype for p in model.parameters()] == dtypes == [torch.float32] * 4, "FSDP2's policy casts, not amp"
-    assert not amp._engines_of(opt)[0].masters.pairs, "no second copy of the weights"
+    assert not amp._engines_of(opt)[0].masters.trained, "no second copy of the weights"
     with amp.scale_loss(model(X).float().sum(), opt) as s: s.backward()
     opt.step()
 
@@ -55,7 +55,7 @@ def test_fp16_optimizer_over_fsdp2_takes_its_fp32_params_as_masters_and_refuses_
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = sharded(mlp())
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
-    assert opt.masters.fsdp2 and not opt.masters.pairs, "no second copy of the weights"
+    assert opt.masters.fsdp2 and not opt.masters.trained, "no second copy of the weights"
     assert all(m is p for m, p in zip(opt.param_groups[0]['params'], model.parameters()))
     for kw, match in [(dict(shard=True), r"shard=True .* is removed.*fully_shard"),
                       (dict(masters='split'), "pass masters='fp32'")]:
@@ -251,7 +251,7 @@ def test_fastai_on_fsdp2_casts_nothing_its_fp32_shards_are_the_masters_and_opt_s
     learn.fit(3, 1e-2)
     mp = learn.mixed_precision
     assert [p.dtype for p in learn.model.parameters()] == [torch.float32] * 4, "FSDP2's policy casts, not mixedprec"
-    assert mp.masters.fsdp2 and not mp.masters.pairs, "no second copy of the weights"
+    assert mp.masters.fsdp2 and not mp.masters.trained, "no second copy of the weights"
     assert max((a - p.detach().full_tensor()).abs().max().item() for a, p in zip(      # (the clip's sums: 1 ulp)
         unsharded.mixed_precision.masters.master_params, learn.model.parameters())) < 1e-6, "as without FSDP2"
     assert [(r.skipped, r.scale, r.grad_norm) for r in mp.history] == [

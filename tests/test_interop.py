@@ -159,8 +159,8 @@ def test_channels_last_with_bf16_trains_like_nchw(order, flat):
     learn.fit(2)
     conv = learn.model[0].weight
     assert conv.is_contiguous(memory_format=torch.channels_last)
-    for p, m, _ in learn.mixed_precision.masters.pairs:
-        assert m.stride() == p.stride() and torch.equal(p.detach(), m.detach().to(p.dtype))
+    for m in learn.mixed_precision.masters.masters:
+        assert m.value().stride() == m.param.stride() and torch.equal(m.param.detach(), m.value().to(m.param.dtype))
     for a, b in zip(masters_of(ref), masters_of(learn)):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
     sd = learn.opt.state_dict()                                 # checkpoints keep the logical (NCHW) order

@@ -5,7 +5,7 @@ import pytest, torch
 from torch import nn
 from mixedprec.convert import convert_model, cast_floats, to_fp32, check_half_dtype
 from mixedprec.master import MasterParams
-from mixedprec.engine import StepEngine
+from mixedprec.engine import StepEngine, HeldOptimizer, clip_norm
 from mixedprec.scaler import LossScaler, ScalingError
 from conftest import same_or_close
 
@@ -44,32 +44,30 @@ def test_already_half_params_and_tied_weights():
     head = nn.Linear(4, 10, bias=False); head.weight = emb.weight
     model = nn.Sequential(emb, head).half()
     conv = convert_model(model)
-    assert len(conv.masters) == 1 and next(iter(conv.masters.values())).dtype == torch.float32
+    assert len(conv.masters) == 1 and next(iter(conv.masters.values())).held.dtype == torch.float32
     mp = MasterParams([list(model.parameters())], conv.masters)
     assert len(mp.master_params) == 1
     model(torch.tensor([1, 2])).float().sum().backward()
-    assert not mp.grads_to_masters(1.).item()
+    assert not mp.grads.unscale(1.).item()
     assert torch.equal(mp.master_params[0].grad, emb.weight.grad.float())
 
 def test_param_listed_twice_gets_one_master():
     model = nn.Linear(2, 2)
     conv = convert_model(model)
     mp = MasterParams([[model.weight], [model.weight, model.bias]], conv.masters)
-    assert [len(g) for g in mp.groups] == [1, 1] and len(mp.pairs) == 2
+    assert [len(g) for g in mp.groups] == [1, 1] and len(mp.masters) == 2
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_none_grads_are_skipped_and_master_grads_start_at_zero(flat):
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     conv = convert_model(model)
     mp = MasterParams([list(model.parameters())], conv.masters, flat=flat)
-    for _, _, g in mp.pairs: assert torch.count_nonzero(g) == 0
     model[1](torch.randn(2, 3).half()).float().sum().backward()      # model[0] gets no grads
-    assert not mp.grads_to_masters(0.5).item()
-    if flat:
-        assert torch.count_nonzero(
-            mp.pairs[0][2]) == 0 and torch.equal(mp.pairs[2][2], model[1].weight.grad.float() * 0.5)
-    else:
-        assert mp.pairs[0][1].grad is None and torch.equal(mp.pairs[2][1].grad, model[1].weight.grad.float() * 0.5)
+    assert not mp.grads.unscale(0.5).item()
+    first, third = mp.masters[0], mp.masters[2]
+    if flat: assert torch.count_nonzero(first.grad) == 0                # zero in the flat grad others reach
+    else: assert first.grad is None
+    assert torch.equal(third.grad, model[1].weight.grad.float() * 0.5)
 
 def test_flat_split_by_key_and_state_round_trip():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
@@ -80,9 +78,9 @@ def test_flat_split_by_key_and_state_round_trip():
     # weights and biases apart
     mp = MasterParams([list(model.parameters())], conv.masters, flat=True, key=lambda p: p.dim())
     assert len(mp.groups[0]) == 2
-    mp.move_state_to_masters(opt.state)
+    mp.state_in(opt.state)
     assert all(m in opt.state for m in mp.groups[0])
-    mp.move_state_to_model(opt.state)
+    mp.state_out(opt.state)
     for p, m in zip(model.parameters(), moms): assert torch.equal(opt.state[p]['momentum_buffer'], m)
 
 def test_clip_matches_clip_grad_norm_on_fp32_copy(impl):
@@ -93,19 +91,19 @@ def test_clip_matches_clip_grad_norm_on_fp32_copy(impl):
     mp = MasterParams([list(model.parameters())], conv.masters)
     x = torch.randn(4, 5)
     model(x.half()).float().sum().backward()
-    mp.grads_to_masters(1.)
+    mp.grads.unscale(1.)
     for p, m in zip(ref.parameters(), mp.master_params): p.grad = m.grad.clone()    # the same unscaled grads, in fp32
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-    norm = mp.clip_(0.1)
+    norm = clip_norm([mp], 0.1)
     same_or_close(norm, expected, impl)
     for p, m in zip(ref.parameters(), mp.master_params): same_or_close(p.grad, m.grad, impl)
 
 def test_unscale_names_params_when_hopeless():
     model = nn.Sequential(nn.Linear(2, 2))
     conv = convert_model(model)
-    mp = MasterParams([list(model.parameters())], conv.masters, names={p: n for n, p in model.named_parameters()})
     sc = LossScaler(loss_scale=1., max_overflow_at_min=2)
-    engine = StepEngine(torch.optim.SGD(mp.master_params, lr=0.), mp, sc)
+    engine = StepEngine.attach(torch.optim.SGD(model.parameters(), lr=0.), conv.masters, scaler=sc,
+                               names={p: n for n, p in model.named_parameters()})
     for i in range(2):
         model(torch.randn(1, 2).half()).float().sum().backward()
         model[0].weight.grad[0, 0] = float('nan')
@@ -116,11 +114,11 @@ def test_unscale_names_params_when_hopeless():
 def test_unscale_nonfinite_norm_is_overflow():
     model = nn.Linear(2, 1)
     conv = convert_model(model)
-    mp = MasterParams([list(model.parameters())], conv.masters)
-    model.weight.grad = torch.full((1, 2), 60000., dtype=torch.half); model.bias.grad = torch.zeros(1, dtype=torch.half)
     # unscaling by 2**120 leaves finite fp32 values whose squares overflow
     sc = LossScaler(loss_scale=2.**-120, min_scale=2.**-130)
-    engine = StepEngine(torch.optim.SGD(mp.master_params, lr=0.), mp, sc, clip=1.)
+    engine = StepEngine.attach(torch.optim.SGD(model.parameters(), lr=0.), conv.masters, scaler=sc, clip=1.)
+    model.weight.grad = torch.full((1, 2), 60000., dtype=torch.half); model.bias.grad = torch.zeros(1, dtype=torch.half)
+    engine.scaled(None)
     engine.unscale()
     assert engine.must_skip()
     assert sc.history[-1].reason == 'nonfinite_norm' and sc.scale == 2.**-121

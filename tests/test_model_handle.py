@@ -13,8 +13,7 @@ from mixedprec.callback import MixedPrecision, MixedPrecisionOpt
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.scaler import ScalingError
 from mixedprec import amp
-from mixedprec.master import master_kind
-from helpers import synth_learner, masters_of, Record, mlp, quiet
+from helpers import master_values, synth_learner, masters_of, Record, mlp, quiet
 
 def relu_bn_mlp(seed=0):
     ("An MLP whose BatchNorm follows a ReLU: no bias right before a BatchNorm, whose grad is rounding noise that "
@@ -31,8 +30,8 @@ def fp32_and_half(precision='fp16', **kw):
     return ref, half
 
 def held(learn):
-    "What the optimizer steps for each model param: its master in mixed precision, else the param"
-    return masters_of(learn) if hasattr(learn, 'mixed_precision') else list(learn.model.parameters())
+    "The fp32 value of each model param: its master's in mixed precision (the param's own where it has none)"
+    return master_values(learn) if hasattr(learn, 'mixed_precision') else list(learn.model.parameters())
 
 def close(a, b, tol):
     return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
@@ -255,7 +254,7 @@ def test_a_copied_learner_trains_on_as_the_original(how, setup):
     twin = copy.deepcopy(learn) if how == "deepcopy" else pickle.loads(pickle.dumps(learn))
     learn.fit(1); twin.fit(1)
     assert all(torch.equal(a, b) for a, b in zip(weights(learn), weights(twin)))
-    assert all(torch.equal(master_kind(a).value(), master_kind(b).value()) for a, b in zip(masters_of(learn), masters_of(twin)))
+    assert all(torch.equal(a, b) for a, b in zip(master_values(learn), master_values(twin)))
 
 
 def test_a_copied_model_keeps_its_masters_for_the_checkpoint():
@@ -498,7 +497,7 @@ def test_a_wgan_keeps_its_clamp_in_half_precision_as_in_fp32(opt):
         if precision: getattr(learn, f'to_{precision}')(**({'loss_scale': 2.**8} if precision == 'fp16' else {}))
         learn.fit(2)
         crit = learn.model.critic
-        masters = [learn.mixed_precision.conversion.masters.get(p, p) for p in crit.parameters()] if precision else list(crit.parameters())
+        masters = [learn.mixed_precision.conversion.masters.held(p) for p in crit.parameters()] if precision else list(crit.parameters())
         return max(m.detach().abs().max().item() for m in masters), learn
     ref, _ = run(None)
     assert ref < 0.2
@@ -718,10 +717,10 @@ def test_one_element_changed_through_data_between_fits_leaves_the_others_fp32_bi
     learn = synth_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8)
     learn.fit(1)
     w = learn.model[0].weight
-    before = learn.mixed_precision.conversion.masters[w].detach().clone()
+    before = learn.mixed_precision.conversion.masters.value(w).clone()
     w.data[0, 0] = 0.5
     learn.fit(1, lr=0.)
-    after = learn.mixed_precision.conversion.masters[w].detach()
+    after = learn.mixed_precision.conversion.masters.value(w)
     assert after[0, 0] == 0.5 and torch.equal(after.flatten()[1:], before.flatten()[1:])
     assert not torch.equal(before.flatten()[1:], before.flatten()[1:].half().float())       # they had bits below fp16's
 
@@ -791,5 +790,5 @@ def test_a_clamp_through_data_in_a_callback_reaches_every_kind_of_master(kw):
     learn.fit(3, cbs=Record(-1, after_step=clamp))
     # each step starts from the clamp, so the masters end within one Adam step (about lr) of it (untaken: 0.2 and more)
     mp = learn.mixed_precision
-    masters = [master_kind(mp.conversion.masters[p]).value() for p in learn.model[0].parameters()]
+    masters = [mp.conversion.masters.value(p) for p in learn.model[0].parameters()]
     assert all(m.abs().max() <= 0.05 + 1.5e-2 for m in masters), [m.abs().max() for m in masters]

@@ -1,0 +1,101 @@
+"""The host's share of a training step on a model of many small tensors (issue 54): 80 `Linear(64, 64)` (160 tensors),
+one thread. The step's share is an iteration less its forward and backward, measured side by side in one run, rounds
+interleaved. Prints a table: each configuration's step share (median and range over rounds) and its ratio to torch's
+autocast + `GradScaler` + fused `AdamW`.
+
+    python bench/host_step.py [--rounds 7] [--iters 30] [--layers 80] [--dtype bf16|fp16]
+"""
+import argparse, statistics, sys, time, warnings
+from pathlib import Path
+import torch
+from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import cpu_name
+
+def model(layers):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)])
+
+def torch_fp32(layers, dtype):
+    m = model(layers); o = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+    def fwd_bwd(x): m(x).float().square().mean().backward()
+    def step(): o.step(); o.zero_grad()
+    step.drop = lambda: m.zero_grad(set_to_none=True)
+    return fwd_bwd, step
+
+def torch_autocast(layers, dtype):
+    m = model(layers); o = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+    sc = torch.amp.GradScaler('cpu', init_scale=1024.)
+    def fwd_bwd(x):
+        with torch.autocast('cpu', dtype=dtype): loss = m(x).float().square().mean()
+        sc.scale(loss).backward()
+    def step(): sc.step(o); sc.update(); o.zero_grad()
+    step.drop = lambda: m.zero_grad(set_to_none=True)
+    return fwd_bwd, step
+
+def mixedprec_amp(layers, dtype, **kw):
+    from mixedprec import amp
+    m = model(layers); o = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    m, o = amp.initialize(m, o, opt_level='O2', half_dtype=dtype, loss_scale=1024., verbosity=0, **kw)
+    pending = []
+    def fwd_bwd(x):
+        loss = m(x).float().square().mean()
+        ctx = amp.scale_loss(loss, o); s = ctx.__enter__(); s.backward(); pending.append(ctx)
+    def step(): pending.pop().__exit__(None, None, None); o.step(); o.zero_grad()
+    def drop(): pending.clear(); m.zero_grad(set_to_none=True)
+    step.drop = drop
+    return fwd_bwd, step
+
+def mixedprec_fp16_optimizer(layers, dtype, **kw):
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    m = model(layers).to(dtype); o = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    o = FP16_Optimizer(o, static_loss_scale=1024., verbose=False, **kw)
+    def fwd_bwd(x): o.backward(m(x).float().square().mean(), update_master_grads=False)
+    def step(): o.update_master_grads(); o.step(); o.zero_grad()
+    step.drop = lambda: m.zero_grad(set_to_none=True)
+    return fwd_bwd, step
+
+CONFIGS = {
+    'torch fp32, fused AdamW': torch_fp32,
+    'torch autocast + GradScaler + fused AdamW': torch_autocast,
+    'mixedprec amp O2': mixedprec_amp,
+    'mixedprec FP16_Optimizer': mixedprec_fp16_optimizer,
+}
+
+def time_config(make, layers, dtype, iters):
+    "Seconds per iteration: (forward + backward alone, forward + backward + step)"
+    fwd_bwd, step = make(layers, dtype)
+    x = torch.randn(16, 64)
+    xin = x.to(dtype) if make is mixedprec_fp16_optimizer else x
+    for _ in range(3): fwd_bwd(xin); step()
+    t = time.perf_counter()
+    for _ in range(iters): fwd_bwd(xin); step()
+    full = (time.perf_counter() - t) / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        fwd_bwd(xin)
+        step.drop()             # the grads of this backward dropped unstepped: the step's share is what the full loop adds
+    fb = (time.perf_counter() - t) / iters
+    return full - fb, full
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--rounds', type=int, default=7); ap.add_argument('--iters', type=int, default=30)
+    ap.add_argument('--layers', type=int, default=80); ap.add_argument('--dtype', default='bf16')
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings('ignore')
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
+    shares = {k: [] for k in CONFIGS}
+    for _ in range(args.rounds):
+        for name, make in CONFIGS.items(): shares[name].append(time_config(make, args.layers, dtype, args.iters)[0])
+    ref = statistics.median(shares['torch autocast + GradScaler + fused AdamW'])
+    print(f"{cpu_name()}, torch {torch.__version__}, 1 thread, {args.layers} Linear(64, 64) ({2 * args.layers} tensors), "
+          f"{args.dtype}, {args.rounds} rounds of {args.iters} iterations")
+    print(f"| configuration | step's share, ms (median, min-max) | x torch autocast + GradScaler |")
+    print(f"|---|---|---|")
+    for name, s in shares.items():
+        med = statistics.median(s)
+        print(f"| {name} | {med * 1e3:.2f} ({min(s) * 1e3:.2f}-{max(s) * 1e3:.2f}) | {med / ref:.2f} |")
+
+if __name__ == '__main__': main()
