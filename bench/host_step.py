@@ -1,7 +1,8 @@
 """The host's share of a training step on a model of many small tensors (issue 54): 80 `Linear(64, 64)` (160 tensors),
-one thread. The step's share is an iteration less its forward and backward, measured side by side in one run, rounds
-interleaved. Prints a table: each configuration's step share (median and range over rounds) and its ratio to torch's
-autocast + `GradScaler` + fused `AdamW`.
+one thread. The step's share is what an iteration spends after its backward (the unscale, the optimizer step, the scale's
+update and clearing the grads), timed by itself at each iteration; configurations side by side in one run, rounds
+interleaved. Prints a table: each configuration's step (the median of the rounds' medians, and their range) and its
+ratio to torch's autocast + `GradScaler` + fused `AdamW`.
 
     python bench/host_step.py [--rounds 7] [--iters 30] [--layers 80] [--dtype bf16|fp16]
 """
@@ -20,7 +21,6 @@ def torch_fp32(layers, dtype):
     m = model(layers); o = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
     def fwd_bwd(x): m(x).float().square().mean().backward()
     def step(): o.step(); o.zero_grad()
-    step.drop = lambda: m.zero_grad(set_to_none=True)
     return fwd_bwd, step
 
 def torch_autocast(layers, dtype):
@@ -30,7 +30,6 @@ def torch_autocast(layers, dtype):
         with torch.autocast('cpu', dtype=dtype): loss = m(x).float().square().mean()
         sc.scale(loss).backward()
     def step(): sc.step(o); sc.update(); o.zero_grad()
-    step.drop = lambda: m.zero_grad(set_to_none=True)
     return fwd_bwd, step
 
 def mixedprec_amp(layers, dtype, **kw):
@@ -42,8 +41,6 @@ def mixedprec_amp(layers, dtype, **kw):
         loss = m(x).float().square().mean()
         ctx = amp.scale_loss(loss, o); s = ctx.__enter__(); s.backward(); pending.append(ctx)
     def step(): pending.pop().__exit__(None, None, None); o.step(); o.zero_grad()
-    def drop(): pending.clear(); m.zero_grad(set_to_none=True)
-    step.drop = drop
     return fwd_bwd, step
 
 def mixedprec_fp16_optimizer(layers, dtype, **kw):
@@ -52,7 +49,6 @@ def mixedprec_fp16_optimizer(layers, dtype, **kw):
     o = FP16_Optimizer(o, static_loss_scale=1024., verbose=False, **kw)
     def fwd_bwd(x): o.backward(m(x).float().square().mean(), update_master_grads=False)
     def step(): o.update_master_grads(); o.step(); o.zero_grad()
-    step.drop = lambda: m.zero_grad(set_to_none=True)
     return fwd_bwd, step
 
 CONFIGS = {
@@ -63,20 +59,16 @@ CONFIGS = {
 }
 
 def time_config(make, layers, dtype, iters):
-    "Seconds per iteration: (forward + backward alone, forward + backward + step)"
+    "Each iteration's step, timed by itself (the unscale, the optimizer step, the scale's update, clearing the grads)"
     fwd_bwd, step = make(layers, dtype)
     x = torch.randn(16, 64)
     xin = x.to(dtype) if make is mixedprec_fp16_optimizer else x
     for _ in range(3): fwd_bwd(xin); step()
-    t = time.perf_counter()
-    for _ in range(iters): fwd_bwd(xin); step()
-    full = (time.perf_counter() - t) / iters
-    t = time.perf_counter()
+    times = []
     for _ in range(iters):
         fwd_bwd(xin)
-        step.drop()             # the grads of this backward dropped unstepped: the step's share is what the full loop adds
-    fb = (time.perf_counter() - t) / iters
-    return full - fb, full
+        t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -88,7 +80,7 @@ def main():
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     shares = {k: [] for k in CONFIGS}
     for _ in range(args.rounds):
-        for name, make in CONFIGS.items(): shares[name].append(time_config(make, args.layers, dtype, args.iters)[0])
+        for name, make in CONFIGS.items(): shares[name].append(time_config(make, args.layers, dtype, args.iters))
     ref = statistics.median(shares['torch autocast + GradScaler + fused AdamW'])
     print(f"{cpu_name()}, torch {torch.__version__}, 1 thread, {args.layers} Linear(64, 64) ({2 * args.layers} tensors), "
           f"{args.dtype}, {args.rounds} rounds of {args.iters} iterations")

@@ -306,7 +306,7 @@ def master_params(optimizer):
     ("The params `optimizer` owns, as an iterator: the fp32 masters at O2 (a master kept in its bf16 weight reads as "
      "its fp32 value until the next step), the model's params otherwise")
     e = _engines.get(optimizer)
-    return iter(e.masters.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
+    return iter(e.masters.weights.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
 
 def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
     ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (summed over ranks on "
@@ -339,7 +339,7 @@ def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 masters of every optimizer"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
-    sd['masters'] = [e.masters.values() for e in _state.engines]
+    sd['masters'] = [e.masters.weights.values() for e in _state.engines]
     return sd
 
 def load_state_dict(sd:dict):
@@ -354,7 +354,7 @@ def load_state_dict(sd:dict):
     if len(saved) != len(_state.engines):
         raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
                          "nothing was loaded")
-    for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.masters.check_values(ms, f"the state_dict (optimizer {i})")
+    for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.masters.weights.check_values(ms, f"the state_dict (optimizer {i})")
     for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
     for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])
-    for e, ms in zip(_state.engines, saved): e.masters.load_values(ms)
+    for e, ms in zip(_state.engines, saved): e.masters.weights.load_values(ms)

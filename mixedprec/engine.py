@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults',
-           'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'steppable',
-           'fuses', 'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_state', 'keeps_buffer', 'FusedStep',
+           'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
+           'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_state', 'keeps_buffer', 'FusedStep',
            'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'HeldOptimizer', 'StepRunner', 'StepEngine',
            'state_by_model_param', 'state_onto_masters', 'check_optimizer_state', 'load_optimizer_state',
            'write_atomically', 'save_checkpoint', 'clip_grads_', 'clip_norm', 'scale_into', 'OverflowNames',
@@ -148,14 +148,10 @@ def fused_plan(opt) -> FusedPlan:
         if plan is not None: return plan
     return None
 
-def steppable(layout:MasterParams) -> bool:
-    "True when the fused kernels know how to step every master of `layout` that trains (kinds they step, not flat)"
-    return bool(layout.masters) and all(m.step_kind is not None for m in layout.masters if m.trains)
-
 def fuses(layout:MasterParams, impl:str=None) -> bool:
     ("True when the fused kernels step an optimizer over `layout`: masters of half params (or FSDP2's shards), of kinds "
      "they step, and the kernels built for the device (an fp32 model keeps the optimizer's own step, exactly)")
-    return (steppable(layout) and (bool(layout.trained) or layout.fsdp2) and
+    return (layout.steppable and (layout.has_trained or layout.fsdp2) and
             backend(layout.masters[0].param, impl or layout.impl) != 'ref')
 
 # %% ../nbs/14_engine.ipynb #a8deb048
@@ -318,7 +314,7 @@ class FusedStep:
                 raise NotImplementedError("stochastic rounding (masters='none', state='bf16' or '8bit') inside "
                                           "torch.compile: its seeds are host ints that change at every step. Compile "
                                           "the model (the forward and backward), and let mixedprec's step run eagerly")
-            seeds = self.layout.rounding_seeds(run.held, state)      # this step's seed of each (its stream advances)
+            seeds = self.layout.rounding.seeds(run.held, state)      # this step's seed of each (its stream advances)
         if run.step_kind == 'split': extra['lows'] = run.lows
         if run.step_kind == 'none': extra['seeds'] = seeds
         if self.lean and run.states:
@@ -352,7 +348,7 @@ def make_lean_state(engine):
         # started there: a count of 0 would take it for a first step)
         if plan.kind == 'sgd': params = [p for p in params if state[p].get(plan.names['buf']) is None]
         for p in params: make_state(state[p], p, plan.kind, plan.names, engine.state, keep_buffer)
-        engine.masters.start_rounding(params, state)
+        engine.masters.rounding.start(params, state)
 
 # %% ../nbs/14_engine.ipynb #fb293c04
 class Stage(Enum):
@@ -427,7 +423,7 @@ class HeldOptimizer:
                              f"{kind.__name__}: use state='fp32' with it")
         self.masters = _swap_in(self.adapter, record, kind, names, impl, flat, make, keep_bf16=state == 'bf16')
         # stochastic rounding: every rank draws the same bits, whatever its torch seed
-        if state != 'fp32' or kind.needs_seed: self.masters.rounding_seed = rank0s(self.masters.rounding_seed)
+        if state != 'fp32' or kind.needs_seed: self.masters.rounding.seed = rank0s(self.masters.rounding.seed)
         self.own = optimizer.step                # what `step()` meant before a front end handed it to the engine
         self._followed, self.own_layout_due = False, True
         if state == 'fp32': self.decode_state()     # lean state is read by the fused steps only, as it is
@@ -440,7 +436,6 @@ class HeldOptimizer:
         self.leave()
         self.masters = _swap_in(self.adapter, ms.record, ms.kind, ms.names, ms.impl, ms.flat, ms.make,
                                 keep_bf16=self.state == 'bf16', previous=ms)
-        self.masters.rounding_seed = ms.rounding_seed
 
     def prepare(self, follow:bool=False) -> bool:
         ("Before an unscale (or a fit, `follow`): the masters laid out as the params (a model laid out anew after the "
@@ -492,12 +487,15 @@ class HeldOptimizer:
 class StepRunner:
     ("How an optimizer's next step runs over its masters: the fused kernels (which read the decision on the device, "
      "where they may), or the optimizer's own step and then the master copy")
-    def __init__(self, held:HeldOptimizer):
+    def __init__(self, held:HeldOptimizer, previous:'StepRunner'=None):
         self.held, opt, ms = held, held.optimizer, held.masters
         recognised = fused_plan(opt)
-        lean = held.state != 'fp32' and steppable(ms)     # the references keep lean state where no kernels run
+        lean = held.state != 'fp32' and ms.steppable     # the references keep lean state where no kernels run
         self.plan = recognised if recognised is not None and (fuses(ms, held.impl) or lean) else None
-        self.fused = FusedStep(self.plan, ms, held.state, held.impl) if self.plan is not None else None
+        same = previous is not None and previous.plan is not None and self.plan is not None and (
+            previous.plan.name == self.plan.name and previous.fused.layout is ms)
+        # the launches prepared for the same layout and optimizer are kept
+        self.fused = previous.fused if same else FusedStep(self.plan, ms, held.state, held.impl) if self.plan else None
         when = held.decide or current_decide()
         self.on_device = self.plan is not None and self.plan.device_ok and when != 'never' and (
             when == 'always' or ms.device().type == 'cuda')
@@ -522,12 +520,13 @@ class StepRunner:
         if held.own_layout_due: held.own_layout()
         own = held.own
         if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
+        ms = held.masters
         def evaluate():
             "The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several points)"
-            held.masters.masters_to_model()
-            held.masters.store_materialized()
+            ms.weights.to_model()
+            ms.weights.store_materialized()
             return closure()
-        return held.masters.own_step(opt.state, lambda: own(evaluate) if closure is not None else own())
+        return ms.weights.own_step(opt.state, ms.rounding, lambda: own(evaluate) if closure is not None else own())
 
 # %% ../nbs/14_engine.ipynb #d19c8a81
 class StepEngine:
@@ -563,7 +562,10 @@ class StepEngine:
     found = property(lambda self: self.progress.found, doc="The pending decision (0-dim bool tensor, True: skip)")
     accumulating = property(lambda self: self.progress.found is not None,
                             doc="True when the masters hold unscaled grads of a pending step: the next unscale adds")
-    def choose(self): "Choose how the next step runs (see `StepRunner`)"; self.runner = StepRunner(self.held)
+    def choose(self):
+        "Choose how the next step runs (see `StepRunner`), anew where the layout, the optimizer or the settings changed"
+        key = (self.masters, getattr(fused_plan(self.optimizer), 'name', None), ops.current_impl(), current_decide())
+        if getattr(self, '_chosen', None) != key: self.runner, self._chosen = StepRunner(self.held, getattr(self, 'runner', None)), key
     def add_param_group(self, group:dict):
         "Add a param group: its half params that train get masters"; self.held.add_param_group(group); self.choose()
 
@@ -616,7 +618,7 @@ class StepEngine:
         if found is None and closure is None:
             self._check_scaled()
             return None                  # nothing unscaled since the last step: a second `step()` does not repeat it
-        self.masters.take_edits()        # the model is the user's handle: in-place edits (a clamp) are where it starts
+        self.masters.weights.take_edits()   # the model is the user's handle: in-place edits (a clamp) are where it starts
         self.stepping = True
         try:
             if found is not None and runner.on_device: return runner.fused_step(found)
@@ -627,10 +629,10 @@ class StepEngine:
             return runner.own_step(closure)
         finally:
             self.stepping = False
-            self.masters.end_reads()
+            self.masters.weights.end_reads()
             self.masters.grads.drop_lent()
             self.progress.ended(Stage.STEPPED)
-            self.masters.mark_written()          # what the model holds now is ours: a change after this is the user's
+            self.masters.weights.written()          # what the model holds now is ours: a change after this is the user's
 
     def _check_scaled(self):
         "Raise when the half model holds grads that no unscale took in: a backward without the scaling call"
@@ -811,7 +813,12 @@ def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=Tr
 
 class OverflowNames:
     "The params whose unscaled grads are not finite, named when the scaler's books catch up (or as at `freeze()`)"
-    def __init__(self, engines:list, grads:list): self.engines, self.grads, self.frozen = engines, grads, None
+    def __init__(self, engines:list, grads:list=None): self.engines, self._grads, self.frozen = engines, grads, None
+    @property
+    def grads(self) -> list:
+        "The (param, unscaled grad) pairs of each engine, taken at the first ask"
+        if self._grads is None: self._grads = [e.masters.grads.unscaled() for e in self.engines]
+        return self._grads
     def freeze(self):
         "Each grad's largest magnitude (inf or NaN where it holds one), one foreach op on the device"
         if self.frozen is None:
@@ -847,10 +854,9 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     if clip is not None:
         norm = clip_norm([e.masters for e in engines], clip)
         code = torch.where((code == 0) & ~torch.isfinite(norm), 3, code)
-    grads = [e.masters.grads.unscaled() for e in engines]     # kept until the books name the overflowed params
-    for e in engines:
-        e.masters.grads.zero_model()
-        e.masters.grads.lend()                # until the step, `p.grad` stands for the master's unscaled grad
+    # kept until the books name the overflowed params (on the CPU they do at once: read then, if need be)
+    grads = [e.masters.grads.unscaled() for e in engines] if device.type != 'cpu' else None
+    for e in engines: e.masters.grads.lend()     # until the step, `p.grad` stands for the master's unscaled grad
     diagnose = lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else '')
     skip = scaler.advance(code, norm, OverflowNames(engines, grads), input_finite, diagnose=diagnose)
     for e in engines: e.decided(skip)

@@ -4,12 +4,13 @@
 
 # %% auto #0
 __all__ = ['STORES', 'IN_BACKWARD', 'HALF', 'CheckpointError', 'check_master_value', 'check_param_state', 'check_state_value',
-           'GradLists', 'Master', 'Fp32Master', 'OwnMaster', 'Frozen', 'StandInMaster', 'SplitMaster', 'RoundedMaster',
-           'check_store', 'flat_like', 'flat_slice', 'FlatSlice', 'FlatMaster', 'Masters', 'MasterGrad', 'MasterGrads',
-           'MasterParams']
+           'GradLists', 'Holder', 'Master', 'Fp32Master', 'OwnMaster', 'Frozen', 'StandInMaster', 'SplitMaster',
+           'RoundedMaster', 'check_store', 'flat_like', 'flat_slice', 'FlatSlice', 'FlatMaster', 'Masters',
+           'MasterGrad', 'MasterGrads', 'nonfinite_names', 'MasterParams', 'MasterWeights', 'RoundingStreams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
+from operator import attrgetter
 import torch
 from torch import nn
 from .ops import (scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, split_bf16_ref, join_bf16_ref,
@@ -73,11 +74,43 @@ class GradLists:
     def fresh(self, g, into): self.src.append(g); self.dst.append(into)
     def add(self, g, into): self.add_src.append(g); self.add_dst.append(into)
 
-class Master:
+class Holder:
+    ("What an optimizer holds in place of model params (`held`): a master holds its one param, a flat master several. "
+     "How grads come in, how they are cleared, how its optimizer state is keyed")
+    trains, step_kind = True, None
+    params = property(lambda self: [self.param])
+    def take_grads(self, lists:GradLists, accumulate:bool, keep:bool):
+        ("Put the params' half grads into `lists` for the unscale (added to the grad held with `accumulate`); a param "
+         "without one: a zero grad where the optimizer zeroes (`keep`), else none")
+    @classmethod
+    def take_all(cls, holders:list, lists:GradLists, accumulate:bool, keep:bool):
+        "`take_grads` of each of `holders`, all of this kind (a kind may do them at once)"
+        for h in holders: h.take_grads(lists, accumulate, keep)
+    def clear_grad(self, set_to_none:bool):
+        "Drop the grad (`set_to_none`), or zero it in place"
+        if set_to_none or self.held.grad is None: self.held.grad = None
+        else: self.held.grad.zero_()
+    def state_in(self, state:dict, keep_bf16:bool=False):
+        ("Re-key the params' optimizer state in `state` onto what the optimizer holds: half tensors as fp32, 8-bit "
+         "codes (and with `keep_bf16`, bf16 moments) kept for the fused steps")
+        if self.held is not self.param and self.param in state:
+            state[self.held] = fp32_state(state.pop(self.param), keep_codes=True, keep_bf16=keep_bf16)
+    def state_out(self, state:dict):
+        "Re-key the optimizer state in `state` back onto the params"
+        if self.held is not self.param and self.held in state: state[self.param] = state.pop(self.held)
+    def hold_gradless(self, state:dict): "What puts back what an own step must not move (None: nothing)"
+    def leave(self, record:'Masters'): "The layout that holds this goes"
+    def readable(self) -> torch.Tensor: "What the optimizer holds, reading as the fp32 value"; return self.held
+    def end_read(self): "The next step begins: what `readable` lent goes"
+    def model_layout(self) -> tuple: "What the optimizer holds, and the params it stands for"; return self.held, [(self.param, None)]
+    def follow(self, states:list) -> bool:
+        "Lay what it keeps, and its optimizer state in `states`, out as the params (`to_channelslast()`); True if moved"
+        return False
+
+# %% ../nbs/13_master.ipynb #master13
+class Master(Holder):
     ("One model param as the optimizer trains it: `held`, the tensor the optimizer holds in its place, its grad, and "
      "where the param's fp32 value lives. The base of every kind")
-    trains = True             # False: a param that does not train (no master, no grad, no optimizer state)
-    step_kind = None          # how the fused kernels step it ('copy', 'split', 'none', 'own'); None: the own step
     needs_seed = False        # its steps round stochastically (a seed per step)
     own = False               # the param is its own master: its grads are unscaled in place
     keeps_grad = False        # its grad is one buffer kept between steps (else made at each unscale, gone at the step)
@@ -93,7 +126,6 @@ class Master:
     @classmethod
     def refuses(cls, dtype:torch.dtype) -> str:
         "Why this kind cannot be the master of a `dtype` param (in words, with what to do), or None"
-        return None
 
     def value(self) -> torch.Tensor: "The fp32 value (detached)"; return self.held.detach()
     def put(self, v:torch.Tensor):
@@ -130,9 +162,7 @@ class Master:
 
     @property
     def grad(self) -> torch.Tensor: "The unscaled fp32 grad, or None"; return self.held.grad
-    def take_grad(self, lists:GradLists, accumulate:bool, keep:bool):
-        ("Put the param's half grad into `lists` for the unscale (added to the grad held with `accumulate`); "
-         "none: a zero grad where the optimizer zeroes (`keep`), else none")
+    def take_grads(self, lists, accumulate, keep):
         g = self.param.grad
         if g is None:
             if accumulate: return
@@ -144,10 +174,6 @@ class Master:
             self.held.grad = torch.empty_strided(self.param.shape, self.param.stride(), dtype=torch.float32,
                                                  device=self.param.device)
             lists.fresh(g, self.held.grad)
-    def clear_grad(self, set_to_none:bool):
-        "Drop the grad (`set_to_none`), or zero it in place"
-        if set_to_none or self.held.grad is None: self.held.grad = None
-        else: self.held.grad.zero_()
     def copy_out(self, src:list, dst:list): "Add this master's master-to-model copy, if it has one, to `src`/`dst`"
 
     @property
@@ -155,29 +181,7 @@ class Master:
     def materialize(self): "Lend the optimizer's own step an fp32 value to step (a kind without one)"
     def store_materialized(self): "Put the lent value's rounding into the param (a closure reads the model)"
     def release(self, seed:int=None): "Take the stepped value back (rounded with `seed` where `needs_seed`)"
-
-    def follow(self, states:list) -> bool:
-        "Lay what the kind keeps, and its optimizer state in `states`, out as the param (`to_channelslast()`)"
-        return False
-    def to_device(self):
-        "Follow the param to its device (fastai moves the model at `fit`)"
-
-    # as what the optimizer holds (a flat master holds several params)
-    params = property(lambda self: [self.param])
-    def take_grads(self, lists:GradLists, accumulate:bool, keep:bool): self.take_grad(lists, accumulate, keep)
-    def state_in(self, state:dict, keep_bf16:bool=False):
-        ("Re-key the param's optimizer state in `state` onto what the optimizer holds: half tensors as fp32, 8-bit "
-         "codes (and with `keep_bf16`, bf16 moments) kept for the fused steps")
-        if self.held is not self.param and self.param in state:
-            state[self.held] = fp32_state(state.pop(self.param), keep_codes=True, keep_bf16=keep_bf16)
-    def state_out(self, state:dict):
-        "Re-key the optimizer state in `state` back onto the param"
-        if self.held is not self.param and self.held in state: state[self.param] = state.pop(self.held)
-    def hold_gradless(self, state:dict): "What puts back what an own step must not move (None: nothing)"
-    def leave(self, record:'Masters'): "The layout that holds this goes"
-    def readable(self) -> torch.Tensor: "What the optimizer holds, reading as the fp32 value"; return self.held
-    def end_read(self): "The next step begins: what `readable` lent goes"
-    def model_layout(self) -> tuple: "What the optimizer holds, and the params it stands for"; return self.held, [(self.param, None)]
+    def to_device(self): "Follow the param to its device (fastai moves the model at `fit`)"
 
 # %% ../nbs/13_master.ipynb #8ca9eaf1
 def _stand_in(shape, device) -> torch.Tensor:
@@ -208,17 +212,29 @@ class Fp32Master(Master):
                                                                  requires_grad=param.requires_grad))
     def value_edited(self) -> bool: return self.held._version != self.written[1] and not self.edited()
     def adopt_data_edits(self): adopt_edits_ref_(self.held.detach().view(self.param.shape), self.param)
-    def take_grad(self, lists, accumulate, keep):
+    def take_grads(self, lists, accumulate, keep):
         g = self.param.grad
-        if g is None and not self.param.requires_grad: self.buffer = None     # frozen: its grad's buffer goes
-        if g is None: return super().take_grad(lists, accumulate, keep)
+        if g is None and not (keep or self.param.requires_grad):
+            self.buffer = self.held.grad = None      # frozen, and grads are dropped (fastai's zeroed ones stay, stepped)
+        if g is None: return super().take_grads(lists, accumulate, keep)
         if self.buffer is None: self.buffer = torch.zeros_like(self.held)
         if accumulate and self.held.grad is not None: lists.add(g, self.buffer)
         else: lists.fresh(g, self.buffer)
         self.held.grad = self.buffer
+    @classmethod
+    def take_all(cls, ms, lists, accumulate, keep):
+        # the common step at once: every param has a grad, every buffer is made, nothing is added to
+        gs = [m.param.grad for m in ms]
+        bufs = [m.buffer for m in ms]
+        if accumulate or any(g is None for g in gs) or any(b is None for b in bufs):
+            return super().take_all(ms, lists, accumulate, keep)
+        lists.src += gs; lists.dst += bufs
+        for m, b in zip(ms, bufs):
+            if m.held.grad is not b: m.held.grad = b
     def clear_grad(self, set_to_none):
-        if self.buffer is not None: self.buffer.zero_()
+        # dropped, the buffer is overwritten by the next unscale: zeroed only where the grad is kept
         if set_to_none: self.held.grad = None
+        elif self.held.grad is not None: self.held.grad.zero_()
     def copy_out(self, src, dst): src.append(self.held); dst.append(self.param)
     def __getstate__(self): return {**self.__dict__, 'buffer': None}      # a copy makes its own at its first grad
     def follow(self, states):
@@ -244,7 +260,7 @@ class OwnMaster(Master):
     def edited(self) -> bool: return False
     @property
     def grad(self): return self.param.grad
-    def take_grad(self, lists, accumulate, keep):
+    def take_grads(self, lists, accumulate, keep):
         held, self.stash = self.stash, None
         if self.param.grad is None: self.param.grad = held; return
         if accumulate and held is not None: lists.add(self.param.grad, held); self.param.grad = held
@@ -261,7 +277,7 @@ class Frozen(OwnMaster):
     trains, own = False, False
     @classmethod
     def make(cls, param, value): return cls(param)
-    def take_grad(self, lists, accumulate, keep): pass
+    def take_grads(self, lists, accumulate, keep): pass
 
 # %% ../nbs/13_master.ipynb #c300ef91
 class StandInMaster(Master):
@@ -396,7 +412,7 @@ class FlatSlice(Fp32Master):
     def adopt_data_edits(self): adopt_edits_ref_(self.view, self.param)
     @property
     def grad(self): return self.gview if self.flat.held.grad is not None else None
-    def take_grad(self, lists, accumulate, keep):
+    def take_grads(self, lists, accumulate, keep):
         g = self.param.grad
         if g is None:
             if not accumulate: self.gview.zero_()          # zero in a flat master that other params' grads reach
@@ -410,10 +426,9 @@ class FlatSlice(Fp32Master):
         return Fp32Master(self.param, nn.Parameter(_like(self.param, self.view), requires_grad=self.param.requires_grad))
     def __reduce_ex__(self, protocol): return (Fp32Master, (self.param, nn.Parameter(self.view.clone())))
 
-class FlatMaster:
+class FlatMaster(Holder):
     ("One flat fp32 master that the optimizer holds in place of several half params (one per group and key), and "
      "its flat grad")
-    step_kind = None
     def __init__(self, params:list, values:list, requires_grad:bool=True):
         self.held = nn.Parameter(torch.cat([v.detach().reshape(-1).float() for v in values]),
                                  requires_grad=requires_grad)
@@ -423,16 +438,15 @@ class FlatMaster:
             view = self.held.data[offset:offset + n].view(p.shape)
             self.slices.append(FlatSlice(p, self, view, self.buffer[offset:offset + n].view(p.shape)))
             offset += n
-        self.params = [s.param for s in self.slices]
     def __repr__(self): return f"FlatMaster({len(self.slices)} params, {self.held.numel()} elements)"
-    param = property(lambda self: None)
+    params = property(lambda self: [s.param for s in self.slices])
 
     def take_grads(self, lists:GradLists, accumulate:bool, keep:bool):
         "Each param's grad into its view of the flat grad; the flat master has a grad when one of its params had"
         if accumulate and self.held.grad is None: self.buffer.zero_()
         none = {id(s) for s in self.slices if s.param.grad is None and not (keep and s.graded)}
         self.gradless = self.gradless & none if accumulate else none
-        for s in self.slices: s.take_grad(lists, accumulate, keep)
+        for s in self.slices: s.take_grads(lists, accumulate, keep)
         if len(none) < len(self.slices): self.held.grad = self.buffer
         elif not accumulate: self.held.grad = None
     def clear_grad(self, set_to_none:bool):
@@ -463,8 +477,6 @@ class FlatMaster:
 
     def leave(self, record):
         for s in self.slices: record.register(s.standalone())
-    def readable(self) -> torch.Tensor: return self.held
-    def end_read(self): pass
     def model_layout(self) -> tuple:
         fm = self.held.data
         return self.held, [(s.param, (s.param.shape, s.view.stride(), s.view.storage_offset() - fm.storage_offset()))
@@ -596,7 +608,7 @@ _graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
 # %% ../nbs/13_master.ipynb #mroom0
 class MasterGrads:
     ("The grads of a list of masters: unscaled from the half params into fp32, lent back to the params until the step, "
-     "cleared as the front end's optimizer clears them, named when they overflow")
+     "cleared as the front end's optimizer clears them")
     def __init__(self,
         masters:list,           # one `Master` per model param
         holders:list=None,      # what the optimizer holds (default: `masters`; a flat master holds several)
@@ -608,11 +620,14 @@ class MasterGrads:
         self.impl, self.names, self.fsdp2 = impl, names or {}, fsdp2
         self.keep_zero, self._lent, self._cache = False, False, {}
         self._own = [m for m in self.masters if m.own]
+        self._lends = [m for m in self.masters if not m.own]
+        self._kinds = {}                              # the holders by kind, for `take_all`
+        for h in self.holders: self._kinds.setdefault(type(h), []).append(h)
 
     def unscale(self, inv_scale, accumulate:bool=False) -> torch.Tensor:
         "Unscale the half grads into the master grads (added to them with `accumulate`): the overflow flag (0-dim bool)"
         lists = GradLists()
-        for h in self.holders: h.take_grads(lists, accumulate, self.keep_zero)
+        for kind, hs in self._kinds.items(): kind.take_all(hs, lists, accumulate, self.keep_zero)
         try: found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
         except (RuntimeError, ValueError): self._refuse_sparse(); raise
         if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
@@ -631,12 +646,12 @@ class MasterGrads:
         for m in self._own: m.set_aside()
 
     def lend(self):
-        "Until the step, each half param's `.grad` is a `MasterGrad` of its master's unscaled fp32 grad"
+        ("After the unscale, until the step: each half param's `.grad` is a `MasterGrad` of its master's unscaled fp32 "
+         "grad (the backward's half grads are dropped)")
         cache = self._cache
-        for m in self.masters:
-            if m.own: continue
+        for m in self._lends:
             g = m.grad
-            if g is None: continue
+            if g is None: m.param.grad = None; continue
             if not m.keeps_grad: m.param.grad = MasterGrad(m.param, g); continue     # made anew at each unscale
             hit = cache.get(id(m))
             if hit is None or hit.master_grad is not g: hit = cache[id(m)] = MasterGrad(m.param, g)
@@ -647,7 +662,7 @@ class MasterGrads:
         "Drop the `MasterGrad`s lent to the half params (a grad the backward left in them stays)"
         if not self._lent: return          # nothing lent since the last drop: no loop (it runs three times a step)
         self._lent = False
-        for m in self.masters:
+        for m in self._lends:
             if type(m.param.grad) is MasterGrad: m.param.grad = None
 
     def clearing(self, set_to_none:bool):
@@ -665,14 +680,12 @@ class MasterGrads:
 
     def zero_model(self):
         "Drop the half params' grads (fp32 params, their own masters, keep theirs)"
-        for m in self.masters:
-            if not m.own: m.param.grad = None
+        for m in self._lends: m.param.grad = None
 
     def raw(self) -> list:
         ("The half params holding a grad that no unscale took in; on FSDP2, whose fp32 shards are their own masters, "
          "those with a nonzero grad on any rank (asked when nothing was unscaled since the last step, on every rank)")
-        raw = [m.param for m in self.masters if not m.own and m.param.grad is not None
-               and type(m.param.grad) is not MasterGrad]
+        raw = [m.param for m in self._lends if m.param.grad is not None and type(m.param.grad) is not MasterGrad]
         own = [m.param for m in self._own if m.param.grad is not None] if self.fsdp2 else []
         if not own: return raw
         nonzero = agree(torch.stack([local_shard(p.grad).ne(0).any() for p in own]).to(torch.int32))
@@ -681,43 +694,38 @@ class MasterGrads:
     def unscaled(self) -> list:
         "(param, its unscaled fp32 grad) for each param the backward reached, after `unscale`"
         return [(m.param, m.grad) for m in self.masters if m.param.grad is not None and m.grad is not None]
-
     def slots(self) -> list:
         "The unscaled grad (or None) of each model param, in order: the same slots on every rank, for the global norm"
         return [m.grad for m in self.masters]
-
     def held_grads(self) -> list:
         "The grads of what the optimizer holds (a flat master's once)"
         return [g for g in (h.held.grad for h in self.holders) if g is not None]
-
     def nonfinite(self, limit:int=10, grads:list=None, peaks:list=None) -> list:
         "Names of the params whose grads (default: the model's; or `(param, grad)` pairs) hold inf or NaN"
-        # `peaks`: each grad's largest magnitude, taken earlier (the grads may have been zeroed since)
         if grads is None: grads = [(m.param, m.param.grad) for m in self.masters if m.param.grad is not None]
-        if not grads: return []
-        shards = local_shards([g for _, g in grads])                  # FSDP2: this rank's shards
-        if peaks is not None: kinds = ['nan' if x != x else 'inf' if not math.isfinite(x) else None for x in peaks]
-        else:   # one host read: a non-finite grad has a non-finite norm (and a huge finite fp32 grad may have one too)
-            try: norms = l2norm(shards, per_tensor=True, impl=self.impl)[1].tolist()
-            except (RuntimeError, ValueError): norms = [float('nan')] * len(grads)     # a layout the kernel refuses
-            kinds = [None if math.isfinite(n) or torch.isfinite(g).all() else 'nan' if torch.isnan(g).any() else 'inf'
-                     for g, n in zip(shards, norms)]
-        if self.fsdp2:          # every rank names what any rank's shard holds
-            codes = agree(torch.tensor([(None, 'inf', 'nan').index(k) for k in kinds], dtype=torch.int32))
-            kinds = [(None, 'inf', 'nan')[c] for c in codes.tolist()]
-        return [f"{self.names.get(p, tuple(p.shape))} ({kind})" for (p, _), kind in zip(grads, kinds) if kind][:limit]
+        return nonfinite_names(grads, self.names, self.impl, self.fsdp2, limit, peaks)
+
+
+# %% ../nbs/13_master.ipynb #nonfin13
+def nonfinite_names(grads:list, names:dict, impl:str=None, fsdp2:bool=False, limit:int=10, peaks:list=None) -> list:
+    ("Names of the params whose grads, in `(param, grad)` pairs, hold inf or NaN (`peaks`: each grad's largest "
+     "magnitude, taken earlier: the grads may have been zeroed since); on FSDP2 what any rank's shard holds")
+    if not grads: return []
+    shards = local_shards([g for _, g in grads])                  # FSDP2: this rank's shards
+    if peaks is not None: kinds = ['nan' if x != x else 'inf' if not math.isfinite(x) else None for x in peaks]
+    else:   # one host read: a non-finite grad has a non-finite norm (and a huge finite fp32 grad may have one too)
+        try: norms = l2norm(shards, per_tensor=True, impl=impl)[1].tolist()
+        except (RuntimeError, ValueError): norms = [float('nan')] * len(grads)     # a layout the kernel refuses
+        kinds = [None if math.isfinite(n) or torch.isfinite(g).all() else 'nan' if torch.isnan(g).any() else 'inf'
+                 for g, n in zip(shards, norms)]
+    if fsdp2:          # every rank names what any rank's shard holds
+        codes = agree(torch.tensor([(None, 'inf', 'nan').index(k) for k in kinds], dtype=torch.int32))
+        kinds = [(None, 'inf', 'nan')[c] for c in codes.tolist()]
+    return [f"{names.get(p, tuple(p.shape))} ({kind})" for (p, _), kind in zip(grads, kinds) if kind][:limit]
 
 # %% ../nbs/13_master.ipynb #7a7d41a8
 HALF = (torch.float16, torch.bfloat16)
-
-def _mix(*xs) -> int:
-    "A 63-bit hash of ints (splitmix64's finaliser over each), for rounding seeds"
-    h = 0x9E3779B97F4A7C15
-    for x in xs:
-        h = ((h ^ (x % 2**64)) * 0xBF58476D1CE4E5B9) % 2**64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) % 2**64
-        h ^= h >> 31
-    return h % 2**63
+_requires_grad = attrgetter('requires_grad')
 
 class MasterParams:
     "An optimizer's param groups laid out over masters, one per model param: what the optimizer holds in their place"
@@ -734,7 +742,6 @@ class MasterParams:
     ):
         self.record, self.kind, self.flat, self.names, self.impl, self.make = record, kind, flat, names or {}, impl, make
         self._own_before = {id(m.param): m for m in previous.masters if m.own} if previous else {}
-        self.rounding_seed = torch.initial_seed()         # stochastic rounding: the same seed gives the same weights
         self.model_groups, self.groups, self.masters, self.holders, seen = [], [], [], [], set()
         for group in groups:
             kept = [p for p in group if id(p) not in seen and not seen.add(id(p))]
@@ -743,9 +750,15 @@ class MasterParams:
             self.model_groups.append(kept); self.masters += ms; self.holders += hs
             self.groups.append([h.held for h in hs])
         self.fsdp2 = any(is_dtensor(m.param) for m in self.masters)
+        self.of_held = {id(h.held): h for h in self.holders}
+        # the fused kernels know how to step every master that trains; there are masters of half params that train
+        self.steppable = bool(self.masters) and all(m.step_kind is not None for m in self.masters if m.trains)
+        self.has_trained = bool(self.trained)
+        self._params, self._held = [m.param for m in self.masters], [h.held for h in self.holders]
         self.grads = MasterGrads(self.masters, self.holders, impl, self.names, self.fsdp2)
-        self._read, self.changed = [], False      # changed: which half params train, since the layout was made
-        self._index()
+        self.weights = MasterWeights(self.masters, self.holders, record, self.names, impl)
+        self.rounding = RoundingStreams(previous.rounding.seed if previous else torch.initial_seed(), self.holders)
+        self._rg_seen, self.changed = self._requires_grads(), False   # changed: which train, since it was made
 
     def _master(self, p) -> Master:
         ("The master of model param `p`: its master from the record (which it keeps, frozen again or not), one made "
@@ -759,7 +772,7 @@ class MasterParams:
         return m
 
     def _flats(self, ms:list, key) -> list:
-        "What the optimizer holds for one group: a flat master per key over the masters that train, the rest as they are"
+        "What the optimizer holds for one group: a flat master per key over its masters, the rest as they are"
         subsets, rest = {}, []
         for m in ms:
             if type(m) is not self.kind: rest.append(m); continue
@@ -770,21 +783,10 @@ class MasterParams:
         ms[:] = [slices.get(id(m.param), m) for m in ms]
         return flats + rest
 
-    def _index(self):
-        "The lists and maps every step reads, made once per layout"
-        self.of_held = {id(h.held): h for h in self.holders}
-        src, dst = [], []
-        for m in self.masters: m.copy_out(src, dst)
-        self._copy = src, dst
-        # a rounding stream's index: what the optimizer holds, in order
-        self._index_of = {id(h.held): i for i, h in enumerate(self.holders)}
-        self._rg_seen = self._requires_grads()
-
     def __repr__(self):
         kinds = {}
         for m in self.masters: kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
         return f"MasterParams({', '.join(f'{n} {k}' for k, n in kinds.items())}; {len(self.groups)} groups)"
-
     master_params = property(lambda self: [t for g in self.groups for t in g], doc="Every tensor the optimizer holds")
     trained = property(lambda self: [m for m in self.masters if m.trains and not m.own],
                        doc="The masters of the half params that train, in the layout's order")
@@ -793,14 +795,12 @@ class MasterParams:
         return self.masters[0].param.device if self.masters else torch.device('cpu')
 
     def _requires_grads(self) -> tuple:
-        return [m.param.requires_grad for m in self.masters], [h.held.requires_grad for h in self.holders]
-
+        return list(map(_requires_grad, self._params)), list(map(_requires_grad, self._held))
     def sync_training(self) -> bool:
         ("Agree on `requires_grad` between each param and what the optimizer holds for it (whichever changed since the "
-         "last look wins, the model first); True when which half params train has changed since the layout was made: "
-         "it must be made anew")
+         "last look wins, the model first); True when the layout must be made anew for which params train now")
         now = self._requires_grads()
-        if now == self._rg_seen: return self.changed   # nothing changed since the last look: every step but a few
+        if now == self._rg_seen: return self.changed     # nothing changed since the last look: every step but a few
         (was_p, was_h), i = self._rg_seen, 0
         for h, held_was in zip(self.holders, was_h):
             ps, was = h.params, was_p[i:i + len(h.params)]
@@ -810,13 +810,10 @@ class MasterParams:
             elif h.held.requires_grad != held_was:                              # the optimizer changed (freeze)
                 for p in ps: p.requires_grad_(h.held.requires_grad)
         self._rg_seen = self._requires_grads()
-        self.changed = self.stale()
+        # a half param that trains without a master, or the params of one flat master training apart
+        self.changed = self.make and (any(not m.trains and m.param.requires_grad for m in self.masters) or
+                                      any(len({p.requires_grad for p in h.params}) > 1 for h in self.holders))
         return self.changed
-
-    def stale(self) -> bool:
-        "True when a half param trains without a master here, or the params of one flat master train apart"
-        return self.make and (any(not m.trains and m.param.requires_grad for m in self.masters) or
-                              any(len({p.requires_grad for p in h.params}) > 1 for h in self.holders))
 
     def state_in(self, state:dict, keep_bf16:bool=False):
         "Re-key optimizer `state` from the model params onto what the optimizer holds (a flat master's concatenated)"
@@ -824,19 +821,33 @@ class MasterParams:
     def state_out(self, state:dict):
         "Re-key optimizer `state` back onto the model params (a flat master's split)"
         for h in self.holders: h.state_out(state)
-
     def follow(self, states:list=()) -> bool:
         "Lay each master and its optimizer state out as its param, where the model's layout changed; True if any moved"
         moved = [h.follow(states) for h in self.holders]
-        if any(moved): self._index()
+        if any(moved): self.weights = MasterWeights(self.masters, self.holders, self.record, self.names, self.impl)
         return any(moved)
+    def leave(self):
+        "The layout goes: what only it holds (flat masters) leaves the record masters of their own"
+        self.weights.end_reads()
+        for h in self.holders: h.leave(self.record)
+    def model_layout(self) -> list:
+        "What the optimizer holds, each with the params it stands for (and a flat master's slices): for a copy of it"
+        return [h.model_layout() for h in self.holders]
 
-    def masters_to_model(self):
+# %% ../nbs/13_master.ipynb #mweights13
+class MasterWeights:
+    "The weights of a list of masters: written into the model, edits taken back from it, read, saved and loaded"
+    def __init__(self, masters:list, holders:list, record:Masters, names:dict=None, impl:str=None):
+        self.masters, self.holders, self.record, self.names, self.impl = masters, holders, record, names or {}, impl
+        src, dst = [], []
+        for m in masters: m.copy_out(src, dst)
+        self._copy, self._read = (src, dst), []
+
+    def to_model(self):
         "Copy the fp32 masters into the half params (masters without an fp32 tensor are in the params already)"
         if self._copy[0]: scale_check_(*self._copy, 1., impl=self.impl)
-        self.mark_written()
-
-    def mark_written(self):
+        self.written()
+    def written(self):
         "Note that every param holds what mixedprec wrote: an in-place change after this is the user's edit"
         for m in self.masters: m.mark_written()
     def take_edits(self) -> list:
@@ -846,7 +857,7 @@ class MasterParams:
         "Edits of the half params through `.data` become their masters' values, as the fused steps take them"
         for m in self.masters: m.adopt_data_edits()
 
-    def own_step(self, state:dict, run):
+    def own_step(self, state:dict, rounding:'RoundingStreams', run):
         ("Run an optimizer's own step, `run()`, over the masters: masters without an fp32 tensor lent one, the slices "
          "of flat masters whose params got no grad put back after, the masters copied into the model")
         self.adopt_data_edits()
@@ -857,30 +868,26 @@ class MasterParams:
             for put_back in restore:
                 if put_back is not None: put_back()
             rounded = [m for m in self.masters if m.needs_seed]
-            for m, seed in zip(rounded, self.rounding_seeds([m.held for m in rounded], state)): m.release(seed)
+            for m, seed in zip(rounded, rounding.seeds([m.held for m in rounded], state)): m.release(seed)
             for m in self.masters:
                 if not m.needs_seed: m.release()
-            self.masters_to_model()
+            self.to_model()
     def store_materialized(self):
         "During an own step: the lent values' rounding into the params, for a closure to evaluate"
         with torch.no_grad():
             for m in self.masters: m.store_materialized()
 
-    def rounding_seeds(self, held:list, state:dict) -> list:
-        "This step's stochastic-rounding seed of each of `held`, counted in its optimizer `state` (checkpoints carry it)"
-        self.start_rounding(held, state)
-        res = []
-        for t in held:
-            st = state[t]
-            res.append(_mix(st['rounding_seed'], st['rounding_step']))
-            st['rounding_step'] += 1
-        return res
-    def start_rounding(self, held:list, state:dict):
-        "Give each of `held` without one its stochastic-rounding stream in its optimizer `state` (a seed, a count)"
-        for t in held:
-            if 'rounding_seed' not in state[t]:
-                state[t]['rounding_seed'], state[t]['rounding_step'] = _mix(self.rounding_seed, self._index_of[id(t)]), 0
+    def readable(self) -> list:
+        ("What the optimizer holds, each reading as its master's fp32 value until the next step, and a write into it "
+         "taken at that step (a master kept in its bf16 weight is lent one for that long: `amp.master_params`)")
+        self._read = self.holders
+        return [h.readable() for h in self.holders]
+    def end_reads(self):
+        "The next step begins: the values `readable` lent go"
+        for h in self._read: h.end_read()
+        self._read = []
 
+    trained = property(lambda self: [m for m in self.masters if m.trains and not m.own])
     def values(self) -> list:
         "A copy of the fp32 value of each half param that trains, in the layout's order (a checkpoint's masters)"
         return [m.value().clone() for m in self.trained]
@@ -898,21 +905,33 @@ class MasterParams:
         "Make the (checked) values in `saved` the masters of the half params that train, and the params their rounding"
         for m, v in zip(self.trained, saved): m.set_(v)
 
-    def leave(self):
-        "The layout goes: what only it holds (flat masters) leaves the record masters of their own"
-        self.end_reads()
-        for h in self.holders: h.leave(self.record)
+# %% ../nbs/13_master.ipynb #rounding13
+def _mix(*xs) -> int:
+    "A 63-bit hash of ints (splitmix64's finaliser over each), for rounding seeds"
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = ((h ^ (x % 2**64)) * 0xBF58476D1CE4E5B9) % 2**64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) % 2**64
+        h ^= h >> 31
+    return h % 2**63
 
-    def model_layout(self) -> list:
-        "What the optimizer holds, each with the params it stands for (and a flat master's slices): for a copy of it"
-        return [h.model_layout() for h in self.holders]
-
-    def readable(self) -> list:
-        ("What the optimizer holds, each reading as its master's fp32 value until the next step, and a write into it "
-         "taken at that step (a master kept in its bf16 weight is lent one for that long: `amp.master_params`)")
-        self._read = self.holders
-        return [h.readable() for h in self.holders]
-    def end_reads(self):
-        "The next step begins: the values `readable` lent go"
-        for h in self._read: h.end_read()
-        self._read = []
+class RoundingStreams:
+    ("The random streams of stochastic rounding, one per tensor the optimizer holds: a seed and a count kept in its "
+     "optimizer state, so checkpoints carry them and a resumed run repeats an uninterrupted one")
+    def __init__(self, seed:int, holders:list):
+        self.seed = seed                           # the same seed gives the same weights (every rank takes rank 0's)
+        self._index_of = {id(h.held): i for i, h in enumerate(holders)}
+    def seeds(self, held:list, state:dict) -> list:
+        "This step's seed of each of `held`, counted in its optimizer `state` (its stream advances once)"
+        self.start(held, state)
+        res = []
+        for t in held:
+            st = state[t]
+            res.append(_mix(st['rounding_seed'], st['rounding_step']))
+            st['rounding_step'] += 1
+        return res
+    def start(self, held:list, state:dict):
+        "Give each of `held` without one its stream in its optimizer `state` (a seed, a count)"
+        for t in held:
+            if 'rounding_seed' not in state[t]:
+                state[t]['rounding_seed'], state[t]['rounding_step'] = _mix(self.seed, self._index_of[id(t)]), 0

@@ -566,7 +566,7 @@ def local_shard(t:torch.Tensor) -> torch.Tensor:
 def local_shards(tensors) -> list:
     ("`tensors` with each DTensor replaced by this rank's shard of it: the kernels and references work on a rank's "
      "shards, and the caller sums what must be summed over ranks (a norm)")
-    return [local_shard(t) for t in tensors]
+    return [t if type(t) in _PLAIN else local_shard(t) for t in tensors]
 
 def _scale_op(kernel:str, ref, src, dst, scale, impl):
     ("Run the fused `kernel` (one launch per dtype pair; it checks the tensors and a tensor scale) or the reference "

@@ -126,7 +126,7 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state=
             # what `StepEngine.step` does around the kernels, the skip read on the device
             else:
                 step(opt, e.runner.plan, e.masters, e.found, None, state)
-                e.progress.ended(Stage.STEPPED); e.masters.mark_written()
+                e.progress.ended(Stage.STEPPED); e.masters.weights.written()
             opt.zero_grad()
         return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
     torch._dynamo.reset()

@@ -428,7 +428,8 @@ class GradLog(Record):
     def __init__(self, cancel=()):
         super().__init__(1); self.seen, self.after, self.cancel = [], [], set(cancel)
     def before_step(self):
-        self.seen.append([p.grad.detach().float().clone() if p.grad is not None else None for p in held(self.learn)])
+        steps = masters_of(self.learn) if hasattr(self.learn, 'mixed_precision') else self.learn.model.parameters()
+        self.seen.append([p.grad.detach().float().clone() if p.grad is not None else None for p in steps])
         if len(self.seen) - 1 in self.cancel: raise CancelStepException()
     def after_step(self): self.after.append(weights(self.learn))
 
