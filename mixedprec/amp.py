@@ -17,7 +17,7 @@ from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
 from .master import check_store, Masters
-from .engine import check_optimizer_state, load_optimizer_state
+from .engine import check_optimizer_state, load_optimizer_state, clip_pending
 from .state import check_state_store
 from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2, unwrap_accelerated
 
@@ -312,12 +312,12 @@ def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
     ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (summed over ranks on "
      "FSDP2), as `torch.nn.utils.clip_grad_norm_` would over all of them: after the `scale_loss` block, "
      "before `step()`. Returns the norm; a non-finite one skips the step")
-    return _engines_of(optimizer)[0].clip_now(max_norm, norm_type)
+    return clip_pending(_engines_of(optimizer)[0], max_norm, norm_type)
 
 def skipped(optimizer) -> bool:
     ("True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was "
      "decided on the device)")
-    return _engines_of(optimizer)[0].last_skipped()
+    return _engines_of(optimizer)[0].progress.last_skipped()
 
 def _drained(loss_id:int, what:str) -> LossScaler:
     "The scaler of `loss_id`, its books caught up (a host read on a GPU)"

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'fastai_export', 'fastai_save', 'fastai_load',
-           'fastai_freeze_to', 'TableColumns', 'FastaiMasters', 'MixedPrecision', 'MixedPrecisionOpt',
+           'fastai_freeze_to', 'FitReport', 'FastaiMasters', 'MixedPrecision', 'MixedPrecisionOpt',
            'MixedPrecisionOptimWrapper']
 
 # %% ../nbs/15_callback.ipynb #f6ab0a82
@@ -91,21 +91,29 @@ def _forward_overflow(model, xb) -> str:
     return ("This batch's forward pass, run again op by op (`watch_overflow`), overflowed first at "
             f"{watch.first}. {watch.first.advice()}.")
 
-class TableColumns:
-    "Two columns of fastai's epoch table: the loss scale at the epoch's end, and the steps it skipped"
-    def __init__(self, scaler:LossScaler): self.scaler, self.start = scaler, 0
+class FitReport:
+    ("What a fit shows of the scaler: with `table`, two columns of fastai's epoch table (the loss scale at the epoch's "
+     "end, the steps it skipped); and `lr_find`'s steps left out of the history")
+    def __init__(self, scaler:LossScaler, table:bool=False):
+        self.scaler, self.table, self.start, self.kept = scaler, table, 0, None
     def start_epoch(self): self.start = self.scaler.n_skipped
     def scale(self):
         "The scale: an int when it is one (fastai prints floats with 6 decimals, wider than the column)"
         s = self.scaler.drained().scale
         return int(s) if s >= 1 and s == int(s) else s
     def skipped(self): return self.scaler.drained().n_skipped - self.start
-    def add_to(self, learn):
-        if 'loss_scale' not in [getattr(m, 'name', None) for m in learn.metrics]:
+    def begin(self, learn):
+        if any(type(cb).__name__ == 'LRFinder' for cb in learn.cbs): self.kept = len(self.scaler.history)
+        if self.table and 'loss_scale' not in [getattr(m, 'name', None) for m in learn.metrics]:
             learn.metrics = list(learn.metrics) + [ValueMetric(self.scale, 'loss_scale'),
                                                    ValueMetric(self.skipped, 'skipped')]
-    def remove_from(self, learn):          # (they hold bound methods, which `export` need not pickle)
-        learn.metrics = [m for m in learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
+    def end(self, learn):
+        if self.kept is not None:
+            self.scaler.drain()
+            while len(self.scaler.history) > self.kept: self.scaler.history.pop()
+            self.kept = None
+        if self.table:          # (the columns hold bound methods, which `export` need not pickle)
+            learn.metrics = [m for m in learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
 
 # %% ../nbs/15_callback.ipynb #fmasters1
 class FastaiMasters:
@@ -127,14 +135,7 @@ class FastaiMasters:
             self.conversion = ShardedConversion(model, cb.dtype); return
         self.conversion = convert_model(model, cb.dtype, cb.keep_fp32, cast_io=True, entries=_called_alone(model))
         if not self.conversion.params and not self.conversion.buffers:     # nothing to cast: the callback does nothing
-            self.conversion.undo()
-            floats = any(p.is_floating_point() for p in model.parameters())
-            why = (f"every module with params is of a type kept in fp32: {', '.join(t.__name__ for t in cb.keep_fp32)}"
-                   if floats else "it has no float params or buffers")
-            warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and fastai's "
-                      "optimizer steps the model's params itself" + (
-                          ": train in fp32, or keep fewer module types in fp32" if floats else ""),
-                      ('nothing converted', id(cb)))
+            self.conversion.undo(); _nothing_converted(cb, model)
         p = next(iter(self.conversion.params), None)
         convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
         note = speed_note(cb.dtype, p.device, convs=convs) if p is not None else None
@@ -144,7 +145,7 @@ class FastaiMasters:
         "Swap the masters into `learn.opt` in place of the half params, carrying the state across; an engine over them"
         cb, wrapped, opt = self.cb, self.learn.opt, _raw_opt(self.learn)
         if self.engine is not None and self.engine.optimizer is not opt:
-            self.engine.masters.sync_training()        # a freeze on the old optimizer reaches the model
+            self.engine.masters.training.sync()        # a freeze on the old optimizer reaches the model
         held = {id(p) for g in opt.param_lists for p in g}
         if not (self.engine is not None and self.engine.optimizer is opt and
                 held == {id(p) for p in self.masters.master_params}):
@@ -232,6 +233,15 @@ def _refuse_at_fit(cb):
                          f"({', '.join(changed[:5])}). Call `learn.to_fp16()` (or `to_bf16()`) again after changing "
                          "the model, so they are converted and get masters.")
 
+def _nothing_converted(cb, model):
+    "Say, once, that the callback changes nothing: every module with params is kept in fp32, or none has floats"
+    floats = any(p.is_floating_point() for p in model.parameters())
+    why = (f"every module with params is of a type kept in fp32: {', '.join(t.__name__ for t in cb.keep_fp32)}"
+           if floats else "it has no float params or buffers")
+    warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and fastai's optimizer "
+              "steps the model's params itself" + (": train in fp32, or keep fewer module types in fp32" if floats
+                                                   else ""), ('nothing converted', id(cb)))
+
 def _refuse_distrib_on_fsdp(learn):
     ("Refuse fastai's `DistributedTrainer` (`distrib_ctx`, `to_distributed`) with an FSDP model, saying what to do: it "
      "prepares the model for DDP (or lets accelerate's FSDP plugin shard it after the conversion) and takes the model "
@@ -296,16 +306,14 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         state:str='fp32',             # the optimizer's moments: 'fp32', 'bf16' or '8bit' (fused SGD and Adam)
         **kwargs):                    # `LossScaler` settings (min_scale, factor, ...; GradScaler's names too)
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
-        check_store(masters, dtype, flat_master)
+        check_store(masters, dtype, flat_master); refuse_shard(shard, "MixedPrecision")
         self.master_store, self.state_store = masters, check_state_store(state, flat_master)
-        refuse_shard(shard, "MixedPrecision")
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
         self.dtype, self.keep_fp32 = check_half_dtype(dtype), keep
         self.clip, self.flat_master, self.check_loss, self.decide, self.impl = clip, flat_master, check_loss, decide, impl
         self.scaler = _scaler(loss_scale, dynamic, max_noskip, max_scale, verbose, kwargs)
-        self.held, self.table = FastaiMasters(self), TableColumns(self.scaler) if table else None
-        self._checked, self._kept_history = False, None
+        self.held, self.report, self._checked = FastaiMasters(self), FitReport(self.scaler, table), False
 
     @property
     def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
@@ -330,9 +338,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the engine's"
         _refuse_at_fit(self)
         self._checked = False
-        if self.table is not None: self.table.add_to(self.learn)
-        if any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs):
-            self._kept_history = len(self.scaler.history)   # lr_find's steps leave no trace
+        self.report.begin(self.learn)
         if getattr(self.learn, 'opt', None) is None or not self.conversion.steps_masters: return
         if any(m.held.device != m.param.device for m in self.conversion.masters.values()):
             self.held.follow_model_device()
@@ -364,14 +370,9 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         "Give the optimizer's state its own layout (fastai's int step counts); the table's columns go"
         if self.engine is not None and getattr(self.learn, 'opt', None) is not None:
             self.scaler.drain(); self.engine.held.own_layout()
-        if self._kept_history is not None:
-            self.scaler.drain()
-            while len(self.scaler.history) > self._kept_history: self.scaler.history.pop()
-            self._kept_history = None
-        if self.table is not None: self.table.remove_from(self.learn)
+        self.report.end(self.learn)
     on_train_end = after_fit
-    def before_train(self):
-        if self.table is not None: self.table.start_epoch()
+    def before_train(self): self.report.start_epoch()
 
     def state_dict(self) -> dict: "The scaler state and the fp32 masters"; return self.held.state_dict()
     def load_state_dict(self, sd:dict): "Restore `state_dict()`"; self.held.load_state_dict(sd); return self
@@ -683,7 +684,7 @@ def freeze_to(self:Learner, n:int):
      "`requires_grad` at once")
     fastai_freeze_to(self, n)
     cb = getattr(self, 'mixed_precision', None)
-    if isinstance(cb, MixedPrecision) and cb.masters is not None: cb.masters.sync_training()
+    if isinstance(cb, MixedPrecision) and cb.masters is not None: cb.masters.training.sync()
 
 @patch
 def to_fp32(self:Learner):

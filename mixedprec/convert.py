@@ -364,6 +364,8 @@ class MasterDoors:
         try: yield
         finally: self.prechecked = None
 
+
+# %% ../nbs/12_convert.ipynb #doors12c
 def modules_holding(params) -> list:
     ("The modules whose own params are among `params`, found once among the live objects (for a front end given no "
      "model: `FP16_Optimizer`)")

@@ -9,10 +9,10 @@ __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS',
            'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'HeldOptimizer', 'StepRunner', 'StepEngine',
            'state_by_model_param', 'state_onto_masters', 'check_optimizer_state', 'load_optimizer_state',
            'write_atomically', 'save_checkpoint', 'clip_grads_', 'clip_norm', 'scale_into', 'OverflowNames',
-           'unscale_into']
+           'unscale_into', 'clip_pending']
 
 # %% ../nbs/14_engine.ipynb #e0000002
-import contextvars, functools
+import contextvars, functools, math
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
@@ -334,21 +334,21 @@ def fused_opt_step(opt, plan:FusedPlan, layout:MasterParams, found_inf:torch.Ten
     "One fused step of `opt` (recognised as `plan`) over `layout`, nothing prepared ahead (`torch.compile` traces it)"
     FusedStep(plan, layout, store, impl)(opt, found_inf)
 
-def make_lean_state(engine):
-    ("Make the whole lean state of `engine`'s Adam or SGD now, as its first fused step would (zeros, and each "
+def make_lean_state(held):
+    ("Make the whole lean state of the Adam or SGD `held` holds now, as its first fused step would (zeros, and each "
      "master's rounding stream): so a freshly built optimizer holds every key its checkpoint holds, and DCP, which "
      "loads only the keys it finds, brings the stream back")
-    plan, state = fused_plan(engine.optimizer), getattr(engine.optimizer, 'state', None)
+    plan, state = fused_plan(held.optimizer), getattr(held.optimizer, 'state', None)
     if plan is None or not isinstance(state, dict): return
-    for params, kw in plan.groups(engine.optimizer):
+    for params, kw in plan.groups(held.optimizer):
         # SGD: a zero buffer; with dampening, its first step (buffer = grad) is known by the stream's count, still 0
         keep_buffer = keeps_buffer(kw.get('keep_buffer'), kw.get('momentum', 0))
         if plan.kind == 'sgd' and not keep_buffer: continue
         # (a buffer the optimizer already holds, from its own steps, is converted at the first fused step, its stream
         # started there: a count of 0 would take it for a first step)
         if plan.kind == 'sgd': params = [p for p in params if state[p].get(plan.names['buf']) is None]
-        for p in params: make_state(state[p], p, plan.kind, plan.names, engine.state, keep_buffer)
-        engine.masters.rounding.start(params, state)
+        for p in params: make_state(state[p], p, plan.kind, plan.names, held.state, keep_buffer)
+        held.masters.rounding.start(params, state)
 
 # %% ../nbs/14_engine.ipynb #fb293c04
 class Stage(Enum):
@@ -386,6 +386,16 @@ class Progress:
     def cleared(self):
         "The grads were cleared: a decision about them goes with them"
         self.found, self.skip, self.stage = None, None, Stage.READY
+    def scaled(self, finite) -> bool:
+        "A loss was scaled (`finite`: whether it was, or None); True when unscaled grads were pending (they add up)"
+        if finite is not None: self.loss_finite = finite if self.loss_finite is None else self.loss_finite & finite
+        was, self.stage = self.stage == Stage.UNSCALED, Stage.SCALED
+        return was
+    def unscaled(self, scaler) -> torch.Tensor:
+        "The grads were unscaled (for `scaler`): whether the losses scaled since were finite (or None)"
+        finite, self.loss_finite, self.stage = self.loss_finite, None, Stage.UNSCALED
+        self.scalers.add(scaler)
+        return finite
     def last_skipped(self) -> bool:
         "True if the last step was skipped (a host read when it was decided on the device)"
         return bool(self.last_found) if self.last_found is not None else False
@@ -427,6 +437,9 @@ class HeldOptimizer:
         self.own = optimizer.step                # what `step()` meant before a front end handed it to the engine
         self._followed, self.own_layout_due = False, True
         if state == 'fp32': self.decode_state()     # lean state is read by the fused steps only, as it is
+        if self.masters.fsdp2 and state != 'fp32': make_lean_state(self)      # for DCP: every key, from the start
+        if self.masters.fsdp2 and state == '8bit' and isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.register_state_dict_post_hook(_decoded_8bit)     # (fastai's: `learn.opt.state_dict()` decodes)
     def __repr__(self): return f"HeldOptimizer({type(self.optimizer).__name__}, {self.masters})"
 
     def relayout(self):
@@ -437,11 +450,15 @@ class HeldOptimizer:
         self.masters = _swap_in(self.adapter, ms.record, ms.kind, ms.names, ms.impl, ms.flat, ms.make,
                                 keep_bf16=self.state == 'bf16', previous=ms)
 
-    def prepare(self, follow:bool=False) -> bool:
+    def prepare(self, accumulating:bool=False, follow:bool=False) -> bool:
         ("Before an unscale (or a fit, `follow`): the masters laid out as the params (a model laid out anew after the "
          "front end took it), and anew where which params train changed; True if anything was laid out anew")
         moved = (follow or not self._followed) and self.follow_layouts()
-        if not self.masters.sync_training(): return moved
+        if not self.masters.training.sync(): return moved
+        if accumulating and self.masters.flat:
+            raise RuntimeError("which params train changed between two accumulated backwards, and flat masters hold "
+                               "the grads of several params: change it between steps, or use per-param masters "
+                               "(flat_master=False)")
         self.relayout()
         return True
 
@@ -547,11 +564,7 @@ class StepEngine:
                state:str='fp32', impl:str=None, decide:str=None, **kwargs) -> 'StepEngine':
         ("The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its groups "
          "laid out over masters from `record` (of the kind `store` names; flat with `flat`), its state on them")
-        e = cls(HeldOptimizer(optimizer, record, names, flat, store, make, state, impl, decide), **kwargs)
-        if e.masters.fsdp2 and e.state != 'fp32': make_lean_state(e)       # for DCP: every key, from the start
-        if e.masters.fsdp2 and e.state == '8bit' and isinstance(optimizer, torch.optim.Optimizer):
-            optimizer.register_state_dict_post_hook(_decoded_8bit)     # (fastai's: `learn.opt.state_dict()` decodes)
-        return e
+        return cls(HeldOptimizer(optimizer, record, names, flat, store, make, state, impl, decide), **kwargs)
     def __repr__(self): return f"StepEngine({type(self.optimizer).__name__}: {self.runner}, {self.masters})"
 
     optimizer = property(lambda self: self.held.optimizer)
@@ -578,46 +591,32 @@ class StepEngine:
 
     def scaled(self, finite):
         "A loss was scaled for this engine's grads: note whether it was finite; unscaled fp32 grads are set aside"
-        pr = self.progress
-        if finite is not None: pr.loss_finite = finite if pr.loss_finite is None else pr.loss_finite & finite
         self.masters.grads.drop_lent()                              # the half params' grads are the backward's again
-        if pr.stage == Stage.UNSCALED: self.masters.grads.set_aside()
-        pr.stage = Stage.SCALED
+        if self.progress.scaled(finite): self.masters.grads.set_aside()
 
     def unscaled(self, inv:torch.Tensor, scaler:LossScaler) -> tuple:
         "Unscale the half grads by `inv` into the masters (added while accumulating): their flag, and the losses'"
-        pr = self.progress
-        if self.held.prepare():                # laid out anew: which params train changed, or the model's layout
-            if self.accumulating and self.masters.flat:
-                raise RuntimeError("which params train changed between two accumulated backwards, and flat masters "
-                                   "hold the grads of several params: change it between steps, or use per-param "
-                                   "masters (flat_master=False)")
-            self.choose()
-        elif not self.accumulating: self.choose()
-        flag, finite = self.masters.grads.unscale(inv, accumulate=self.accumulating), pr.loss_finite
-        pr.loss_finite, pr.stage = None, Stage.UNSCALED
-        pr.scalers.add(scaler)
-        return flag, finite
+        if self.held.prepare(self.accumulating) or not self.accumulating: self.choose()   # (a layout made anew)
+        flag = self.masters.grads.unscale(inv, accumulate=self.accumulating)
+        return flag, self.progress.unscaled(scaler)
 
-    def decided(self, skip:torch.Tensor): "An unscale's decision (True: skip)"; self.progress.decided(skip)
     def must_skip(self) -> bool: "The pending decision, read on the host"; return self.progress.must_skip()
-    def last_skipped(self) -> bool: "True if the last step was skipped"; return self.progress.last_skipped()
     def settle_books(self):
         "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
         for s in self.progress.scalers: s.drain()
 
     def discard(self):
         "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
-        self.settle_books()
-        self.masters.grads.zero()
-        self.progress.ended(Stage.READY)
+        self.settle_books(); self.masters.grads.zero(); self.progress.ended(Stage.READY)
 
     def step(self, closure=None):
         "Step or skip by the pending decision: the fused kernels (reading it on the device), or the own step and the copy"
         found, runner = self.progress.found, self.runner
-        if found is None and closure is None:
-            self._check_scaled()
-            return None                  # nothing unscaled since the last step: a second `step()` does not repeat it
+        if found is None and closure is None:    # nothing unscaled since the last step: a second `step()` is none
+            if self.masters.grads.raw():         # a backward without the scaling call would train nothing
+                raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this "
+                                   "step would train nothing" + (f": {self.hint}" if self.hint else ''))
+            return None
         self.masters.weights.take_edits()   # the model is the user's handle: in-place edits (a clamp) are where it starts
         self.stepping = True
         try:
@@ -634,12 +633,6 @@ class StepEngine:
             self.progress.ended(Stage.STEPPED)
             self.masters.weights.written()          # what the model holds now is ours: a change after this is the user's
 
-    def _check_scaled(self):
-        "Raise when the half model holds grads that no unscale took in: a backward without the scaling call"
-        if self.masters.grads.raw():
-            raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this "
-                               "step would train nothing" + (f": {self.hint}" if self.hint else ''))
-
     def zero_grad(self, set_to_none:bool=True):
         ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
          "(zeroed grads stay, and are stepped); a decision about grads that are gone goes with them")
@@ -648,16 +641,6 @@ class StepEngine:
         self.masters.grads.zero(set_to_none)
         self.progress.cleared()
 
-    def clip_now(self, max_norm:float, norm_type:float=2.) -> float:
-        "Clip the master grads of the pending step by their global norm (a non-finite one skips it); returns the norm"
-        if self.stage != Stage.UNSCALED:
-            raise RuntimeError("clipping needs the unscaled grads of a pending step, and the step protocol is at "
-                               f"stage {self.stage.name}: clip after the backward's unscale (FP16_Optimizer: after "
-                               "`optimizer.backward(loss)`; amp: after the `scale_loss` block) and before `step()`")
-        norm = clip_norm([self.masters], max_norm, norm_type).item()
-        if not torch.isfinite(torch.tensor(norm)):
-            self.progress.skip_anyway(self.device); self.runner.on_device = False
-        return norm
 
 # %% ../nbs/14_engine.ipynb #ckpt14
 def state_by_model_param(held:HeldOptimizer) -> dict:
@@ -859,5 +842,15 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     for e in engines: e.masters.grads.lend()     # until the step, `p.grad` stands for the master's unscaled grad
     diagnose = lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else '')
     skip = scaler.advance(code, norm, OverflowNames(engines, grads), input_finite, diagnose=diagnose)
-    for e in engines: e.decided(skip)
+    for e in engines: e.progress.decided(skip)
     return skip
+
+def clip_pending(e:StepEngine, max_norm:float, norm_type:float=2.) -> float:
+    "Clip the master grads of `e`'s pending step by their global norm (a non-finite one skips it); returns the norm"
+    if e.stage != Stage.UNSCALED:
+        raise RuntimeError("clipping needs the unscaled grads of a pending step, and the step protocol is at stage "
+                           f"{e.stage.name}: clip after the backward's unscale (FP16_Optimizer: after "
+                           "`optimizer.backward(loss)`; amp: after the `scale_loss` block) and before `step()`")
+    norm = clip_norm([e.masters], max_norm, norm_type).item()
+    if not math.isfinite(norm): e.progress.skip_anyway(e.device); e.runner.on_device = False
+    return norm

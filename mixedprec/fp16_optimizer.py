@@ -10,7 +10,7 @@ import torch
 from .scaler import LossScaler, ScalingError
 from .master import Masters, check_store
 from .convert import MasterDoors, modules_holding
-from .engine import StepEngine, Stage, check_optimizer_state, load_optimizer_state
+from .engine import StepEngine, Stage, check_optimizer_state, load_optimizer_state, clip_pending
 from .ops import require_impl
 from .distributed import check_fsdp2, refuse_shard, unwrap_accelerated, FSDP2_ADVICE
 
@@ -20,8 +20,11 @@ _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_
 _SCALER_ARGS = ('loss_scale', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss',
                 'history_size', 'skip_window', 'max_skip_share')
 
-def _dynamic_scaler(args:dict) -> LossScaler:
-    "A dynamic `LossScaler` from apex-style `dynamic_loss_args`"
+def _scaler(static_loss_scale:float, dynamic:bool, args:dict) -> LossScaler:
+    "A static `LossScaler`, or a dynamic one from apex-style `dynamic_loss_args`"
+    if args is not None and not dynamic:
+        raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
+    if not dynamic: return LossScaler(static_loss_scale, dynamic=False)
     args = {_APEX_NAMES.get(k, k): v for k, v in (args or {}).items()}
     bad = [k for k in args if k not in _SCALER_ARGS]
     if bad:
@@ -50,14 +53,10 @@ class FP16_Optimizer:
         params = [p for g in init_optimizer.param_groups for p in g['params']]
         refuse_shard(shard, "FP16_Optimizer")
         check_fsdp2(params, "FP16_Optimizer", masters)
-        if dynamic_loss_args is not None and not dynamic_loss_scale:
-            raise ValueError("dynamic_loss_args is given but dynamic_loss_scale is False: pass dynamic_loss_scale=True")
         self.optimizer, self.verbose = init_optimizer, verbose
-        self.scaler = _dynamic_scaler(dynamic_loss_args) if dynamic_loss_scale else LossScaler(static_loss_scale,
-                                                                                                dynamic=False)
-        self.scaler.verbose = verbose
-        self.scaler.advice = ("With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or the modules that overflow "
-                              "kept in fp32.")
+        self.scaler = _scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        self.scaler.verbose, self.scaler.advice = verbose, ("With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or "
+                                                            "the modules that overflow kept in fp32.")
         halves = {p.dtype for p in params if p.dtype != torch.float32}
         check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
@@ -72,14 +71,14 @@ class FP16_Optimizer:
     masters = property(lambda self: self.engine.masters, doc="The `MasterParams` layout")
     param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's groups (masters)")
     state = property(lambda self: self.optimizer.state, doc="The wrapped optimizer's state (keyed by the masters)")
-    skipped = property(lambda self: self.engine.last_skipped(), doc="True if the last step was skipped")
+    skipped = property(lambda self: self.engine.progress.last_skipped(), doc="True if the last step was skipped")
     loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
     history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per step (books caught up)")
     @property
     def overflow(self) -> bool:
         "True if the grads overflowed: the pending step will be skipped (after `step()`: it was)"
         e = self.engine
-        return e.must_skip() if e.found is not None else e.last_skipped()
+        return e.must_skip() if e.found is not None else e.progress.last_skipped()
     def __repr__(self): return f"FP16_Optimizer({type(self.optimizer).__name__}, {self.scaler})"
 
     def backward(self, loss:torch.Tensor, update_master_grads:bool=True, retain_graph:bool=False):
@@ -104,11 +103,12 @@ class FP16_Optimizer:
     def step(self, closure=None):
         "Step the fp32 masters and copy them into the model; skip when the grads overflowed"
         return self.engine.step() if closure is None else self.engine.step(closure=_retrying(self, closure))
-    def zero_grad(self, set_grads_to_None:bool=True): "Clear the model's and the masters' grads"; self.engine.zero_grad(set_grads_to_None)
+    def zero_grad(self, set_grads_to_None:bool=True):
+        "Clear the model's and the masters' grads"; self.engine.zero_grad(set_grads_to_None)
     def clip_master_grads(self, max_norm:float, norm_type:float=2) -> float:
         "Clip the fp32 master grads by their global norm; the norm, or -1 when the grads overflowed (skipped)"
         if self.overflow: return -1
-        norm = self.engine.clip_now(max_norm, norm_type)
+        norm = clip_pending(self.engine, max_norm, norm_type)
         return -1 if self.engine.must_skip() else norm
 
     def state_dict(self) -> dict:
@@ -129,7 +129,7 @@ class FP16_Optimizer:
     def add_param_group(self, param_group:dict):
         "Add a param group (its half params that train get fp32 masters), keeping the state of the existing ones"
         self.engine.add_param_group(param_group)
-        self._hooks += self.doors.install(modules_holding(self.engine.masters.model_groups[-1]))
+        self._hooks += self.doors.install(modules_holding(self.masters.model_groups[-1]))
 
 # %% ../nbs/16_fp16_optimizer.ipynb #fp16desc
 def _describe(opt:FP16_Optimizer) -> str:

@@ -344,7 +344,7 @@ def test_overflows_on_and_off_at_the_floor_raise():
 def test_a_high_share_of_skips_above_the_floor_warns_once():
     model = mlp().half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.01), static_loss_scale=8., verbose=False)
-    opt.scaler._recent = type(opt.scaler._recent)(maxlen=10)
+    opt.scaler.books._recent = type(opt.scaler.books._recent)(maxlen=10)
     x = torch.randn(16, 8).half()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')

@@ -159,7 +159,7 @@ def test_a_host_change_restarts_the_tensors():
         LossScaler().advance(torch.tensor(0))
 
 def test_construction_and_a_loaded_state_follow_one_rule_set():
-    # LossScaler.check_settings serves both: what a loaded state may not hold, a new scaler may not be built with
+    # check_scaler_settings serves both: what a loaded state may not hold, a new scaler may not be built with
     with pytest.raises(ValueError, match='factor must be finite and > 1'): LossScaler(factor=float('inf'))
     with pytest.raises(ValueError, match=r'min_scale \(4.0\) is above max_scale \(2.0\)'):
         LossScaler(loss_scale=1., dynamic=False, min_scale=4., max_scale=2.)
