@@ -206,6 +206,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'mixedprec.convert._kept_modules': ('convert.html#_kept_modules', 'mixedprec/convert.py'),
                                    'mixedprec.convert._running': ('convert.html#_running', 'mixedprec/convert.py'),
                                    'mixedprec.convert._state_keys': ('convert.html#_state_keys', 'mixedprec/convert.py'),
+                                   'mixedprec.convert._strict': ('convert.html#_strict', 'mixedprec/convert.py'),
                                    'mixedprec.convert.cast_floats': ('convert.html#cast_floats', 'mixedprec/convert.py'),
                                    'mixedprec.convert.check_half_dtype': ('convert.html#check_half_dtype', 'mixedprec/convert.py'),
                                    'mixedprec.convert.check_state_keys': ('convert.html#check_state_keys', 'mixedprec/convert.py'),

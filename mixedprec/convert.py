@@ -291,6 +291,15 @@ def state_dict_hooks(model:nn.Module) -> tuple:
     return save, load or (lambda hook: model._register_load_state_dict_pre_hook(hook, with_module=True))
 
 # %% ../nbs/12_convert.ipynb #8f5fc87e
+def _strict() -> bool:
+    ("The `strict` of the `load_state_dict` call running now (torch tells its hooks True whatever it was: peft loads "
+     "an adapter with strict=False)")
+    f = sys._getframe()
+    while f is not None:
+        if f.f_code is nn.Module.load_state_dict.__code__: return bool(f.f_locals.get('strict', True))
+        f = f.f_back
+    return True
+
 _ASSIGN = ("load_state_dict(..., assign=True) would put the checkpoint's tensors in place of the model's half params: "
            "the optimizer would not hold them, and mixedprec would not cast them. Load without assign=True, which "
            "copies the values into the half params and their fp32 masters. Nothing was loaded")
@@ -326,7 +335,7 @@ class MasterDoors:
             pre, self.prechecked, self._root = self.prechecked, None, module
             # torch hands the hook a copy of the dict: the same tensors under the same keys were checked before
             same = pre is not None and len(pre) == len(state_dict) and all(state_dict.get(k) is v for k, v in pre.items())
-            if not same: self.check(module, state_dict, prefix, strict)
+            if not same: self.check(module, state_dict, prefix, _strict())
         for name, p in module._parameters.items():
             m, v = self.record.get(p) if p is not None else None, state_dict.get(prefix + name)
             if m is None or not isinstance(v, torch.Tensor): continue

@@ -141,7 +141,7 @@ def main(rank, world, port, scenario, outdir, *args):
     try:
         fn = globals()[scenario]
         with_dir = ('ddp_fp16_optimizer', 'amp_ddp', 'fastai_ddp', 'fastai_distrib_ctx', 'amp_clip', 'fsdp2_fp16_optimizer',
-                    'fsdp2_fastai')
+                    'fsdp2_fastai', 'fastai_fine_tune_ddp')
         res = (fn(rank, world, outdir, *args) if scenario in with_dir else fn(rank, world, outdir)
                if scenario in ('fastai_callback', 'stalled_peer') else fn(rank, world, *args))
         torch.save(res, os.path.join(outdir, f'{scenario}{"".join(map(str, args))}_rank{rank}.pt'))
@@ -308,6 +308,36 @@ def fastai_ddp(rank, world, outdir, flat=False, opt='adam'):
     try: learn.save(f'ddp{flat}{opt}', with_opt=True)              # rank 0 writes
     finally: fastai.learner.save_model = real_save
     return fastai_results(learn, writes=len(writes))
+
+def fastai_fine_tune_ddp(rank, world, outdir, masters='fp32'):
+    ("fastai's fine-tune under DDP (wrapped at each fit's start, as fastai's DistributedTrainer does): a frozen body "
+     "without masters for a fit, then unfrozen, its masters made alike on every rank")
+    from fastai.learner import Learner
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from torch.utils.data import TensorDataset
+    from mixedprec.callback import MixedPrecision
+    xs, ys = zip(*[data(s) for s in range(STEPS)])
+    x, y = torch.cat([shard_rows(t, rank, world) for t in xs]), torch.cat([shard_rows(t, rank, world) for t in ys])
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2 * BS // world), DataLoader(TensorDataset(x, y), bs=BS))
+    class WrapDDP(Callback):
+        order = MixedPrecision.order + 1
+        def before_fit(self): self.learn.model = DDP(self.learn.model) if world > 1 else self.learn.model
+        def after_fit(self):
+            if world > 1: self.learn.model = self.learn.model.module
+    model = deep_mlp()
+    learn = Learner(dls, model, loss_func=nn.MSELoss(), lr=1e-2, path=outdir, wd=1e-2,
+                    splitter=lambda m: [list(m[:4].parameters()), list(m[4:].parameters())])
+    learn.remove_cb(learn.progress); learn.logger = lambda *a: None
+    learn.freeze()
+    learn.to_bf16(masters=masters)
+    learn.fit(2, cbs=WrapDDP())
+    conv = learn.mixed_precision.conversion
+    body_frozen = [model[0].weight in conv.masters, model[0].weight.requires_grad]
+    learn.unfreeze()
+    learn.fit(2, cbs=WrapDDP())
+    return fastai_results(learn, body=body_frozen + [model[0].weight in conv.masters])
 
 def launched_as(rank, world):
     "The launcher's variables, set as torchrun sets them (fastai's and accelerate's helpers read them)"

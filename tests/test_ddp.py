@@ -121,3 +121,13 @@ def test_shard_true_is_refused_by_every_front_end_naming_fully_shard():
     with pytest.raises(ValueError, match="amp.initialize: " + fix):
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O2', shard=True, verbosity=0)
     assert model.weight.dtype == torch.float32 and getattr(model, '_mixedprec_conversion', None) is None
+
+@pytest.mark.parametrize("masters", ['fp32', 'split'])
+def test_a_fine_tune_under_ddp_makes_the_unfrozen_bodys_masters_alike_on_every_rank(masters, tmp_path):
+    ranks = spawn('fastai_fine_tune_ddp', tmp_path, masters, world=2)
+    same(ranks[1], ranks[0])
+    # frozen, the body had no master; unfrozen, it has one (made from its half weights, on each rank alike)
+    assert ranks[0]['body'] == [False, False, True]
+    one = spawn('fastai_fine_tune_ddp', tmp_path, masters, world=1)[0]
+    for a, b in zip(ranks[0]['params'], one['params']):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)   # the same global batches
