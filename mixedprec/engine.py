@@ -250,8 +250,8 @@ def keeps_buffer(keep_buffer:bool, momentum:float) -> bool:
     return momentum != 0 if keep_buffer is None else keep_buffer
 
 class _Launch(NamedTuple):
-    "One kernel launch's arguments, prepared: the params it steps, and what they step with"
-    first: bool; step_kind: str; weight_decay: float; held: list; targets: list; out: list; lows: list
+    "One kernel launch's arguments, prepared: the params it steps (masters of one `kind`), and what they step with"
+    first: bool; kind: type; weight_decay: float; held: list; targets: list; args: dict
     states: list; scales: list; counts: torch.Tensor; steps: list
 
 # %% ../nbs/14_engine.ipynb #fe2a3709
@@ -270,7 +270,7 @@ class FusedStep:
             ps = [p for p in params if p.grad is not None]
             if not ps: continue
             wd = kw.get('weight_decay', 0.)
-            key = (tuple(map(id, ps)), tuple(id(state[p]) for p in ps), tuple(map(wd, ps)) if callable(wd) else wd)
+            key = (tuple(map(id, ps)), tuple(map(id, map(state.__getitem__, ps))), tuple(map(wd, ps)) if callable(wd) else wd)
             hit = self._prepared.get(i)
             if compiling or hit is None or hit[0] != key:
                 launches, again = self._prepare(ps, state, kw, views=not compiling)
@@ -288,11 +288,11 @@ class FusedStep:
             # lean state made up front (`make_lean_state`) has drawn no rounding seed before its first step
             first = (first or (self.lean and st.get('rounding_step') == 0)) and kw.get('dampening', 0) != 0
             again |= first                       # SGD's first step with dampening differs from the next ones
-            runs.setdefault((first, m.step_kind, wd(p) if callable(wd) else wd), []).append((p, m, st))
+            runs.setdefault((first, type(m), wd(p) if callable(wd) else wd), []).append((p, m, st))
         return [self._launch_of(key, items, keep_buffer, views) for key, items in runs.items()], again
 
     def _launch_of(self, key:tuple, items:list, keep_buffer:bool, views:bool) -> _Launch:
-        (first, step_kind, wd), names = key, self.plan.names
+        (first, kind, wd), names = key, self.plan.names
         held, ms, sts = [p for p, _, _ in items], [m for _, m, _ in items], [st for _, _, st in items]
         keys = ([names['buf']] if keep_buffer else []) if self.plan.kind == 'sgd' else [names['avg'], names['sqr']]
         counts, steps = None, [st['step'] for st in sts] if self.plan.kind == 'adam' else []
@@ -300,33 +300,31 @@ class FusedStep:
             counts = torch.stack([s.reshape(()) for s in steps])
             steps = list(counts.unbind())
             for st, s in zip(sts, steps): st['step'] = s
-        return _Launch(first, step_kind, wd, held, [m.target for m in ms],
-                       [m.param for m in ms] if step_kind == 'copy' else [],
-                       [m.low for m in ms] if step_kind == 'split' else None,
+        return _Launch(first, kind, wd, held, [m.target for m in ms], kind.kernel_args(ms),
                        [[st[k] for st in sts] for k in keys],
                        [[st[k + SCALES] for st in sts] for k in keys] if self.store == '8bit' else None, counts, steps)
 
     def _launch(self, run:_Launch, found_inf, kw:dict, state:dict):
-        grads, extra = [p.grad for p in run.held], dict(impl=self.impl)
+        grads, extra, out = [p.grad for p in run.held], dict(impl=self.impl, **run.args), run.args.get('out', [])
+        extra.pop('out', None)
         seeds = None
-        if run.step_kind == 'none' or self.lean:
+        if run.kind.needs_seed or self.lean:
             if torch.compiler.is_compiling():
                 raise NotImplementedError("stochastic rounding (masters='none', state='bf16' or '8bit') inside "
                                           "torch.compile: its seeds are host ints that change at every step. Compile "
                                           "the model (the forward and backward), and let mixedprec's step run eagerly")
             seeds = self.layout.rounding.seeds(run.held, state)      # this step's seed of each (its stream advances)
-        if run.step_kind == 'split': extra['lows'] = run.lows
-        if run.step_kind == 'none': extra['seeds'] = seeds
+        if run.kind.needs_seed: extra['seeds'] = seeds
         if self.lean and run.states:
             extra['state_seeds'] = [tuple(_mix(s, j + 1) for j in range(len(run.states))) for s in seeds]
         if self.lean and self.store == '8bit': extra['state_scales'] = run.scales
         if self.plan.kind == 'sgd':
-            sgd_step_(grads, run.targets, run.states[0] if run.states else [], run.out, found_inf, 1., kw['lr'],
+            sgd_step_(grads, run.targets, run.states[0] if run.states else [], out, found_inf, 1., kw['lr'],
                       kw.get('momentum', 0.), kw.get('dampening', 0.), run.weight_decay, kw.get('nesterov', False),
                       first_run=run.first, decoupled=kw.get('decoupled', False), **extra)
             return
         b1, b2 = kw['betas']
-        adam_step_(grads, run.targets, run.states[0], run.states[1], run.out, found_inf, run.steps, 1., kw['lr'],
+        adam_step_(grads, run.targets, run.states[0], run.states[1], out, found_inf, run.steps, 1., kw['lr'],
                    b1, b2, kw['eps'], run.weight_decay, kw['decoupled'], advance=run.counts is None, **extra)
         if run.counts is not None: run.counts.add_((~found_inf).to(run.counts))
 
@@ -428,7 +426,7 @@ class HeldOptimizer:
         self.state = _check_lean(optimizer, state, flat)                    # before anything changes
         self.decide = _check_decide(decide) if decide is not None else None
         kind = check_store(store, flat=flat)
-        if state != 'fp32' and make and kind.step_kind is None:
+        if state != 'fp32' and make and not kind.fused:
             raise ValueError(f"state={state!r} is kept by the fused steps, which do not step masters of kind "
                              f"{kind.__name__}: use state='fp32' with it")
         self.masters = _swap_in(self.adapter, record, kind, names, impl, flat, make, keep_bf16=state == 'bf16')

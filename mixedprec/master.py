@@ -11,7 +11,8 @@ __all__ = ['HALF', 'STORES', 'IN_BACKWARD', 'CheckpointError', 'check_master_val
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_
 import torch
 from torch import nn
 from .ops import (scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, split_bf16_ref, join_bf16_ref,
@@ -80,7 +81,7 @@ class GradLists:
 class Holder:
     ("What an optimizer holds in place of model params (`held`): a master holds its one param, a flat master several. "
      "How grads come in, how they are cleared, how its optimizer state is keyed")
-    trains, step_kind = True, None
+    trains, fused = True, False          # fused: the fused kernels step it (`Master.kernel_args`)
     params = property(lambda self: [self.param])
     def take_grads(self, lists:GradLists, accumulate:bool, keep:bool):
         ("Put the params' half grads into `lists` for the unscale (added to the grad held with `accumulate`); a param "
@@ -186,6 +187,10 @@ class Master(Holder):
 
     @property
     def target(self) -> torch.Tensor: "What the fused kernels step in place"; return self.held
+    @classmethod
+    def kernel_args(cls, ms:list) -> dict:
+        "The fused kernels' arguments for masters `ms` of this kind, beside their targets (`needs_seed`: a seed each)"
+        return {}
     def materialize(self): "Lend the optimizer's own step an fp32 value to step (a kind without one)"
     def store_materialized(self): "Put the lent value's rounding into the param (a closure reads the model)"
     def release(self, seed:int=None): "Take the stepped value back (rounded with `seed` where `needs_seed`)"
@@ -195,6 +200,10 @@ class Master(Holder):
 def _stand_in(shape, device) -> torch.Tensor:
     "The data of a master without an fp32 copy: 4 bytes expanded to the param's shape (a write to it raises)"
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
+
+_grad = attrgetter('grad')
+
+def _has_none(xs:list) -> bool: "Whether `xs` holds a None (one pass in C)"; return any(map(is_, xs, repeat(None)))
 
 def _moves(p:torch.Tensor, stride:tuple) -> bool:
     "True when `p`'s memory layout is not `stride` and can be followed: more than one element, dense"
@@ -211,7 +220,9 @@ def _relayout_state(states:list, held:torch.Tensor, p:torch.Tensor):
 
 class Fp32Master(Master):
     "The master of a half param as an fp32 tensor of its own, laid out as the param, which the optimizer holds"
-    step_kind, keeps_grad = 'copy', True
+    fused, keeps_grad = True, True
+    @classmethod
+    def kernel_args(cls, ms): return dict(out=[m.param for m in ms])     # the step writes the half params too
     def __init__(self, param, held):
         super().__init__(param, held)
         self.buffer = None          # the grad's buffer, made at the first grad and kept (page faults on the CPU)
@@ -234,7 +245,7 @@ class Fp32Master(Master):
         # the common step at once: every param has a grad, every buffer is made, nothing is added to
         gs = [m.param.grad for m in ms]
         bufs = [m.buffer for m in ms]
-        if accumulate or any(g is None for g in gs) or any(b is None for b in bufs):
+        if accumulate or _has_none(gs) or _has_none(bufs):
             return super().take_all(ms, lists, accumulate, keep)
         lists.src += gs; lists.dst += bufs
         for m, b in zip(ms, bufs):
@@ -266,7 +277,7 @@ class OwnMaster(Master):
     own = True
     def __init__(self, param):
         super().__init__(param, param)
-        self.stash, self.step_kind = None, 'own' if param.dtype == torch.float32 else None     # (the kernels: fp32)
+        self.stash, self.fused = None, param.dtype == torch.float32      # (the kernels step fp32 params)
     def value(self) -> torch.Tensor: return self.param.detach().float()
     def put(self, v): self.param.copy_(v)
     def edited(self) -> bool: return False
@@ -356,7 +367,9 @@ def _bf16_only(cls, dtype) -> str:
 
 class SplitMaster(StandInMaster):
     "The exact master of a bf16 param: the param (its high half) and an int16 low half laid out as the param"
-    step_kind, store = 'split', 'split'
+    fused, store = True, 'split'
+    @classmethod
+    def kernel_args(cls, ms): return dict(lows=[m.low for m in ms])
     def __init__(self, param, held=None):
         super().__init__(param, held)
         self.low = torch.zeros_like(param, dtype=torch.int16)
@@ -375,7 +388,7 @@ class SplitMaster(StandInMaster):
 
 class RoundedMaster(StandInMaster):
     "The master of a bf16 param that is the param itself: its steps round stochastically into it"
-    step_kind, store, needs_seed = 'none', 'none', True
+    fused, store, needs_seed = True, 'none', True
     refuses = classmethod(_bf16_only)
     def release(self, seed=None):
         with torch.no_grad(): self.param.copy_(round_stochastic_ref(self.held.detach(), seed))
@@ -411,7 +424,7 @@ def flat_slice(v:torch.Tensor, view:torch.Tensor, fm:torch.Tensor) -> torch.Tens
 
 class FlatSlice(Fp32Master):
     "The master of a half param as a view into a flat fp32 master, its grad a view into the flat grad"
-    step_kind = None                 # the optimizer's own step steps the flat tensor
+    fused = False                    # the optimizer's own step steps the flat tensor
     def __init__(self, param, flat:'FlatMaster', view:torch.Tensor, gview:torch.Tensor):
         self.flat, self.view, self.gview, self.graded, self.tracked = flat, view, gview, False, view
         super().__init__(param, flat.held)
@@ -629,9 +642,10 @@ class MasterGrads:
     ):
         self.masters, self.holders = masters, holders if holders is not None else masters
         self.impl, self.names, self.fsdp2 = impl, names or {}, fsdp2
-        self.keep_zero, self._lent, self._cache = False, False, {}
+        self.keep_zero, self._lent, self._lent_grads, self._stand_ins = False, False, [], []
         self._own = [m for m in self.masters if m.own]
         self._lends = [m for m in self.masters if not m.own]
+        self._lend_params = [m.param for m in self._lends]
         self._kinds = {}                              # the holders by kind, for `take_all`
         for h in self.holders: self._kinds.setdefault(type(h), []).append(h)
 
@@ -659,22 +673,20 @@ class MasterGrads:
     def lend(self):
         ("After the unscale, until the step: each half param's `.grad` is a `MasterGrad` of its master's unscaled fp32 "
          "grad (the backward's half grads are dropped)")
-        cache = self._cache
-        for m in self._lends:
-            g = m.grad
-            if g is None: m.param.grad = None; continue
-            if not m.keeps_grad: m.param.grad = MasterGrad(m.param, g); continue     # made anew at each unscale
-            hit = cache.get(id(m))
-            if hit is None or hit.master_grad is not g: hit = cache[id(m)] = MasterGrad(m.param, g)
-            m.param.grad = hit
+        grads = list(map(_grad, self._lends))
+        if len(grads) != len(self._lent_grads) or not all(map(is_, grads, self._lent_grads)):
+            # a grad made anew since the last step (every step, for kinds whose grad is not kept): its stand-in too
+            self._lent_grads, self._stand_ins = grads, [None if g is None else MasterGrad(m.param, g)
+                                                        for m, g in zip(self._lends, grads)]
+        for p, g in zip(self._lend_params, self._stand_ins): p.grad = g
         self._lent = True
 
     def drop_lent(self):
         "Drop the `MasterGrad`s lent to the half params (a grad the backward left in them stays)"
         if not self._lent: return          # nothing lent since the last drop: no loop (it runs three times a step)
         self._lent = False
-        for m in self._lends:
-            if type(m.param.grad) is MasterGrad: m.param.grad = None
+        for p in self._lend_params:
+            if type(p.grad) is MasterGrad: p.grad = None
 
     def clearing(self, set_to_none:bool):
         "Note how the front end's optimizer clears grads: dropped, or zeroed in place (fastai), so they are stepped"
@@ -684,14 +696,14 @@ class MasterGrads:
         ("Drop the model's grads and clear the master grads: dropped, or zeroed in place (`set_to_none=False`, "
          "stepped as zeros); default: as the front end's optimizer last cleared them")
         if set_to_none is None: set_to_none = not self.keep_zero
-        self.drop_lent()
+        self._lent = False                  # every half param's grad is dropped, lent or not
         self.zero_model()
         self.clearing(set_to_none)
         for kind, hs in self._kinds.items(): kind.clear_all(hs, set_to_none)
 
     def zero_model(self):
         "Drop the half params' grads (fp32 params, their own masters, keep theirs)"
-        for m in self._lends: m.param.grad = None
+        for p in self._lend_params: p.grad = None
 
     def raw(self) -> list:
         ("The half params holding a grad that no unscale took in; on FSDP2, whose fp32 shards are their own masters, "
@@ -760,7 +772,7 @@ class MasterParams:
         self.fsdp2 = any(is_dtensor(m.param) for m in self.masters)
         self.of_held = {id(h.held): h for h in self.holders}
         # the fused kernels know how to step every master that trains; there are masters of half params that train
-        self.steppable = bool(self.masters) and all(m.step_kind is not None for m in self.masters if m.trains)
+        self.steppable = bool(self.masters) and all(m.fused for m in self.masters if m.trains)
         self.has_trained = bool(self.trained)
         self.training = TrainingSync(self.masters, self.holders, make)
         self.grads = MasterGrads(self.masters, self.holders, impl, self.names, self.fsdp2)

@@ -14,6 +14,7 @@ __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUIL
 # %% ../nbs/10_ops.ipynb #8848a001
 import contextvars, functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
 from contextlib import contextmanager
+from operator import attrgetter
 import importlib.util
 from pathlib import Path
 import torch
@@ -533,10 +534,12 @@ def require_impl(impl:str=None, device='cpu'):
     _choose(torch.empty(0, device=device), impl, warn=False)
 
 # %% ../nbs/10_ops.ipynb #5f657f9a
+_dtype = attrgetter('dtype')
+
 def _groups(*lists):
     "Indices of the tensors of `lists` grouped by their dtypes (one fused launch each); the kernels check the rest"
-    dtypes = [[t.dtype for t in l] for l in lists]
-    if all(len(set(d)) <= 1 for d in dtypes): return [range(len(lists[0]))]
+    if all(len(set(map(_dtype, l))) <= 1 for l in lists): return [range(len(lists[0]))]     # the common case
+    dtypes = [list(map(_dtype, l)) for l in lists]
     keys, res = list(zip(*dtypes)), {}
     for i, k in enumerate(keys): res.setdefault(k, []).append(i)
     return res.values()
@@ -550,6 +553,7 @@ def _pick(l, idx):
     return l if len(idx) == len(l) else [l[i] for i in idx]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 def is_dtensor(t) -> bool:
     "True when `t` is a DTensor (FSDP2's sharded params, their grads and optimizer state); none exists before its import"
@@ -566,6 +570,7 @@ def local_shard(t:torch.Tensor) -> torch.Tensor:
 def local_shards(tensors) -> list:
     ("`tensors` with each DTensor replaced by this rank's shard of it: the kernels and references work on a rank's "
      "shards, and the caller sums what must be summed over ranks (a norm)")
+    if _PLAIN_TYPES.issuperset(map(type, tensors)): return list(tensors)        # no DTensor: one pass in C
     return [t if type(t) in _PLAIN else local_shard(t) for t in tensors]
 
 def _scale_op(kernel:str, ref, src, dst, scale, impl):
