@@ -21,11 +21,11 @@ from typing import Callable, NamedTuple
 import torch
 from . import ops
 from .ops import sgd_step_, adam_step_, backend
-from .scaler import LossScaler
+from .scaler import LossScaler, host_where
 from fastcore.foundation import L
 from .master import MasterParams, Masters, CheckpointError, _mix, check_param_state, check_store
 from .state import SCALES, Int8State, fp32_state, check_state_store, state_store
-from .distributed import agree, sum_over_ranks, rank0s
+from .distributed import agree, sum_over_ranks, rank0s, world_size
 
 # %% ../nbs/14_engine.ipynb #e0000007
 # where a front end decides the skip unless told: 'cuda', 'always' or 'never' (process-wide)
@@ -326,7 +326,7 @@ class FusedStep:
         b1, b2 = kw['betas']
         adam_step_(grads, run.targets, run.states[0], run.states[1], out, found_inf, run.steps, 1., kw['lr'],
                    b1, b2, kw['eps'], run.weight_decay, kw['decoupled'], advance=run.counts is None, **extra)
-        if run.counts is not None: run.counts.add_((~found_inf).to(run.counts))
+        if run.counts is not None: run.counts.add_(~found_inf.to(run.counts.device))
 
 def fused_opt_step(opt, plan:FusedPlan, layout:MasterParams, found_inf:torch.Tensor, impl:str=None, store:str='fp32'):
     "One fused step of `opt` (recognised as `plan`) over `layout`, nothing prepared ahead (`torch.compile` traces it)"
@@ -819,22 +819,25 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     for s in {scaler, *(s for e in engines for s in e.progress.scalers)}: s.drain()
     device = engines[0].device
     inv = scaler.tensors(device)[1]
-    flags, loss_bad = [], torch.zeros((), dtype=torch.bool, device=device)
     # (from READY or STEPPED an unscale finds no grads: a step that changes nothing, as in apex, for a GAN's idle one)
     if any(e.stage == Stage.UNSCALED for e in engines):
         raise RuntimeError("unscaling needs a scaled backward since the last unscale, and the step protocol is at "
                            "stage UNSCALED: the grads were unscaled already; unscale once per backward, then step")
-    for e in engines:
-        flag, finite = e.unscaled(inv, scaler)
-        flags.append(flag.to(device))
-        if finite is not None: loss_bad = loss_bad | ~finite.to(device)
-    grads_bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-    both = agree(torch.stack([grads_bad, loss_bad]).int())
-    code = torch.where(both[1] > 0, 2, torch.where(both[0] > 0, 1, 0))              # an index into CODES
-    norm = None
-    if clip is not None:
-        norm = clip_norm([e.masters for e in engines], clip)
-        code = torch.where((code == 0) & ~torch.isfinite(norm), 3, code)
+    outcomes = [e.unscaled(inv, scaler) for e in engines]
+    # on one CPU process the outcome is read on the host (free there, where each tensor op costs more than the rule)
+    where, on_host = (host_where, True) if device.type == 'cpu' and world_size() == 1 else (torch.where, False)
+    if on_host:
+        grads_bad = any(bool(flag) for flag, _ in outcomes)
+        loss_bad = any(finite is not None and not bool(finite) for _, finite in outcomes)
+    else:
+        grads_bad, loss_bad = torch.stack([f.to(device) for f, _ in outcomes]).any(), torch.zeros((), dtype=torch.bool,
+                                                                                                  device=device)
+        for _, finite in outcomes:
+            if finite is not None: loss_bad = loss_bad | ~finite.to(device)
+        grads_bad, loss_bad = agree(torch.stack([grads_bad, loss_bad]).int()) > 0
+    norm = clip_norm([e.masters for e in engines], clip) if clip is not None else None
+    code = 0 if norm is None else where(~torch.isfinite(norm) if not on_host else not math.isfinite(norm), 3, 0)
+    code = where(loss_bad, 2, where(grads_bad, 1, code))                              # an index into CODES
     # kept until the books name the overflowed params (on the CPU they do at once: read then, if need be)
     grads = [e.masters.grads.unscaled() for e in engines] if device.type != 'cpu' else None
     for e in engines: e.masters.grads.lend()     # until the step, `p.grad` stands for the master's unscaled grad

@@ -201,7 +201,8 @@ def _stand_in(shape, device) -> torch.Tensor:
     "The data of a master without an fp32 copy: 4 bytes expanded to the param's shape (a write to it raises)"
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
 
-_grad = attrgetter('grad')
+_grad, _param_grad, _held_grad, _buffer, _version = (attrgetter(k) for k in ('grad', 'param.grad', 'held.grad', 'buffer',
+                                                                               '_version'))
 
 def _has_none(xs:list) -> bool: "Whether `xs` holds a None (one pass in C)"; return any(map(is_, xs, repeat(None)))
 
@@ -243,13 +244,12 @@ class Fp32Master(Master):
     @classmethod
     def take_all(cls, ms, lists, accumulate, keep):
         # the common step at once: every param has a grad, every buffer is made, nothing is added to
-        gs = [m.param.grad for m in ms]
-        bufs = [m.buffer for m in ms]
+        gs, bufs = list(map(_param_grad, ms)), list(map(_buffer, ms))
         if accumulate or _has_none(gs) or _has_none(bufs):
             return super().take_all(ms, lists, accumulate, keep)
         lists.src += gs; lists.dst += bufs
-        for m, b in zip(ms, bufs):
-            if m.held.grad is not b: m.held.grad = b
+        if all(map(is_, map(_held_grad, ms), bufs)): return       # the buffers are the grads already: every step but one
+        for m, b in zip(ms, bufs): m.held.grad = b
     def clear_grad(self, set_to_none):
         # dropped, the buffer is overwritten by the next unscale: zeroed only where the grad is kept
         if set_to_none: self.held.grad = None
@@ -869,7 +869,8 @@ class MasterWeights:
         src, dst = [], []
         for m in masters: m.copy_out(src, dst)
         self._copy, self._read = (src, dst), []
-        self._marks = [(m, m.param, m.tracked) for m in masters]   # the versions that tell a write from an edit
+        # the versions that tell a write from an edit, and their values when mixedprec last wrote every param
+        self._params, self._tracked, self._last = [m.param for m in masters], [m.tracked for m in masters], None
 
     def to_model(self):
         "Copy the fp32 masters into the half params (masters without an fp32 tensor are in the params already)"
@@ -877,11 +878,14 @@ class MasterWeights:
         self.written()
     def written(self):
         "Note that every param holds what mixedprec wrote: an in-place change after this is the user's edit"
-        for m, p, t in self._marks: m.written = (p._version, t._version)
+        self._last = self._versions()
+        for m, w in zip(self.masters, self._last): m.written = w
+    def _versions(self) -> list: return list(zip(map(_version, self._params), map(_version, self._tracked)))
     def take_edits(self) -> list:
         "Take what was changed in place since mixedprec wrote the model, either way; returns those params"
-        changed = [m for m, p, t in self._marks if m.written != (p._version, t._version)]
-        return [m.param for m in changed if m.take_edits()]
+        now = self._versions()
+        if now == self._last: return []                  # nothing changed since every param was written: one compare
+        return [m.param for m, w in zip(self.masters, now) if m.written != w and m.take_edits()]
     def adopt_data_edits(self):
         "Edits of the half params through `.data` become their masters' values, as the fused steps take them"
         for m in self.masters: m.adopt_data_edits()

@@ -167,3 +167,22 @@ def test_construction_and_a_loaded_state_follow_one_rule_set():
     for bad in (dict(factor=float('inf')), dict(min_scale=4., max_scale=2.)):
         with pytest.raises(ValueError, match='out of range.*nothing was loaded'):
             sc.load_state_dict({**sc.state_dict(), **bad})
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_the_rule_on_the_host_and_as_tensor_ops_moves_alike(dynamic):
+    "The CPU takes the rule in host numbers, a GPU as tensor ops: the same scale, count and books over any outcomes"
+    from mixedprec.scaler import ScaleRule
+    def rule(): return ScaleRule(2.**10, 0, 'cpu', dynamic, 2., 3, 2.**12, 2.**8)
+    host, ops = rule(), rule()
+    ops.on_host = False
+    ops.scale64, ops.noskip = torch.tensor(ops.scale64, dtype=torch.float64), torch.tensor(ops.noskip)
+    ops.refresh()
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 4, (400,), generator=g).tolist() + [0] * 20 + [1] * 8   # grows to the cap, falls to the floor
+    for c in codes:
+        norm = torch.rand((), generator=g)
+        (s1, v1, _), (s2, v2, _) = host.advance(torch.tensor(c), norm), ops.advance(torch.tensor(c), norm)
+        assert bool(s1) == bool(s2) == (c != 0)
+        assert list(v1) == v2.tolist()
+        assert torch.equal(host.scale, ops.scale) and torch.equal(host.inv, ops.inv)
+    assert host.scale64 == (2.**8 if dynamic else 2.**10)

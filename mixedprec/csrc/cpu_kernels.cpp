@@ -477,7 +477,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::T
   if (found_inf.item<bool>()) return;
   std::vector<float> step_size(params.size()), bc2_sqrt(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    const double t = steps[i].item<float>() + 1.0;    // this step's count; the caller advances it afterwards
+    const double t = *steps[i].data_ptr<float>() + 1.0;    // this step's count (a CPU fp32 scalar: read, not dispatched)
     step_size[i] = lr / (1.0 - std::pow(beta1, t));
     bc2_sqrt[i] = std::sqrt(1.0 - std::pow(beta2, t));
   }
