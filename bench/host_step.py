@@ -1,8 +1,8 @@
 """The host's share of a training step on a model of many small tensors (issue 54): 80 `Linear(64, 64)` (160 tensors),
 one thread. The step's share is what an iteration spends after its backward (the unscale, the optimizer step, the scale's
 update and clearing the grads), timed by itself at each iteration; configurations side by side in one run, rounds
-interleaved. Prints a table: each configuration's step (the median of the rounds' medians, and their range) and its
-ratio to torch's autocast + `GradScaler` + fused `AdamW`.
+interleaved at every iteration. Prints a table: each configuration's step (median and quartiles) and its ratio to
+torch's autocast + `GradScaler` + fused `AdamW` in the same iteration (median and quartiles).
 
     python bench/host_step.py [--rounds 7] [--iters 30] [--layers 80] [--dtype bf16|fp16]
 """
@@ -58,17 +58,13 @@ CONFIGS = {
     'mixedprec FP16_Optimizer': mixedprec_fp16_optimizer,
 }
 
-def time_config(make, layers, dtype, iters):
-    "Each iteration's step, timed by itself (the unscale, the optimizer step, the scale's update, clearing the grads)"
+def prepared(make, layers, dtype):
+    "A configuration's `fwd_bwd(x)` and `step()` and its input, warmed up"
     fwd_bwd, step = make(layers, dtype)
     x = torch.randn(16, 64)
-    xin = x.to(dtype) if make is mixedprec_fp16_optimizer else x
-    for _ in range(3): fwd_bwd(xin); step()
-    times = []
-    for _ in range(iters):
-        fwd_bwd(xin)
-        t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    if make is mixedprec_fp16_optimizer: x = x.to(dtype)
+    for _ in range(3): fwd_bwd(x); step()
+    return fwd_bwd, step, x
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -78,16 +74,26 @@ def main():
     torch.set_num_threads(1)
     warnings.filterwarnings('ignore')
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
-    shares = {k: [] for k in CONFIGS}
-    for _ in range(args.rounds):
-        for name, make in CONFIGS.items(): shares[name].append(time_config(make, args.layers, dtype, args.iters))
-    ref = statistics.median(shares['torch autocast + GradScaler + fused AdamW'])
+    runs = {name: prepared(make, args.layers, dtype) for name, make in CONFIGS.items()}
+    ref = 'torch autocast + GradScaler + fused AdamW'
+    times, ratios = {k: [] for k in runs}, {k: [] for k in runs}
+    for it in range(args.rounds * args.iters):
+        # every configuration steps once per iteration, in an order that rotates: a burst of noise from the shared
+        # machine lands on all of them, and each step is compared with torch's of the same iteration
+        names = list(runs)[it % len(runs):] + list(runs)[:it % len(runs)]
+        now = {}
+        for name in names:
+            fwd_bwd, step, x = runs[name]
+            fwd_bwd(x)
+            t = time.perf_counter(); step(); now[name] = time.perf_counter() - t
+        for name, t in now.items(): times[name].append(t); ratios[name].append(t / now[ref])
     print(f"{cpu_name()}, torch {torch.__version__}, 1 thread, {args.layers} Linear(64, 64) ({2 * args.layers} tensors), "
-          f"{args.dtype}, {args.rounds} rounds of {args.iters} iterations")
-    print(f"| configuration | step's share, ms (median, min-max) | x torch autocast + GradScaler |")
-    print(f"|---|---|---|")
-    for name, s in shares.items():
-        med = statistics.median(s)
-        print(f"| {name} | {med * 1e3:.2f} ({min(s) * 1e3:.2f}-{max(s) * 1e3:.2f}) | {med / ref:.2f} |")
+          f"{args.dtype}, {args.rounds * args.iters} iterations, the configurations interleaved")
+    print("| configuration | step's share, ms (median, quartiles) | x torch autocast + GradScaler (median of each "
+          "iteration's ratio, quartiles) |")
+    print("|---|---|---|")
+    for name in runs:
+        t, r = statistics.quantiles(times[name], n=4), statistics.quantiles(ratios[name], n=4)
+        print(f"| {name} | {t[1] * 1e3:.2f} ({t[0] * 1e3:.2f}-{t[2] * 1e3:.2f}) | {r[1]:.2f} ({r[0]:.2f}-{r[2]:.2f}) |")
 
 if __name__ == '__main__': main()

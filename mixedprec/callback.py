@@ -22,7 +22,6 @@ from fastai.learner import Learner
 import fastai.learner as fastai_learner
 from fastai.torch_core import get_model, distrib_barrier
 from fastai.callback.core import Callback, CancelStepException
-from fastai.callback.training import GradientClip
 from fastai.learner import ValueMetric
 from fastai.optimizer import Optimizer
 from .scaler import LossScaler, plot_history
@@ -223,10 +222,6 @@ def _refuse_at_fit(cb):
                          f"mixed precision is on, so inputs would be cast to {cb.dtype} for them: leave mixed precision "
                          "with `learn.to_fp32()` (the model gets the fp32 masters), or convert anew with "
                          "`learn.to_fp16()` / `to_bf16()`")
-    if any(isinstance(c, GradientClip) for c in learn.cbs):
-        raise ValueError("fastai's GradientClip clips the half model's scaled grads, which the optimizer never sees "
-                         "under mixedprec. Remove it and pass the max norm to mixedprec instead: "
-                         "`learn.to_fp16(clip=max_norm)`.")
     changed = cb.conversion.unconverted()
     if changed:
         raise ValueError(f"the model has fp32 params that were added or replaced after `to_fp16()` "

@@ -68,6 +68,8 @@ def fsdp2_sharded(params) -> bool:
      "DTensor it holds (between a forward and its backward, the root's params are plain tensors: the module's class "
      "tells)")
     if not dist.is_available(): return False
+    if not ({'torch.distributed.tensor', 'torch.distributed._tensor'} & sys.modules.keys()):
+        return False          # no DTensor exists before its module is imported (FSDP2 imports it): no walk each step
     try: from torch.distributed.tensor import DTensor
     except ImportError: from torch.distributed._tensor import DTensor                 # torch before 2.5
     try: from torch.distributed.fsdp import FSDPModule

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'FASTAI_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults',
-           'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'fused_plan', 'fuses',
-           'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_state', 'keeps_buffer', 'FusedStep',
-           'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'HeldOptimizer', 'StepRunner', 'StepEngine',
-           'state_by_model_param', 'state_onto_masters', 'check_optimizer_state', 'load_optimizer_state',
+           'current_decide', 'FusedPlan', 'torch_plan', 'steps_to_ints', 'fastai_plan', 'wrapped_torch_plan',
+           'fused_plan', 'fuses', 'OptimizerAdapter', 'FastaiAdapter', 'adapter_for', 'make_state', 'keeps_buffer',
+           'FusedStep', 'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'HeldOptimizer', 'StepRunner',
+           'StepEngine', 'state_by_model_param', 'state_onto_masters', 'check_optimizer_state', 'load_optimizer_state',
            'write_atomically', 'save_checkpoint', 'clip_grads_', 'clip_norm', 'scale_into', 'OverflowNames',
            'unscale_into', 'clip_pending']
 
@@ -68,6 +68,7 @@ class FusedPlan(NamedTuple):
     groups:Callable           # groups(opt) -> [(params, `fused_group_step` keyword args)], read at every step
     device_ok:bool            # a skip decided on the device changes nothing the host must know
     own_layout:Callable=None  # own_layout(state): the state as the optimizer's own step expects it
+    state:Callable=lambda opt: opt.state  # state(opt): the dict, keyed by the params it steps, holding their state
 
 TORCH_STATE = dict(avg='exp_avg', sqr='exp_avg_sq', buf='momentum_buffer')
 FASTAI_STATE = dict(avg='grad_avg', sqr='sqr_avg', buf='grad_avg')
@@ -139,7 +140,17 @@ def fastai_plan(opt) -> FusedPlan:
                          partial(_fastai_groups, 'sgd', decoupled, True), True)
     return None
 
-OPTIMIZERS = [torch_plan, fastai_plan]             # the recognition table: each entry returns a FusedPlan or None
+# %% ../nbs/14_engine.ipynb #plans14
+def wrapped_torch_plan(opt) -> FusedPlan:
+    ("fastai's `OptimWrapper` around a torch optimizer `torch_plan` knows (fastai's documented way to train with "
+     "one): the torch optimizer's plan, over its groups and state, else None")
+    if type(opt).__name__ != 'OptimWrapper' or type(opt).__module__ != 'fastai.optimizer': return None
+    inner = torch_plan(opt.opt)
+    if inner is None: return None
+    return inner._replace(name=f"fastai OptimWrapper({inner.name})", groups=lambda o: inner.groups(o.opt),
+                          state=lambda o: o.opt.state)
+
+OPTIMIZERS = [torch_plan, fastai_plan, wrapped_torch_plan]   # the recognition table: each returns a FusedPlan or None
 
 def fused_plan(opt) -> FusedPlan:
     "The first entry of `OPTIMIZERS` that recognises `opt`, or None: its own step runs"
@@ -250,9 +261,10 @@ def keeps_buffer(keep_buffer:bool, momentum:float) -> bool:
     return momentum != 0 if keep_buffer is None else keep_buffer
 
 class _Launch(NamedTuple):
-    "One kernel launch's arguments, prepared: the params it steps (masters of one `kind`), and what they step with"
+    ("One kernel launch's arguments, prepared: the params it steps (masters of one `kind`), what they step with, and "
+     "the lists handed to the kernels once (`ops.PreparedStep`, where a build runs them and the grads are kept)")
     first: bool; kind: type; weight_decay: float; held: list; targets: list; args: dict
-    states: list; scales: list; counts: torch.Tensor; steps: list
+    states: list; scales: list; counts: torch.Tensor; steps: list; prepared: object
 
 # %% ../nbs/14_engine.ipynb #fe2a3709
 class FusedStep:
@@ -265,7 +277,7 @@ class FusedStep:
 
     def __call__(self, opt, found_inf:torch.Tensor):
         "Step `opt` over the layout's masters; a no-op on the device where `found_inf` is set"
-        state, compiling = opt.state, torch.compiler.is_compiling()
+        state, compiling = self.plan.state(opt), torch.compiler.is_compiling()
         for i, (params, kw) in enumerate(self.plan.groups(opt)):
             ps = [p for p in params if p.grad is not None]
             if not ps: continue
@@ -275,7 +287,7 @@ class FusedStep:
             if compiling or hit is None or hit[0] != key:
                 launches, again = self._prepare(ps, state, kw, views=not compiling)
                 hit = self._prepared[i] = (None if again else key, launches)
-            for launch in hit[1]: self._launch(launch, found_inf, kw, state)
+            if not all([self._launch(launch, found_inf, kw, state) for launch in hit[1]]): self._prepared.pop(i)
 
     def _prepare(self, ps:list, state:dict, kw:dict, views:bool=True) -> tuple:
         "The launches of one group's params `ps`, their state made or converted; and whether to prepare them again"
@@ -300,13 +312,21 @@ class FusedStep:
             counts = torch.stack([s.reshape(()) for s in steps])
             steps = list(counts.unbind())
             for st, s in zip(sts, steps): st['step'] = s
-        return _Launch(first, kind, wd, held, [m.target for m in ms], kind.kernel_args(ms),
-                       [[st[k] for st in sts] for k in keys],
-                       [[st[k + SCALES] for st in sts] for k in keys] if self.store == '8bit' else None, counts, steps)
+        targets, args = [m.target for m in ms], kind.kernel_args(ms)
+        states = [[st[k] for st in sts] for k in keys]
+        scales = [[st[k + SCALES] for st in sts] for k in keys] if self.store == '8bit' else None
+        grads, ext = [p.grad for p in held], ops.kernels_for(targets[0], self.impl) if targets else None
+        # kept grads (fp32 masters' buffers) on one process's plain tensors: the lists go to the kernels once
+        prepared = ops.PreparedStep(ext, grads, targets, states, args.get('out'), steps if counts is not None else None,
+                                    args.get('lows'), scales) if (
+            views and ext is not None and kind.keeps_grad and not any(map(ops.is_dtensor, targets))) else None
+        return _Launch(first, kind, wd, held, targets, args, states, scales, counts, steps, prepared)
 
-    def _launch(self, run:_Launch, found_inf, kw:dict, state:dict):
+    def _launch(self, run:_Launch, found_inf, kw:dict, state:dict) -> bool:
+        "One launch; False when its prepared lists no longer hold the grads (the group is prepared anew next step)"
         grads, extra, out = [p.grad for p in run.held], dict(impl=self.impl, **run.args), run.args.get('out', [])
         extra.pop('out', None)
+        prepared = run.prepared is not None and run.prepared.holds(grads)
         seeds = None
         if run.kind.needs_seed or self.lean:
             if torch.compiler.is_compiling():
@@ -318,16 +338,22 @@ class FusedStep:
         if self.lean and run.states:
             extra['state_seeds'] = [tuple(_mix(s, j + 1) for j in range(len(run.states))) for s in seeds]
         if self.lean and self.store == '8bit': extra['state_scales'] = run.scales
+        rounding = dict(seeds=extra.get('seeds'), state_seeds=extra.get('state_seeds'))
         if self.plan.kind == 'sgd':
-            sgd_step_(grads, run.targets, run.states[0] if run.states else [], out, found_inf, 1., kw['lr'],
-                      kw.get('momentum', 0.), kw.get('dampening', 0.), run.weight_decay, kw.get('nesterov', False),
-                      first_run=run.first, decoupled=kw.get('decoupled', False), **extra)
-            return
-        b1, b2 = kw['betas']
-        adam_step_(grads, run.targets, run.states[0], run.states[1], out, found_inf, run.steps, 1., kw['lr'],
-                   b1, b2, kw['eps'], run.weight_decay, kw['decoupled'], advance=run.counts is None, **extra)
-        if run.counts is not None: run.counts.add_(~found_inf.to(run.counts.device))
+            args = (found_inf, 1., kw['lr'], kw.get('momentum', 0.), kw.get('dampening', 0.), run.weight_decay,
+                    kw.get('nesterov', False), run.first, kw.get('decoupled', False))
+            if prepared: run.prepared.sgd(*args, **rounding)
+            else: sgd_step_(grads, run.targets, run.states[0] if run.states else [], out, *args[:7], first_run=args[7],
+                            decoupled=args[8], **extra)
+        else:
+            args = (found_inf, 1., kw['lr'], *kw['betas'], kw['eps'], run.weight_decay, kw['decoupled'])
+            if prepared: run.prepared.adam(*args, **rounding)
+            else: adam_step_(grads, run.targets, run.states[0], run.states[1], out, args[0], run.steps, *args[1:],
+                             advance=run.counts is None, **extra)
+            if run.counts is not None: run.counts.add_(~found_inf.to(run.counts.device))
+        return prepared or run.prepared is None
 
+# %% ../nbs/14_engine.ipynb #fstep14
 def fused_opt_step(opt, plan:FusedPlan, layout:MasterParams, found_inf:torch.Tensor, impl:str=None, store:str='fp32'):
     "One fused step of `opt` (recognised as `plan`) over `layout`, nothing prepared ahead (`torch.compile` traces it)"
     FusedStep(plan, layout, store, impl)(opt, found_inf)
@@ -336,8 +362,9 @@ def make_lean_state(held):
     ("Make the whole lean state of the Adam or SGD `held` holds now, as its first fused step would (zeros, and each "
      "master's rounding stream): so a freshly built optimizer holds every key its checkpoint holds, and DCP, which "
      "loads only the keys it finds, brings the stream back")
-    plan, state = fused_plan(held.optimizer), getattr(held.optimizer, 'state', None)
-    if plan is None or not isinstance(state, dict): return
+    plan = fused_plan(held.optimizer)
+    state = plan.state(held.optimizer) if plan is not None else None
+    if not isinstance(state, dict): return
     for params, kw in plan.groups(held.optimizer):
         # SGD: a zero buffer; with dampening, its first step (buffer = grad) is known by the stream's count, still 0
         keep_buffer = keeps_buffer(kw.get('keep_buffer'), kw.get('momentum', 0))
@@ -402,9 +429,9 @@ def _check_lean(optimizer, state:str, flat:bool=False) -> str:
     "`state` checked for `optimizer`: lean state ('bf16', '8bit') needs an optimizer the fused steps know"
     check_state_store(state, flat)
     if state != 'fp32' and fused_plan(optimizer) is None:
-        raise ValueError(f"state={state!r} is kept by the fused steps, which know torch's SGD, Adam and AdamW and "
-                         f"fastai's SGD and Adam, not {type(optimizer).__name__} (with these settings): use one of "
-                         "those, or state='fp32'")
+        raise ValueError(f"state={state!r} is kept by the fused steps, which know torch's SGD, Adam and AdamW (also in "
+                         f"fastai's OptimWrapper) and fastai's SGD and Adam, not {type(optimizer).__name__} (with these "
+                         "settings): use one of those, or state='fp32'")
     return state
 
 def _swap_in(adapter, record:Masters, kind:type, names:dict, impl:str, flat:bool=False, make:bool=True,
@@ -755,8 +782,10 @@ def clip_norm(layouts:list, max_norm:float, norm_type:float=2.) -> torch.Tensor:
     grads, fsdp2 = ops.local_shards([slots[i] for i in where]), any(ms.fsdp2 for ms in layouts)
     each = torch.zeros(len(slots), dtype=torch.float32, device=device)
     if grads:
-        norms = (ops.l2norm(grads, per_tensor=True, impl=impl)[1] if norm_type == 2 else
-                 torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])).to(device)
+        # (a rank's shard may be empty: its norm is 0, where torch has no inf norm of nothing)
+        norms = (ops.l2norm(grads, per_tensor=True, impl=impl)[1] if norm_type == 2 else torch.stack(
+            [torch.linalg.vector_norm(g.float(), norm_type) if g.numel() else g.new_zeros((), dtype=torch.float32)
+             for g in grads])).to(device)
         each = norms if len(grads) == len(slots) else each.index_put_((_slot_index(tuple(where), device),), norms)
     if norm_type == float('inf'):
         total = each.max() if len(each) else each.sum()

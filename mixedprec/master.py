@@ -201,8 +201,8 @@ def _stand_in(shape, device) -> torch.Tensor:
     "The data of a master without an fp32 copy: 4 bytes expanded to the param's shape (a write to it raises)"
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
 
-_grad, _param_grad, _held_grad, _buffer, _version = (attrgetter(k) for k in ('grad', 'param.grad', 'held.grad', 'buffer',
-                                                                               '_version'))
+# attribute reads as C calls, for a step's one-pass checks
+_grad, _param_grad, _held_grad, _buffer, _version = map(attrgetter, ('grad', 'param.grad', 'held.grad', 'buffer', '_version'))
 
 def _has_none(xs:list) -> bool: "Whether `xs` holds a None (one pass in C)"; return any(map(is_, xs, repeat(None)))
 
@@ -219,6 +219,7 @@ def _relayout_state(states:list, held:torch.Tensor, p:torch.Tensor):
             if Int8State.holds(s, k): s[k] = _like(p, Int8State.decode(s, k)); s.pop(k + SCALES)
             elif isinstance(v, torch.Tensor) and v.shape == p.shape: s[k] = _like(p, v)
 
+# %% ../nbs/13_master.ipynb #fp32m13
 class Fp32Master(Master):
     "The master of a half param as an fp32 tensor of its own, laid out as the param, which the optimizer holds"
     fused, keeps_grad = True, True
@@ -248,7 +249,7 @@ class Fp32Master(Master):
         if accumulate or _has_none(gs) or _has_none(bufs):
             return super().take_all(ms, lists, accumulate, keep)
         lists.src += gs; lists.dst += bufs
-        if all(map(is_, map(_held_grad, ms), bufs)): return       # the buffers are the grads already: every step but one
+        if all(map(is_, map(_held_grad, ms), bufs)): return       # the buffers are the grads already (most steps)
         for m, b in zip(ms, bufs): m.held.grad = b
     def clear_grad(self, set_to_none):
         # dropped, the buffer is overwritten by the next unscale: zeroed only where the grad is kept
@@ -315,8 +316,18 @@ class StandInMaster(Master):
         m = cls(param)
         m.set_(value)
         return m
+    zeroed = False          # its grad was zeroed in place (fastai's `zero_grad`): stepped as zeros if none comes
     def value_edited(self) -> bool: return False       # a value made anew at each `state_dict()`
     def take_param(self): "The param is the value: a kind that keeps more beside it resets that here"
+    def clear_grad(self, set_to_none:bool):
+        # its fp32 grad lives from the unscale to the step: a zeroed one is remembered, not held between steps
+        self.zeroed = not set_to_none and (self.held.grad is not None or self.zeroed)
+        self.held.grad = None
+    def take_grads(self, lists, accumulate, keep):
+        zeroed, self.zeroed = self.zeroed and not accumulate, False
+        if self.param.grad is None and keep and zeroed:               # no grad came: the zeroed one is stepped
+            self.held.grad = torch.zeros_like(self.param, dtype=torch.float32)
+        else: super().take_grads(lists, accumulate, keep)
     def value(self) -> torch.Tensor: return self.param.detach().float()
     def put(self, v): self.param.copy_(v)
     @property
@@ -354,6 +365,7 @@ class StandInMaster(Master):
         # a copy (deepcopy, pickle) keeps an fp32 master of its own, in the tensor the copied optimizer holds
         return (_copied_as_fp32, (self.param, self.held, self.value().clone()))
 
+# %% ../nbs/13_master.ipynb #splitm13
 def _copied_as_fp32(param, held, value) -> 'Fp32Master':
     "The copy of a master without an fp32 tensor: an `Fp32Master` in `held`, which the copied optimizer holds"
     held.data = value
@@ -630,6 +642,16 @@ def _master_grad(t): return t.master_grad if isinstance(t, MasterGrad) else t
 _graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
 
 # %% ../nbs/13_master.ipynb #mroom0
+def _refuse_sparse(masters:list, names:dict):
+    "Say what to do when a param got a sparse grad, which the unscale cannot take"
+    sparse = [names.get(m.param, tuple(m.param.shape)) for m in masters
+              if m.param.grad is not None and m.param.grad.is_sparse]
+    if sparse:
+        raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one "
+                        "(`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`): build that module with "
+                        "sparse=False. With fp32 masters the optimizer steps dense masters anyway")
+
+# %% ../nbs/13_master.ipynb #mgrads13
 class MasterGrads:
     ("The grads of a list of masters: unscaled from the half params into fp32, lent back to the params until the step, "
      "cleared as the front end's optimizer clears them")
@@ -646,6 +668,7 @@ class MasterGrads:
         self._own = [m for m in self.masters if m.own]
         self._lends = [m for m in self.masters if not m.own]
         self._lend_params = [m.param for m in self._lends]
+        self._kept = all(m.keeps_grad for m in self._lends)      # every lent grad is a buffer kept between steps
         self._kinds = {}                              # the holders by kind, for `take_all`
         for h in self.holders: self._kinds.setdefault(type(h), []).append(h)
 
@@ -654,17 +677,9 @@ class MasterGrads:
         lists = GradLists()
         for kind, hs in self._kinds.items(): kind.take_all(hs, lists, accumulate, self.keep_zero)
         try: found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
-        except (RuntimeError, ValueError): self._refuse_sparse(); raise
+        except (RuntimeError, ValueError): _refuse_sparse(self.masters, self.names); raise
         if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
         return found
-
-    def _refuse_sparse(self):
-        sparse = [self.names.get(m.param, tuple(m.param.shape)) for m in self.masters
-                  if m.param.grad is not None and m.param.grad.is_sparse]
-        if sparse:
-            raise TypeError(f"mixedprec unscales dense grads, and {', '.join(map(str, sparse[:3]))} got a sparse one "
-                            "(`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`): build that module with "
-                            "sparse=False. With fp32 masters the optimizer steps dense masters anyway")
 
     def set_aside(self):
         "Keep the fp32 params' unscaled grads aside, so a scaled backward can be unscaled and added to them"
@@ -687,6 +702,11 @@ class MasterGrads:
         self._lent = False
         for p in self._lend_params:
             if type(p.grad) is MasterGrad: p.grad = None
+        self._forget_stand_ins()
+
+    def _forget_stand_ins(self):
+        # a kind whose grad is made at each unscale keeps none between steps: its stand-ins must not either
+        if not self._kept: self._lent_grads, self._stand_ins = [], []
 
     def clearing(self, set_to_none:bool):
         "Note how the front end's optimizer clears grads: dropped, or zeroed in place (fastai), so they are stepped"
@@ -698,6 +718,7 @@ class MasterGrads:
         if set_to_none is None: set_to_none = not self.keep_zero
         self._lent = False                  # every half param's grad is dropped, lent or not
         self.zero_model()
+        self._forget_stand_ins()
         self.clearing(set_to_none)
         for kind, hs in self._kinds.items(): kind.clear_all(hs, set_to_none)
 

@@ -6,15 +6,15 @@
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUILD_S', 'FIX', 'Q_BLOCK', 'scale_check_ref_',
            'set_impl', 'current_impl', 'env_flag', 'find_cuda_home', 'cpu_flags', 'cpu_isa', 'last_level_cache_bytes',
            'stream_min_bytes', 'default_cache', 'unsafe', 'unsafe_above', 'compiled_here', 'build_extension', 'Kernels',
-           'warn_once', 'backend', 'require_impl', 'is_dtensor', 'local_shard', 'local_shards', 'scale_check_',
-           'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref',
-           'rounding_bits_ref', 'round_stochastic_ref', 'in_memory_order', 'quantize8_ref', 'dequantize8_ref',
-           'adopt_edits_ref_', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_']
+           'warn_once', 'kernels_for', 'backend', 'require_impl', 'is_dtensor', 'local_shard', 'local_shards',
+           'scale_check_', 'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref',
+           'join_bf16_ref', 'rounding_bits_ref', 'round_stochastic_ref', 'in_memory_order', 'quantize8_ref',
+           'dequantize8_ref', 'adopt_edits_ref_', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_',
+           'PreparedStep']
 
 # %% ../nbs/10_ops.ipynb #8848a001
-import contextvars, functools, glob, hashlib, json, math, os, shutil, stat, sys, tempfile, warnings
+import contextvars, functools, glob, hashlib, json, math, operator, os, shutil, stat, sys, tempfile, warnings
 from contextlib import contextmanager
-from operator import attrgetter
 import importlib.util
 from pathlib import Path
 import torch
@@ -426,6 +426,7 @@ def _say_passed(passed, used):
                   f"and private (`chmod 700 {root}`), or point MIXEDPREC_CACHE at a folder of yours", ('cache', root))
 
 _OPS = ('scale_check_', 'scale_add_check_', 'l2norm', 'sgd_step_', 'adam_step_')
+_PREPARED_OPS = ('prepare_step', 'release_step', 'prepared_steps', 'sgd_prepared_', 'adam_prepared_')    # eager only: no fakes
 _faked = set()
 
 def _register_fakes(ns:str):
@@ -446,7 +447,7 @@ class Kernels:
         self.module, self.namespace = module, module.namespace()
         module.stream_min_bytes(stream_min_bytes())
         ns = getattr(torch.ops, self.namespace)
-        self.ops = {name: getattr(ns, name).default for name in _OPS}
+        self.ops = {name: getattr(ns, name).default for name in _OPS + _PREPARED_OPS}
         _register_fakes(self.namespace)
     __name__ = property(lambda self: self.module.__name__)
     __file__ = property(lambda self: self.module.__file__)
@@ -459,6 +460,11 @@ class Kernels:
     def l2norm(self, tensors): return self.ops['l2norm'](tensors)
     def sgd_step(self, *args): return self.ops['sgd_step_'](*args)
     def adam_step(self, *args): return self.ops['adam_step_'](*args)
+    def prepare_step(self, *lists) -> int: return self.ops['prepare_step'](*lists)
+    def release_step(self, handle:int): self.ops['release_step'](handle)
+    def prepared_steps(self) -> int: "How many prepared steps the build holds"; return self.ops['prepared_steps']()
+    def sgd_prepared(self, *args): return self.ops['sgd_prepared_'](*args)
+    def adam_prepared(self, *args): return self.ops['adam_prepared_'](*args)
 
 FIX = ("To use the fused kernels: install a C++ compiler (g++) and ninja, or point CXX at a working compiler; "
        "if the kernel cache cannot be written, point MIXEDPREC_CACHE at a folder of yours")
@@ -476,6 +482,7 @@ def _fused():
 
 _warned = set()
 
+# %% ../nbs/10_ops.ipynb #extfor10
 def _library_dirs() -> tuple:
     ("The folders of mixedprec and of the libraries that call it (fastai, fastcore, torch): frames in them are not "
      "the user's")
@@ -519,6 +526,10 @@ def _choose(t, impl, warn):
     if warn: warn_once(f"using the pure-PyTorch reference ops, because the fused kernels cannot be used: {why}")
     return None
 
+def kernels_for(t:torch.Tensor, impl:str=None):
+    "The build whose kernels run ops on tensors like `t` (`Kernels`), or None where the references run"
+    return _ext_for(t, impl, warn=False)
+
 def backend(t:torch.Tensor, impl:str=None) -> str:
     "Which implementation runs for tensor `t`: 'cpp' (C++ CPU kernels), 'cuda' (CUDA kernels) or 'ref' (pure PyTorch)"
     if not isinstance(t, torch.Tensor): raise TypeError(f"backend() takes a tensor, got {type(t).__name__}")
@@ -534,7 +545,7 @@ def require_impl(impl:str=None, device='cpu'):
     _choose(torch.empty(0, device=device), impl, warn=False)
 
 # %% ../nbs/10_ops.ipynb #5f657f9a
-_dtype = attrgetter('dtype')
+def _dtype(t) -> torch.dtype: return t.dtype      # (a function: torch.compile traces it where not attrgetter)
 
 def _groups(*lists):
     "Indices of the tensors of `lists` grouped by their dtypes (one fused launch each); the kernels check the rest"
@@ -932,3 +943,43 @@ def adam_step_(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, step, inv_s
                           _state_scales_arg(state_scales, g))
     # after the update, which used count + 1: a refused call changes nothing
     if advance: _advance(step, steps, found_inf)
+
+# %% ../nbs/10_ops.ipynb #402f505a
+class PreparedStep:
+    ("The tensor lists of a fused SGD or Adam step handed to `ext`'s kernels once (one launch per dtype group), kept "
+     "there until this object is gone; `grads` are the tensors it steps from, which the caller checks are still the "
+     "grads")
+    def __init__(self, ext, grads:list, params:list, states:list, out:list=None, steps:list=None, lows:list=None,
+                 state_scales:list=None):
+        self.ext, self.grads, self.handles = ext, list(grads), []
+        out, states = list(out or []), [list(st) for st in states] + [[], []]
+        self.groups = list(_launches(self.grads, out))
+        for g in self.groups:
+            pick = lambda l: _pick(l, g) if l else []
+            self.handles.append(ext.prepare_step(pick(self.grads), pick(params), pick(states[0]), pick(states[1]),
+                                                 pick(out), pick(list(steps or [])), pick(list(lows or [])),
+                                                 _state_scales_arg(state_scales, g)))
+    def holds(self, grads:list) -> bool:
+        "Whether `grads` are the tensors this step was prepared with"
+        return len(grads) == len(self.grads) and all(map(operator.is_, grads, self.grads))
+    def _seeds(self, seeds, state_seeds, g) -> tuple:
+        dev = self.grads[0].device
+        return ((_bf16_args(self.grads, None, seeds, g)[1] if seeds is not None else None),
+                _state_seeds_arg(state_seeds, g, dev))
+    def sgd(self, found_inf, inv_scale:float, lr:float, momentum:float, dampening:float, weight_decay:float,
+            nesterov:bool, first_run:bool, decoupled:bool, seeds:list=None, state_seeds:list=None):
+        "`sgd_step_` over the prepared lists"
+        for h, g in zip(self.handles, self.groups):
+            self.ext.sgd_prepared(h, found_inf, float(inv_scale), float(lr), float(momentum), float(dampening),
+                                  float(weight_decay), bool(nesterov), bool(first_run), bool(decoupled),
+                                  *self._seeds(seeds, state_seeds, g))
+    def adam(self, found_inf, inv_scale:float, lr:float, beta1:float, beta2:float, eps:float, weight_decay:float,
+             decoupled:bool, seeds:list=None, state_seeds:list=None):
+        "`adam_step_` over the prepared lists; the step counts are the caller's to advance"
+        for h, g in zip(self.handles, self.groups):
+            self.ext.adam_prepared(h, found_inf, float(inv_scale), float(lr), float(beta1), float(beta2), float(eps),
+                                   float(weight_decay), bool(decoupled), *self._seeds(seeds, state_seeds, g))
+    def __del__(self):
+        for h in getattr(self, 'handles', ()):
+            try: self.ext.release_step(h)
+            except Exception: pass                     # the interpreter is shutting down

@@ -284,8 +284,7 @@ class LossScaler:
                 hopeless_raises:bool=True, diagnose=None) -> torch.Tensor:
         ("One step whose outcome `code` indexes `CODES`, through the rule on its device; returns the skip flag. The books "
          "follow at `drain`, naming the params (`name_params()`) and what `diagnose()` finds when scaling cannot help")
-        device = code.device if isinstance(code, torch.Tensor) else torch.device('cpu')       # a host int: the CPU's
-        if self.rule is None or self.rule.device != device:
+        if self.rule is None or self.rule.device != getattr(code, 'device', torch.device('cpu')):   # an int: the CPU's
             raise RuntimeError("call tensors(device) first: advance needs the scale on the code's device")
         skip, vals, event = self.rule.advance(code, grad_norm)
         self._pending.append(Pending(vals, event, grad_norm is not None, name_params, input_finite, hopeless_raises,

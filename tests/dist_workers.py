@@ -276,10 +276,9 @@ def fastai_results(learn, **extra) -> dict:
     masters, opt_sd = mp.state_dict()['masters'], learn.opt.state_dict()
     return dict(params=[p.detach().clone() for p in learn.model.parameters()], masters=[m.clone() if m is not None else None for m in masters], state=[sorted((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()) for st in state_list(opt_sd)], scaler=mp.scaler.state_dict(), skipped=[r.skipped for r in mp.history], norms=[r.grad_norm for r in mp.history], **extra)
 
-def fastai_ddp(rank, world, outdir, flat=False, opt='adam'):
-    ("The fastai callback, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at "
-     "before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank")
-    from fastai.learner import Learner
+def ddp_fastai_parts(rank, world):
+    ("This rank's share of the data as fastai DataLoaders, and a callback that wraps the model in DDP at each fit's "
+     "start and takes it back at its end, as fastai's DistributedTrainer does")
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
@@ -290,8 +289,18 @@ def fastai_ddp(rank, world, outdir, flat=False, opt='adam'):
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2 * BS // world), DataLoader(TensorDataset(x, y), bs=BS))
     class WrapDDP(Callback):
         order = MixedPrecision.order + 1
-        def before_fit(self): self.learn.model = DDP(self.learn.model)
-        def after_fit(self): self.learn.model = self.learn.model.module
+        def before_fit(self): self.learn.model = DDP(self.learn.model) if world > 1 else self.learn.model
+        def after_fit(self):
+            if world > 1: self.learn.model = self.learn.model.module
+    return dls, WrapDDP
+
+def fastai_ddp(rank, world, outdir, flat=False, opt='adam'):
+    ("The fastai callback, flat masters or not, fastai's Adam or SGD, under DDP (wrapped at "
+     "before_fit, as fastai's DistributedTrainer does); an inf on rank 1; saved on every rank")
+    from fastai.learner import Learner
+    from fastai.callback.core import Callback
+    from mixedprec.callback import MixedPrecision
+    dls, WrapDDP = ddp_fastai_parts(rank, world)
     class Inject(Callback):
         order = MixedPrecision.order - 1
         def before_step(self):
@@ -313,19 +322,7 @@ def fastai_fine_tune_ddp(rank, world, outdir, masters='fp32'):
     ("fastai's fine-tune under DDP (wrapped at each fit's start, as fastai's DistributedTrainer does): a frozen body "
      "without masters for a fit, then unfrozen, its masters made alike on every rank")
     from fastai.learner import Learner
-    from fastai.callback.core import Callback
-    from fastai.data.core import DataLoaders
-    from fastai.data.load import DataLoader
-    from torch.utils.data import TensorDataset
-    from mixedprec.callback import MixedPrecision
-    xs, ys = zip(*[data(s) for s in range(STEPS)])
-    x, y = torch.cat([shard_rows(t, rank, world) for t in xs]), torch.cat([shard_rows(t, rank, world) for t in ys])
-    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2 * BS // world), DataLoader(TensorDataset(x, y), bs=BS))
-    class WrapDDP(Callback):
-        order = MixedPrecision.order + 1
-        def before_fit(self): self.learn.model = DDP(self.learn.model) if world > 1 else self.learn.model
-        def after_fit(self):
-            if world > 1: self.learn.model = self.learn.model.module
+    dls, WrapDDP = ddp_fastai_parts(rank, world)
     model = deep_mlp()
     learn = Learner(dls, model, loss_func=nn.MSELoss(), lr=1e-2, path=outdir, wd=1e-2,
                     splitter=lambda m: [list(m[:4].parameters()), list(m[4:].parameters())])
@@ -408,7 +405,7 @@ def fsdp2_loss(params) -> float:
         x, y = fsdp2_data(99)
         return float(nn.functional.mse_loss(model(x), y))
 
-def fsdp2_reference(clip=1.0, lr=1e-2, skip_at=None):
+def fsdp2_reference(clip=1.0, lr=1e-2, skip_at=None, norm_type=2.):
     "The same steps unsharded, in fp32 with torch's AdamW (step `skip_at` skipped): clip norms, final params, losses"
     model = deep_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -417,7 +414,7 @@ def fsdp2_reference(clip=1.0, lr=1e-2, skip_at=None):
         x, y = fsdp2_data(step)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if step != skip_at else -1.)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type)) if step != skip_at else -1.)
         if step != skip_at: opt.step()
     params = [p.detach().clone() for p in model.parameters()]
     return dict(norms=norms, params=params, start=start, loss=fsdp2_loss(params))
@@ -444,10 +441,14 @@ class Fsdp2Amp:
                                          state=state)
         self.optimizer, self.scaler, self.pending = self.opt.optimizer, amp._state.scaler(0), None
     def zero_grad(self): self.opt.zero_grad()
-    def backward(self, loss, update_master_grads=False):
+    def backward(self, loss, update_master_grads=False, delay=False):
+        if delay:                  # a micro-batch of an accumulated step: amp's own idiom
+            with self.amp.scale_loss(loss, self.opt, delay_unscale=True) as scaled: scaled.backward()
+            return
         self.pending = self.amp.scale_loss(loss, self.opt); self.pending.__enter__().backward()
     def update_master_grads(self): self.pending.__exit__(None, None, None)
-    def clip_master_grads(self, clip): return self.amp.clip_grad_norm_(self.opt, clip)
+    def clip_master_grads(self, clip, norm_type=2.): return self.amp.clip_grad_norm_(self.opt, clip, norm_type)
+    engine = property(lambda self: self.amp._engines_of(self.opt)[0])
     def step(self): self.opt.step()
     state = property(lambda self: self.optimizer.state)
     history = property(lambda self: self.amp.history())
@@ -472,12 +473,15 @@ def accelerate_fsdp2(rank, world, model, optimizer, policy):
     return accelerator.prepare(model, optimizer)
 
 def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
-                         front='fp16_optimizer', clip=1.0, lr=1e-2, inner='adamw', wrap='fully_shard'):
+                         front='fp16_optimizer', clip=1.0, lr=1e-2, inner='adamw', wrap='fully_shard', accumulate=False,
+                         norm_type=2.):
     ("FP16_Optimizer over `deep_mlp` wrapped layer by layer in FSDP2 with a `dtype` compute policy and fp32 "
      "reduction, clipped every step; with `inject`, an inf written into rank 1's shard of a grad at one step; a DCP "
      "checkpoint saved after step `save_at`, or (`resume`) loaded and the steps after it run; `front='amp'`: amp O2; "
      "`inner='sgd'`: FP16_Optimizer over torch's SGD with momentum; `wrap='accelerate'`: the model and the optimizer "
-     "prepared by accelerate's FSDP2 plugin (`accelerate_fsdp2`), its AcceleratedOptimizer given to the front end")
+     "prepared by accelerate's FSDP2 plugin (`accelerate_fsdp2`), its AcceleratedOptimizer given to the front end; "
+     "`accumulate`: each step from two micro-batches, the first without gradient sync (torch's idiom); `norm_type`: "
+     "the clip's norm")
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = deep_mlp()
@@ -501,20 +505,26 @@ def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject
     for step in range(save_at + 1 if resume else 0, FSDP2_STEPS):
         x, y = fsdp2_data(step)
         opt.zero_grad()
-        loss = nn.functional.mse_loss(model(shard_rows(x, rank, world)).float(), shard_rows(y, rank, world))
-        opt.backward(loss, update_master_grads=False)
+        x, y = shard_rows(x, rank, world), shard_rows(y, rank, world)
+        for j, (xj, yj) in enumerate(zip(x.chunk(2), y.chunk(2)) if accumulate else [(x, y)]):
+            last = j == 1 or not accumulate
+            if accumulate: model.set_requires_gradient_sync(last)      # FSDP2 keeps the first one's grads itself
+            loss = nn.functional.mse_loss(model(xj).float(), yj) / (2 if accumulate else 1)
+            if front == 'amp': opt.backward(loss, update_master_grads=False, delay=not last)
+            else: opt.backward(loss, update_master_grads=False)
         if inject and step == FSDP2_INJECT and rank == 1: model[2].weight.grad.to_local()[0, 0] = float('inf')
         opt.update_master_grads()
-        norms.append(float(opt.clip_master_grads(clip)))
+        norms.append(float(opt.clip_master_grads(clip, norm_type)))
         opt.step()
         if step == save_at and not resume: fsdp2_checkpoint(model, opt.optimizer, opt.scaler, path)
     full = [p.full_tensor().detach().clone() for p in model.parameters()]   # every rank gathers
     states = {k: v.dtype for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim()}
-    ref = fsdp2_reference(clip, lr, FSDP2_INJECT if inject else None) if rank == 0 else None
+    ref = fsdp2_reference(clip, lr, FSDP2_INJECT if inject else None, norm_type) if rank == 0 else None
     return dict(norms=norms, params=full, loss=fsdp2_loss(full), skipped=[r.skipped for r in opt.history],
                 named=[r.params for r in opt.history], scaler=opt.scaler.state_dict(), state_dtypes=states,
                 masters=len(opt.masters.trained), reference=ref, given=type(optimizer).__name__,
-                wrapped=sum(type(m).__name__.startswith('FSDP') for m in model.modules()))
+                wrapped=sum(type(m).__name__.startswith('FSDP') for m in model.modules()),
+                runner=repr(opt.engine.runner))
 
 def fsdp2_fastai(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
                  opt='fastai', clip=1.0, lr=1e-2):

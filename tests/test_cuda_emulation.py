@@ -3,7 +3,7 @@ bit for bit through aligned packs and ragged ends, views aligned alike and diffe
 over between them, every master storage mode, and a front end training on it. CI has no GPU: this is where a wrong
 index in a CUDA kernel fails before it reaches one. Where there is a GPU, the same bit-exact tests also run on the real
 CUDA kernels (the `cuda` parameter), views at offsets included."""
-import os, pathlib, random, subprocess, sysconfig
+import itertools, os, pathlib, random, subprocess, sysconfig
 import pytest, torch
 from torch.utils import cpp_extension
 from mixedprec import ops
@@ -35,6 +35,22 @@ class Emulated:
     def l2norm(self, tensors): return self.mod.l2norm(tensors)
     def sgd_step(self, *args): return self.mod.sgd_step(*args)
     def adam_step(self, *args): return self.mod.adam_step(*args)
+    # prepared steps: the lists kept here, each step run through the emulated op with them
+    _lists, _handles = {}, itertools.count(1)
+    def prepare_step(self, *lists) -> int:
+        handle = next(Emulated._handles)
+        Emulated._lists[handle] = lists
+        return handle
+    def release_step(self, handle): Emulated._lists.pop(handle, None)
+    def prepared_steps(self): return len(Emulated._lists)
+    def sgd_prepared(self, h, found, inv, lr, mom, damp, wd, nesterov, first, decoupled, seeds, state_seeds):
+        grads, params, bufs, _, out, _, lows, scales = Emulated._lists[h]
+        return self.mod.sgd_step(grads, params, bufs, out, found, inv, lr, mom, damp, wd, nesterov, first, decoupled,
+                                 lows, seeds, state_seeds, scales)
+    def adam_prepared(self, h, found, inv, lr, b1, b2, eps, wd, decoupled, seeds, state_seeds):
+        grads, params, m, v, out, steps, lows, scales = Emulated._lists[h]
+        return self.mod.adam_step(grads, params, m, v, out, found, steps, inv, lr, b1, b2, eps, wd, decoupled, lows,
+                                  seeds, state_seeds, scales)
 
 def use_emulator(emu, monkeypatch, grid):
     "ops' fused path (impl='fused', and every front end) runs the emulated CUDA kernels on `grid` (chunk, threads)"

@@ -120,6 +120,8 @@ def test_fsdp2_in_fp32_under_mixedprec_is_torchs_unsharded_adamw(front):
     ref = ranks[0]['reference']
     assert max((a - b).abs().max().item() for a, b in zip(ranks[0]['params'], ref['params'])) < 1e-6
     assert ranks[0]['norms'] == pytest.approx(ref['norms'], rel=1e-5)
+    # fp32 state on each rank's shards is stepped by the fused AdamW, as the README says
+    assert all(r['runner'] == 'torch AdamW' for r in ranks), [r['runner'] for r in ranks]
 
 @pytest.mark.parametrize('front, named', [('fp16_optimizer', '(24, 32) (inf)'), ('amp', '2.weight (inf)')])
 def test_fsdp2_fp16_skips_on_every_rank_names_the_param_on_every_rank_and_trains_as_fp32(front, named):
@@ -143,6 +145,28 @@ def test_fsdp2_bf16_with_lean_state_on_each_ranks_shards_trains_as_fp32(world, f
     assert set(ranks[0]['state_dtypes'].values()) == kept, "the moments kept lean on each rank's shards"
     assert not any(ranks[0]['skipped']) and ranks[0]['norms'] == pytest.approx(ref['norms'], rel=6e-2)
     assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=3e-2)
+
+@pytest.mark.parametrize('front', ['fp16_optimizer', 'amp'])
+def test_fsdp2_accumulates_with_torchs_no_sync_idiom_as_the_unsharded_fp32_run(front):
+    ("Two micro-batches a step, the first under `set_requires_gradient_sync(False)` (FSDP2 keeps its grads itself, "
+     "every `.grad` None): FP16_Optimizer's `backward(update_master_grads=False)` and amp's `delay_unscale` take it")
+    ranks = run('fp32', 'fp32', False, None, False, front, 1.0, 1e-2, 'adamw', 'fully_shard', True, world=2)
+    agreed(ranks)
+    ref = ranks[0]['reference']
+    assert not any(ranks[0]['skipped'])
+    assert max((a - b).abs().max().item() for a, b in zip(ranks[0]['params'], ref['params'])) < 1e-6
+    assert ranks[0]['norms'] == pytest.approx(ref['norms'], rel=1e-5)
+
+@pytest.mark.parametrize('world, front, norm_type', [(2, 'fp16_optimizer', float('inf')), (3, 'amp', float('inf')),
+                                                     (3, 'fp16_optimizer', 1.)])
+def test_fsdp2_clip_norms_of_every_type_are_the_global_norm_on_every_rank(world, front, norm_type):
+    "The norm a clip returns (users log it and branch on it) is the whole model's on every rank, as torch's unsharded"
+    ranks = run('fp32', 'fp32', False, None, False, front, 1.0, 1e-2, 'adamw', 'fully_shard', False, norm_type,
+                world=world)
+    agreed(ranks)
+    ref = ranks[0]['reference']
+    assert ranks[0]['norms'] == pytest.approx(ref['norms'], rel=1e-5)
+    assert max((a - b).abs().max().item() for a, b in zip(ranks[0]['params'], ref['params'])) < 1e-6
 
 # accelerate's FSDP2 plugin (`accelerator.prepare(model, optimizer)`, tests/dist_workers.py: `accelerate_fsdp2`): its
 # AcceleratedOptimizer given to FP16_Optimizer or amp.initialize, which step the torch optimizer inside it

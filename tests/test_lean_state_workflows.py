@@ -91,3 +91,35 @@ def test_a_copied_learner_trains_on_as_the_original(state):
     assert_same(weights(twin), weights(learn))
     assert_same(opt_state(twin), opt_state(learn))
     if state == '8bit': assert any(k.endswith(SCALES) for s in fastai_opt(learn).state.values() for k in s)
+
+@pytest.mark.parametrize("inner", ['AdamW', 'Adam', 'SGD'])
+@pytest.mark.parametrize("state", STATES)
+def test_fastais_optim_wrapper_around_torchs_optimizers_keeps_lean_state(inner, state, tmp_path):
+    ("fastai's documented way to train with a torch optimizer, `opt_func=partial(OptimWrapper, opt=...)`, takes lean "
+     "state as the torch optimizer itself does: fused steps keep it lean, it trains as fp32 state, `save`/`load` "
+     "resume bit for bit, and `to_fp32()` gives the torch optimizer fp32 moments")
+    from functools import partial
+    from fastai.optimizer import OptimWrapper
+    kw = dict(momentum=0.9) if inner == 'SGD' else {}
+    def learner(st):
+        return group_learner(width=300, opt_func=partial(OptimWrapper, opt=getattr(torch.optim, inner), **kw), lr=1e-2,
+                             path=tmp_path).to_bf16(masters='split', state=st)
+    def moments(learn):
+        o = learn.opt
+        while hasattr(o, 'opt'): o = o.opt                  # mixedprec's wrapper, fastai's OptimWrapper, torch's
+        return {v.dtype for s in o.state.values() for k, v in s.items() if k in ('exp_avg', 'exp_avg_sq', 'momentum_buffer')}
+    losses = {}
+    for st in ('fp32', state):
+        learn = learner(st)
+        learn.fit(3)
+        assert moments(learn) == (LEAN[st] - {torch.uint8} if inner == 'SGD' else LEAN[st])   # SGD: one signed moment
+        assert learn.mixed_precision.engine.runner.plan.name == f"fastai OptimWrapper(torch {inner})"
+        losses[st] = learn.validate()[0]
+    assert losses[state] == pytest.approx(losses['fp32'], rel=0.15)
+    whole, halves = learner(state), learner(state)
+    whole.fit(2)
+    halves.fit(1); halves.save('half', with_opt=True)
+    resumed = learner(state); resumed.load('half', with_opt=True); resumed.fit(1)
+    assert_same(weights(resumed), weights(whole))
+    resumed.to_fp32()
+    assert moments(resumed) == {torch.float32}

@@ -7,6 +7,9 @@
 #include <Python.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 #include "messages.h"
 #define MIXEDPREC_STR2(x) #x
@@ -50,6 +53,20 @@ static void check_pairs(const std::vector<at::Tensor>& a, const std::vector<at::
   }
 }
 
+// The seeds of one launch: `seeds` one per param, `state_seeds` one per param and state list (`lists`), on the params' device.
+static void check_seed_tensors(const std::vector<at::Tensor>& params, size_t lists, const Seeds& seeds, const Seeds& state_seeds, const char* op) {
+  if (seeds.has_value() && seeds->defined())
+    TORCH_CHECK_VALUE(seeds->scalar_type() == at::kLong && seeds->dim() == 1 && seeds->numel() == (int64_t)params.size() && seeds->is_contiguous() &&
+                      (params.empty() || seeds->device() == params[0].device()),
+                      msg(op, ": `seeds` must be a 1-d int64 tensor with one seed per param, on the params' device"));
+  if (state_seeds.has_value() && state_seeds->defined())
+    TORCH_CHECK_VALUE(state_seeds->scalar_type() == at::kLong && state_seeds->dim() == 2 && state_seeds->size(0) == (int64_t)params.size() &&
+                      state_seeds->size(1) == (int64_t)lists && state_seeds->is_contiguous() &&
+                      (params.empty() || state_seeds->device() == params[0].device()),
+                      msg(op, ": `state_seeds` must be a contiguous int64 tensor of one seed per param and state list (", params.size(), " x ",
+                          lists, "), on the params' device"));
+}
+
 // The masters are fp32 params (with an optional half copy `out`), or bf16 params that are their own masters: split, with
 // their int16 low halves in `lows`, or rounded stochastically with one int64 seed per param in `seeds` (bf16_bits.h).
 static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
@@ -77,10 +94,6 @@ static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::ve
       TORCH_CHECK_VALUE(lows[i].scalar_type() == at::kShort && lows[i].numel() == params[i].numel() && lows[i].strides() == params[i].strides(),
                         msg(op, ": low half ", i, " must be an int16 tensor laid out as its param"));
   }
-  if (has_seeds)
-    TORCH_CHECK_VALUE(seeds->scalar_type() == at::kLong && seeds->dim() == 1 && seeds->numel() == (int64_t)params.size() && seeds->is_contiguous() &&
-                      (params.empty() || seeds->device() == params[0].device()),
-                      msg(op, ": `seeds` must be a 1-d int64 tensor with one seed per param, on the params' device"));
   // The optimizer state: all fp32, or all bf16, or 8-bit codes (state8_bits.h: the first list signed, int8; the second
   // unsigned, uint8), rounded stochastically with one int64 seed per tensor and state list in `state_seeds` (params x
   // lists), laid out as its param. 8-bit codes come with their scales in `state_scales`: list-major (list j's of param i
@@ -99,12 +112,7 @@ static void check_step_pairs(const std::vector<at::Tensor>& grads, const std::ve
     }
   TORCH_CHECK_VALUE(lean == has_state_seeds, msg(op, lean ? ": lean (bf16 or 8-bit) optimizer state is rounded stochastically: pass `state_seeds`"
                                                          : ": `state_seeds` are for lean (bf16 or 8-bit) optimizer state, and this state is fp32"));
-  if (has_state_seeds)
-    TORCH_CHECK_VALUE(state_seeds->scalar_type() == at::kLong && state_seeds->dim() == 2 && state_seeds->size(0) == (int64_t)params.size() &&
-                      state_seeds->size(1) == (int64_t)states.size() && state_seeds->is_contiguous() &&
-                      (params.empty() || state_seeds->device() == params[0].device()),
-                      msg(op, ": `state_seeds` must be a contiguous int64 tensor of one seed per param and state list (", params.size(), " x ",
-                          states.size(), "), on the params' device"));
+  check_seed_tensors(params, states.size(), seeds, state_seeds, op);
   TORCH_CHECK_VALUE(codes || state_scales.empty(), msg(op, ": `state_scales` are for 8-bit optimizer state, and this state is ", state_type));
   if (codes) {
     TORCH_CHECK_VALUE(state_scales.size() == states.size() * params.size(), msg(op, ": 8-bit state needs its scales in `state_scales`, one tensor per param and state list (",
@@ -169,41 +177,138 @@ std::tuple<at::Tensor, at::Tensor> l2norm_op(TL ts_) {
   return {res[0], res[1]};
 }
 
+// One fused step's tensor lists: the state lists are SGD's momentum buffers (`state0`; empty without momentum) or Adam's
+// two moments; `steps` Adam's step counts, one per param.
+struct StepLists { TV grads, params, state0, state1, out, steps, lows, state_scales; };
+
+static std::vector<const TV*> live_states(const StepLists& l, bool adam) {
+  if (adam) return {&l.state0, &l.state1};
+  return l.state0.empty() ? std::vector<const TV*>{} : std::vector<const TV*>{&l.state0};
+}
+
+// Everything a step's kernels need of its lists and seeds (the seeds may change at every step, the lists do not).
 template <bool Cuda>
-void sgd_step_op(TL grads_, TL params_, TL bufs_, TL out_, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled, TL lows_, const Seeds& seeds,
-                 const Seeds& state_seeds, TL state_scales_) {
-  auto grads = grads_.vec(), params = params_.vec(), bufs = bufs_.vec(), out = out_.vec(), lows = lows_.vec(), state_scales = state_scales_.vec();
-  check_step_pairs(grads, params, !bufs.empty() ? std::vector<const std::vector<at::Tensor>*>{&bufs} : std::vector<const std::vector<at::Tensor>*>{},
-                   out, lows, seeds, state_seeds, state_scales, "sgd_step_");
-  one_device({&grads, &params, &bufs, &out, &lows, &state_scales}, "sgd_step_", Cuda);
-#ifdef WITH_CUDA
-  if constexpr (Cuda) return sgd_step_cuda(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run,
-                                           decoupled, lows, seeds, state_seeds, state_scales);
-#endif
-  sgd_step_cpu(grads, params, bufs, out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled, lows, seeds,
-               state_seeds, state_scales);
+static void check_step(const StepLists& l, bool adam, const Seeds& seeds, const Seeds& state_seeds) {
+  const char* op = adam ? "adam_step_" : "sgd_step_";
+  check_step_pairs(l.grads, l.params, live_states(l, adam), l.out, l.lows, seeds, state_seeds, l.state_scales, op);
+  if (adam) {
+    TORCH_CHECK_VALUE(l.steps.size() == l.params.size(), msg(op, ": one step count per param, got ", l.steps.size(), " for ", l.params.size(), " params"));
+    for (size_t i = 0; i < l.steps.size(); ++i)
+      TORCH_CHECK_VALUE(l.steps[i].scalar_type() == at::kFloat && l.steps[i].numel() == 1 && l.steps[i].device() == l.params[i].device(),
+                        msg(op, ": step count ", i, " must be a 1-element fp32 tensor on its param's device (", l.params[i].device(),
+                        "), got ", l.steps[i].scalar_type(), " on ", l.steps[i].device()));
+  }
+  one_device({&l.grads, &l.params, &l.state0, &l.state1, &l.out, &l.lows, &l.state_scales}, op, Cuda);
 }
 
 template <bool Cuda>
-void adam_step_op(TL grads_, TL params_, TL exp_avgs_, TL exp_avg_sqs_, TL out_, const at::Tensor& found_inf, TL steps_, double inv_scale,
-                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled, TL lows_, const Seeds& seeds,
-                  const Seeds& state_seeds, TL state_scales_) {
-  auto grads = grads_.vec(), params = params_.vec(), exp_avgs = exp_avgs_.vec(), exp_avg_sqs = exp_avg_sqs_.vec(), out = out_.vec(), steps = steps_.vec();
-  auto lows = lows_.vec(), state_scales = state_scales_.vec();
-  check_step_pairs(grads, params, {&exp_avgs, &exp_avg_sqs}, out, lows, seeds, state_seeds, state_scales, "adam_step_");
-  TORCH_CHECK_VALUE(steps.size() == params.size(), msg("adam_step_: one step count per param, got ", steps.size(), " for ", params.size(), " params"));
-  for (size_t i = 0; i < steps.size(); ++i)
-    TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == params[i].device(),
-                      msg("adam_step_: step count ", i, " must be a 1-element fp32 tensor on its param's device (", params[i].device(),
-                      "), got ", steps[i].scalar_type(), " on ", steps[i].device()));
-  one_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &out, &lows, &state_scales}, "adam_step_", Cuda);
+static void run_sgd(const StepLists& l, const at::Tensor& found_inf, double inv_scale, double lr, double momentum, double dampening,
+                    double weight_decay, bool nesterov, bool first_run, bool decoupled, const Seeds& seeds, const Seeds& state_seeds) {
 #ifdef WITH_CUDA
-  if constexpr (Cuda) return adam_step_cuda(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay,
-                                            decoupled, lows, seeds, state_seeds, state_scales);
+  if constexpr (Cuda) return sgd_step_cuda(l.grads, l.params, l.state0, l.out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov,
+                                           first_run, decoupled, l.lows, seeds, state_seeds, l.state_scales);
 #endif
-  adam_step_cpu(grads, params, exp_avgs, exp_avg_sqs, out, found_inf, steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, lows, seeds,
-                state_seeds, state_scales);
+  sgd_step_cpu(l.grads, l.params, l.state0, l.out, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled, l.lows,
+               seeds, state_seeds, l.state_scales);
+}
+
+template <bool Cuda>
+static void run_adam(const StepLists& l, const at::Tensor& found_inf, double inv_scale, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool decoupled, const Seeds& seeds, const Seeds& state_seeds) {
+#ifdef WITH_CUDA
+  if constexpr (Cuda) return adam_step_cuda(l.grads, l.params, l.state0, l.state1, l.out, found_inf, l.steps, inv_scale, lr, beta1, beta2, eps,
+                                            weight_decay, decoupled, l.lows, seeds, state_seeds, l.state_scales);
+#endif
+  adam_step_cpu(l.grads, l.params, l.state0, l.state1, l.out, found_inf, l.steps, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, l.lows,
+                seeds, state_seeds, l.state_scales);
+}
+
+template <bool Cuda>
+void sgd_step_op(TL grads, TL params, TL bufs, TL out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
+                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled, TL lows, const Seeds& seeds,
+                 const Seeds& state_seeds, TL state_scales) {
+  const StepLists l{grads.vec(), params.vec(), bufs.vec(), {}, out.vec(), {}, lows.vec(), state_scales.vec()};
+  check_step<Cuda>(l, false, seeds, state_seeds);
+  run_sgd<Cuda>(l, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov, first_run, decoupled, seeds, state_seeds);
+}
+
+template <bool Cuda>
+void adam_step_op(TL grads, TL params, TL exp_avgs, TL exp_avg_sqs, TL out, const at::Tensor& found_inf, TL steps, double inv_scale,
+                  double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled, TL lows, const Seeds& seeds,
+                  const Seeds& state_seeds, TL state_scales) {
+  const StepLists l{grads.vec(), params.vec(), exp_avgs.vec(), exp_avg_sqs.vec(), out.vec(), steps.vec(), lows.vec(), state_scales.vec()};
+  check_step<Cuda>(l, true, seeds, state_seeds);
+  run_adam<Cuda>(l, found_inf, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, seeds, state_seeds);
+}
+
+// Prepared steps: a step's lists handed over once (`prepare_step`) and kept here under a handle, so that each later step
+// passes only its scalars, flag and seeds (handing 6 lists of 160 tensors to an op costs about 100 us of host time). The
+// lists are checked in full at the first step, the seeds at each; `release_step` drops them (Python does, when the
+// prepared launch it belongs to is gone).
+struct PreparedStep {
+  StepLists lists;
+  std::mutex mu;
+  int checked = 0;                         // 1: checked for SGD, 2: for Adam
+  bool seeds = false, state_seeds = false; // which seeds the checked step had
+};
+static std::mutex g_prepared_mu;
+static std::unordered_map<int64_t, std::shared_ptr<PreparedStep>> g_prepared;
+static int64_t g_prepared_next = 0;
+
+int64_t prepare_step(TL grads, TL params, TL state0, TL state1, TL out, TL steps, TL lows, TL state_scales) {
+  auto p = std::make_shared<PreparedStep>();
+  p->lists = StepLists{grads.vec(), params.vec(), state0.vec(), state1.vec(), out.vec(), steps.vec(), lows.vec(), state_scales.vec()};
+  std::lock_guard<std::mutex> lock(g_prepared_mu);
+  g_prepared[++g_prepared_next] = p;
+  return g_prepared_next;
+}
+
+void release_step(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_prepared_mu);
+  g_prepared.erase(handle);
+}
+
+int64_t prepared_steps() {
+  std::lock_guard<std::mutex> lock(g_prepared_mu);
+  return (int64_t)g_prepared.size();
+}
+
+// The prepared step `handle` (kept alive for the caller's step even if released meanwhile), checked for this step.
+template <bool Cuda>
+static std::shared_ptr<PreparedStep> prepared(int64_t handle, bool adam, const Seeds& seeds, const Seeds& state_seeds) {
+  const char* op = adam ? "adam_prepared_" : "sgd_prepared_";
+  std::shared_ptr<PreparedStep> p;
+  {
+    std::lock_guard<std::mutex> lock(g_prepared_mu);
+    auto it = g_prepared.find(handle);
+    TORCH_CHECK_VALUE(it != g_prepared.end(), msg(op, ": no prepared step ", handle, " (released, or made by another build)"));
+    p = it->second;
+  }
+  const bool has_seeds = seeds.has_value() && seeds->defined(), has_state_seeds = state_seeds.has_value() && state_seeds->defined();
+  std::lock_guard<std::mutex> lock(p->mu);
+  if (p->checked != (adam ? 2 : 1)) {
+    check_step<Cuda>(p->lists, adam, seeds, state_seeds);
+    p->checked = adam ? 2 : 1, p->seeds = has_seeds, p->state_seeds = has_state_seeds;
+  } else {
+    TORCH_CHECK_VALUE(has_seeds == p->seeds && has_state_seeds == p->state_seeds,
+                      msg(op, ": the seeds passed differ in kind from the first step's: prepare the step anew"));
+    check_seed_tensors(p->lists.params, live_states(p->lists, adam).size(), seeds, state_seeds, op);
+  }
+  return p;
+}
+
+template <bool Cuda>
+void sgd_prepared_op(int64_t handle, const at::Tensor& found_inf, double inv_scale, double lr, double momentum, double dampening,
+                     double weight_decay, bool nesterov, bool first_run, bool decoupled, const Seeds& seeds, const Seeds& state_seeds) {
+  run_sgd<Cuda>(prepared<Cuda>(handle, false, seeds, state_seeds)->lists, found_inf, inv_scale, lr, momentum, dampening, weight_decay, nesterov,
+                first_run, decoupled, seeds, state_seeds);
+}
+
+template <bool Cuda>
+void adam_prepared_op(int64_t handle, const at::Tensor& found_inf, double inv_scale, double lr, double beta1, double beta2, double eps,
+                      double weight_decay, bool decoupled, const Seeds& seeds, const Seeds& state_seeds) {
+  run_adam<Cuda>(prepared<Cuda>(handle, true, seeds, state_seeds)->lists, found_inf, inv_scale, lr, beta1, beta2, eps, weight_decay, decoupled, seeds,
+                 state_seeds);
 }
 
 }  // namespace mixedprec
@@ -222,6 +327,15 @@ MIXEDPREC_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] out, Tensor found_inf, "
         "Tensor[] steps, float inv_scale, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor(e!)[] lows, "
         "Tensor? seeds, Tensor? state_seeds, Tensor(f!)[] state_scales) -> ()");
+  // prepared steps (eager only: the lists they change are behind a handle, which no schema can annotate)
+  m.def("prepare_step(Tensor[] grads, Tensor[] params, Tensor[] state0, Tensor[] state1, Tensor[] out, Tensor[] steps, Tensor[] lows, "
+        "Tensor[] state_scales) -> int", &mixedprec::prepare_step);
+  m.def("release_step(int handle) -> ()", &mixedprec::release_step);
+  m.def("prepared_steps() -> int", &mixedprec::prepared_steps);     // how many are held: a leak shows
+  m.def("sgd_prepared_(int handle, Tensor found_inf, float inv_scale, float lr, float momentum, float dampening, float weight_decay, "
+        "bool nesterov, bool first_run, bool decoupled, Tensor? seeds, Tensor? state_seeds) -> ()");
+  m.def("adam_prepared_(int handle, Tensor found_inf, float inv_scale, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "bool decoupled, Tensor? seeds, Tensor? state_seeds) -> ()");
 }
 
 #define MIXEDPREC_IMPLS(KEY, CUDA)                                                  \
@@ -231,6 +345,8 @@ MIXEDPREC_LIBRARY(TORCH_EXTENSION_NAME, m) {
     m.impl("l2norm", &mixedprec::l2norm_op<CUDA>);                                  \
     m.impl("sgd_step_", &mixedprec::sgd_step_op<CUDA>);                             \
     m.impl("adam_step_", &mixedprec::adam_step_op<CUDA>);                           \
+    m.impl("sgd_prepared_", &mixedprec::sgd_prepared_op<CUDA>);                     \
+    m.impl("adam_prepared_", &mixedprec::adam_prepared_op<CUDA>);                   \
   }
 MIXEDPREC_IMPLS(CPU, false)
 #ifdef WITH_CUDA
@@ -239,7 +355,8 @@ MIXEDPREC_IMPLS(CUDA, true)
 
 // The ops update masters, optimizer state and grads in place, and are never differentiated through: autograd passes them by.
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, Autograd, m) {
-  for (auto name : {"scale_check_", "scale_add_check_", "l2norm", "sgd_step_", "adam_step_"}) m.impl(name, torch::CppFunction::makeFallthrough());
+  for (auto name : {"scale_check_", "scale_add_check_", "l2norm", "sgd_step_", "adam_step_", "sgd_prepared_", "adam_prepared_"})
+    m.impl(name, torch::CppFunction::makeFallthrough());
 }
 
 // The Python module the extension is imported as: which build this is, and the CPU kernels' one setting. Python's C API, without pybind11.

@@ -1,0 +1,55 @@
+"""The bytes a param holds between steps, counted from every reachable tensor (issue 55): the fastai callback holds what
+amp and FP16_Optimizer hold, for every master kind and state store: a bf16 weight and what its kind keeps beside it,
+the moments as the store keeps them, and fp32 masters' grad buffers (kept between steps: allocating them each step
+costs page faults). Nothing else: no fp32 grad of a master that has none between steps."""
+import pytest, torch
+from torch import nn
+from fastai.optimizer import Adam
+from mixedprec import amp
+from mixedprec.fp16_optimizer import FP16_Optimizer
+from mixedprec.state import reachable_bytes
+from helpers import synth_learner
+
+WIDTH = 256
+# bytes a param between steps: weight 2, master (fp32 4 + its grad buffer 4; split's low half 2; none 0), Adam's two
+# moments (fp32 8, bf16 4, 8-bit 2 and a scale per 256 elements)
+EXPECTED = {('fp32', 'fp32'): 18, ('split', 'fp32'): 12, ('split', 'bf16'): 8, ('split', '8bit'): 6.03,
+            ('none', '8bit'): 4.03, ('none', 'bf16'): 6}
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+
+def held_bytes(front, masters, state):
+    "Bytes a param after two steps and a `zero_grad`, beyond nothing: the model, the optimizer and mixedprec's objects"
+    if front == 'fastai':
+        learn = synth_learner(model=mlp(), opt_func=Adam, lr=1e-3).to_bf16(masters=masters, state=state)
+        learn.fit(1)
+        model, roots = learn.model, [learn.model, learn.opt, learn.mixed_precision]
+        stop = [learn]
+    else:
+        model = mlp()
+        if front == 'amp':
+            model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), opt_level='O2',
+                                        half_dtype='bf16', masters=masters, state=state, verbosity=0)
+        else:
+            model = model.bfloat16()
+            opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), masters=masters, state=state,
+                                 verbose=False)
+        x = torch.randn(16, 8)
+        for _ in range(2):
+            loss = model(x if front == 'amp' else x.bfloat16()).float().square().mean()
+            if front == 'amp':
+                with amp.scale_loss(loss, opt) as s: s.backward()
+            else: opt.backward(loss)
+            opt.step(); opt.zero_grad()
+        roots, stop = [model, opt] + ([amp._state] if front == 'amp' else []), []
+    n = sum(p.numel() for p in model.parameters())
+    return reachable_bytes(*roots, stop=stop) / n
+
+@pytest.mark.parametrize("masters,state", list(EXPECTED))
+@pytest.mark.parametrize("front", ['fastai', 'amp', 'fp16_optimizer'])
+def test_a_param_holds_its_kinds_bytes_between_steps_on_every_front_end(front, masters, state):
+    per_param = held_bytes(front, masters, state)
+    # a little beyond: the step counts, the scaler, the rounding streams (a few KB over 70K params)
+    assert EXPECTED[masters, state] - 0.05 <= per_param <= EXPECTED[masters, state] + 0.15, per_param
