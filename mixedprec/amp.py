@@ -97,7 +97,8 @@ _initialized = weakref.WeakSet()                 # the models an `initialize` to
 NO_FLOOR = 2.**-126
 
 _HINT = ("wrap the backward in `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` "
-         "(with `delay_unscale=True`, the last loss before the step must be scaled without it)")
+         "(with `delay_unscale=True`, the last loss before the step must be scaled without it), in place of "
+         "`loss.backward()` or accelerate's `accelerator.backward(loss)`")
 
 # the optimizer a user passed to `initialize`, and the `AmpOptimizer` it returned -> their engine
 _engines = weakref.WeakKeyDictionary()

@@ -62,7 +62,8 @@ class FP16_Optimizer:
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
         self.engine = StepEngine.attach(init_optimizer, Masters(), store=masters, state=state, decide=decide,
                                         impl=impl, scaler=self.scaler,
-                                        hint="call `optimizer.backward(loss)` in place of `loss.backward()`")
+                                        hint=("call `optimizer.backward(loss)` in place of `loss.backward()` (and of "
+                                              "accelerate's `accelerator.backward(loss)`)"))
         # the model's `state_dict()` (and a submodule's) saves the masters: their modules, found once
         self.doors = MasterDoors(self.engine.masters.record)
         self._hooks = self.doors.install(modules_holding(params))

@@ -470,18 +470,19 @@ def accelerate_fsdp2(rank, world, model, optimizer, policy):
     accelerator.state.distributed_type = PartialState._shared_state['distributed_type'] = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     assert accelerator.is_fsdp2
+    accelerate_fsdp2.accelerator = accelerator           # for a scenario that calls accelerate's own clip
     return accelerator.prepare(model, optimizer)
 
 def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject=False, save_at=None, resume=False,
                          front='fp16_optimizer', clip=1.0, lr=1e-2, inner='adamw', wrap='fully_shard', accumulate=False,
-                         norm_type=2.):
+                         norm_type=2., accelerate_clip=False):
     ("FP16_Optimizer over `deep_mlp` wrapped layer by layer in FSDP2 with a `dtype` compute policy and fp32 "
      "reduction, clipped every step; with `inject`, an inf written into rank 1's shard of a grad at one step; a DCP "
      "checkpoint saved after step `save_at`, or (`resume`) loaded and the steps after it run; `front='amp'`: amp O2; "
      "`inner='sgd'`: FP16_Optimizer over torch's SGD with momentum; `wrap='accelerate'`: the model and the optimizer "
      "prepared by accelerate's FSDP2 plugin (`accelerate_fsdp2`), its AcceleratedOptimizer given to the front end; "
      "`accumulate`: each step from two micro-batches, the first without gradient sync (torch's idiom); `norm_type`: "
-     "the clip's norm")
+     "the clip's norm; `accelerate_clip`: the clip by accelerate's `accelerator.clip_grad_norm_`, as its users write it")
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = deep_mlp()
@@ -514,7 +515,9 @@ def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject
             else: opt.backward(loss, update_master_grads=False)
         if inject and step == FSDP2_INJECT and rank == 1: model[2].weight.grad.to_local()[0, 0] = float('inf')
         opt.update_master_grads()
-        norms.append(float(opt.clip_master_grads(clip, norm_type)))
+        if accelerate_clip:
+            norms.append(float(accelerate_fsdp2.accelerator.clip_grad_norm_(model.parameters(), clip, norm_type)))
+        else: norms.append(float(opt.clip_master_grads(clip, norm_type)))
         opt.step()
         if step == save_at and not resume: fsdp2_checkpoint(model, opt.optimizer, opt.scaler, path)
     full = [p.full_tensor().detach().clone() for p in model.parameters()]   # every rank gathers

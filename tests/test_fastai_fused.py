@@ -15,8 +15,11 @@ FUSABLE = {'adam': (Adam, 'fastai Adam (true wd)'), 'adam-l2': (partial(Adam, de
 
 def test_fastai_fused_kind_knows_adam_and_sgd_only():
     for opt_func, kind in FUSABLE.values(): assert fused_plan(opt_func(mlp().parameters(), lr=1e-3)).name == kind
-    for opt_func in (RAdam, Lamb, QHAdam, partial(OptimWrapper, opt=torch.optim.AdamW)):
+    for opt_func in (RAdam, Lamb, QHAdam, partial(OptimWrapper, opt=torch.optim.RAdam)):
         assert fused_plan(opt_func(mlp().parameters(), lr=1e-3)) is None
+    # fastai's OptimWrapper around an optimizer the kernels know is stepped as that optimizer
+    wrapped = fused_plan(OptimWrapper(mlp().parameters(), opt=torch.optim.AdamW, lr=1e-3))
+    assert wrapped.name == "fastai OptimWrapper(torch AdamW)" and wrapped.kind == 'adam'
 
 def _fit_recording(opt_func, where, fit=lambda l: l.fit_one_cycle(3, 1e-2), **kw):
     ("Train with the skip decided `where` ('never': on the host, 'always': on the device, 'fastai': fastai's own "

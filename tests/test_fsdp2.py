@@ -64,6 +64,21 @@ def test_fp16_optimizer_over_fsdp2_takes_its_fp32_params_as_masters_and_refuses_
     with pytest.raises(TypeError, match=r"torch.float16 params.*keep the params fp32.*MixedPrecisionPolicy"):
         FP16_Optimizer(torch.optim.SGD(sharded(mlp().half()).parameters(), lr=0.1), verbose=False)
 
+def test_a_backward_without_the_scaling_call_on_fsdp2_is_refused_at_the_step_naming_accelerates(group):
+    ("A plain `loss.backward()` (what accelerate's `accelerator.backward(loss)` runs with mixed_precision='no') would "
+     "step grads no scaler saw: refused at the step on every front end, naming the call to make instead")
+    from mixedprec import amp
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    model = sharded(mlp())
+    opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    model(X).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"never unscaled.*optimizer.backward\(loss\).*accelerator.backward"):
+        opt.step()
+    model = sharded(mlp())
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), opt_level='O2', verbosity=0)
+    model(X).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"never unscaled.*amp.scale_loss.*accelerator.backward"): opt.step()
+
 @pytest.mark.parametrize('dampening, stepped', [(0., False), (0.1, False), (0.1, True)])
 def test_sgds_lean_state_made_up_front_on_fsdp2_steps_as_the_one_made_at_the_first_step(group, dampening, stepped):
     ("On FSDP2, lean state exists before the first step (DCP loads only the keys a fresh optimizer holds); SGD's first "
@@ -167,6 +182,16 @@ def test_fsdp2_clip_norms_of_every_type_are_the_global_norm_on_every_rank(world,
     ref = ranks[0]['reference']
     assert ranks[0]['norms'] == pytest.approx(ref['norms'], rel=1e-5)
     assert max((a - b).abs().max().item() for a, b in zip(ranks[0]['params'], ref['params'])) < 1e-6
+
+@pytest.mark.parametrize('front', ['fp16_optimizer', 'amp'])
+def test_accelerates_own_clip_between_the_backward_and_the_step_clips_the_unscaled_grads(front):
+    ("`accelerator.clip_grad_norm_(model.parameters(), c)`, as accelerate's users write it, after the front end's "
+     "backward: FSDP2's shards are their own masters, unscaled in place, so it clips what is stepped")
+    ranks = run('fp16', 'fp32', False, None, False, front, 1.0, 1e-2, 'adamw', 'accelerate', False, 2., True, world=2)
+    agreed(ranks)
+    ref = ranks[0]['reference']                    # fp16 compute, a loss scale of 2**10: a clip of scaled grads is 1024x
+    assert not any(ranks[0]['skipped']) and ranks[0]['norms'] == pytest.approx(ref['norms'], rel=5e-3)
+    assert ranks[0]['loss'] == pytest.approx(ref['loss'], rel=1e-2) and ref['loss'] < 0.6 * ref['start']
 
 # accelerate's FSDP2 plugin (`accelerator.prepare(model, optimizer)`, tests/dist_workers.py: `accelerate_fsdp2`): its
 # AcceleratedOptimizer given to FP16_Optimizer or amp.initialize, which step the torch optimizer inside it
