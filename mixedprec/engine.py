@@ -281,11 +281,15 @@ class FusedStep:
         for i, (params, kw) in enumerate(self.plan.groups(opt)):
             ps = [p for p in params if p.grad is not None]
             if not ps: continue
+            if compiling:                       # traced: made anew, nothing kept (no host ids in a graph)
+                for launch in self._prepare(ps, state, kw, views=False)[0]: self._launch(launch, found_inf, kw, state)
+                continue
             wd = kw.get('weight_decay', 0.)
-            key = (tuple(map(id, ps)), tuple(map(id, map(state.__getitem__, ps))), tuple(map(wd, ps)) if callable(wd) else wd)
+            key = (tuple(map(id, ps)), tuple(map(id, map(state.__getitem__, ps))),
+                   tuple(map(wd, ps)) if callable(wd) else wd)
             hit = self._prepared.get(i)
-            if compiling or hit is None or hit[0] != key:
-                launches, again = self._prepare(ps, state, kw, views=not compiling)
+            if hit is None or hit[0] != key:
+                launches, again = self._prepare(ps, state, kw)
                 hit = self._prepared[i] = (None if again else key, launches)
             if not all([self._launch(launch, found_inf, kw, state) for launch in hit[1]]): self._prepared.pop(i)
 
