@@ -76,10 +76,17 @@ def main():
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     runs = {name: prepared(make, args.layers, dtype) for name, make in CONFIGS.items()}
     ref = 'torch autocast + GradScaler + fused AdamW'
+    times, ratios = interleaved(runs, ref, args.rounds * args.iters)
+    print(f"{cpu_name()}, torch {torch.__version__}, 1 thread, {args.layers} Linear(64, 64) ({2 * args.layers} tensors), "
+          f"{args.dtype}, {args.rounds * args.iters} iterations, the configurations interleaved")
+    table(times, ratios, 'torch autocast + GradScaler')
+
+def interleaved(runs:dict, ref:str, iterations:int) -> tuple:
+    ("Each configuration of `runs` ({name: (fwd_bwd, step, x)}) steps once per iteration, in an order that rotates: a "
+     "burst of noise from the shared machine lands on all of them. Each step's time, and its ratio to `ref`'s step of "
+     "the same iteration")
     times, ratios = {k: [] for k in runs}, {k: [] for k in runs}
-    for it in range(args.rounds * args.iters):
-        # every configuration steps once per iteration, in an order that rotates: a burst of noise from the shared
-        # machine lands on all of them, and each step is compared with torch's of the same iteration
+    for it in range(iterations):
         names = list(runs)[it % len(runs):] + list(runs)[:it % len(runs)]
         now = {}
         for name in names:
@@ -87,12 +94,14 @@ def main():
             fwd_bwd(x)
             t = time.perf_counter(); step(); now[name] = time.perf_counter() - t
         for name, t in now.items(): times[name].append(t); ratios[name].append(t / now[ref])
-    print(f"{cpu_name()}, torch {torch.__version__}, 1 thread, {args.layers} Linear(64, 64) ({2 * args.layers} tensors), "
-          f"{args.dtype}, {args.rounds * args.iters} iterations, the configurations interleaved")
-    print("| configuration | step's share, ms (median, quartiles) | x torch autocast + GradScaler (median of each "
-          "iteration's ratio, quartiles) |")
+    return times, ratios
+
+def table(times:dict, ratios:dict, ref:str):
+    "Print each configuration's step time and its ratio to the reference's (medians and quartiles)"
+    print(f"| configuration | step's share, ms (median, quartiles) | x {ref} (median of each iteration's ratio, "
+          "quartiles) |")
     print("|---|---|---|")
-    for name in runs:
+    for name in times:
         t, r = statistics.quantiles(times[name], n=4), statistics.quantiles(ratios[name], n=4)
         print(f"| {name} | {t[1] * 1e3:.2f} ({t[0] * 1e3:.2f}-{t[2] * 1e3:.2f}) | {r[1]:.2f} ({r[0]:.2f}-{r[2]:.2f}) |")
 

@@ -962,12 +962,12 @@ class MasterWeights:
 # %% ../nbs/13_master.ipynb #rounding13
 def _mix(*xs) -> int:
     "A 63-bit hash of ints (splitmix64's finaliser over each), for rounding seeds"
-    h = 0x9E3779B97F4A7C15
+    h, m64 = 0x9E3779B97F4A7C15, 2**64 - 1         # (masks, not `% 2**64`: the same bits, in half the time)
     for x in xs:
-        h = ((h ^ (x % 2**64)) * 0xBF58476D1CE4E5B9) % 2**64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) % 2**64
+        h = ((h ^ (x & m64)) * 0xBF58476D1CE4E5B9) & m64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & m64
         h ^= h >> 31
-    return h % 2**63
+    return h & (2**63 - 1)
 
 class RoundingStreams:
     ("The random streams of stochastic rounding, one per tensor the optimizer holds: a seed and a count kept in its "
