@@ -774,6 +774,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.scaler.ScaleRule.refresh': ('scaler.html#scalerule.refresh', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.ScalerBooks': ('scaler.html#scalerbooks', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.ScalerBooks.__init__': ('scaler.html#scalerbooks.__init__', 'mixedprec/scaler.py'),
+                                  'mixedprec.scaler.ScalerBooks.__setstate__': ( 'scaler.html#scalerbooks.__setstate__',
+                                                                                 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.ScalerBooks._advice': ('scaler.html#scalerbooks._advice', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.ScalerBooks._remember': ('scaler.html#scalerbooks._remember', 'mixedprec/scaler.py'),
                                   'mixedprec.scaler.ScalerBooks._say': ('scaler.html#scalerbooks._say', 'mixedprec/scaler.py'),

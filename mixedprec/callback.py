@@ -229,13 +229,15 @@ def _refuse_at_fit(cb):
                          "the model, so they are converted and get masters.")
 
 def _nothing_converted(cb, model):
-    "Say, once, that the callback changes nothing: every module with params is kept in fp32, or none has floats"
+    "Say, once per callback, that it changes nothing: every module with params is kept in fp32, or none has floats"
+    if getattr(cb, 'said_nothing_converted', False): return    # a flag, not `id(cb)`: Python reuses the ids of the dead
+    cb.said_nothing_converted = True
     floats = any(p.is_floating_point() for p in model.parameters())
     why = (f"every module with params is of a type kept in fp32: {', '.join(t.__name__ for t in cb.keep_fp32)}"
            if floats else "it has no float params or buffers")
     warn_once(f"nothing in the model is converted ({why}), so mixed precision changes nothing and fastai's optimizer "
               "steps the model's params itself" + (": train in fp32, or keep fewer module types in fp32" if floats
-                                                   else ""), ('nothing converted', id(cb)))
+                                                   else ""), key=object())
 
 def _refuse_distrib_on_fsdp(learn):
     ("Refuse fastai's `DistributedTrainer` (`distrib_ctx`, `to_distributed`) with an FSDP model, saying what to do: it "

@@ -863,8 +863,8 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
         grads_bad = any(bool(flag) for flag, _ in outcomes)
         loss_bad = any(finite is not None and not bool(finite) for _, finite in outcomes)
     else:
-        grads_bad, loss_bad = torch.stack([f.to(device) for f, _ in outcomes]).any(), torch.zeros((), dtype=torch.bool,
-                                                                                                  device=device)
+        grads_bad = torch.stack([f.to(device) for f, _ in outcomes]).any()
+        loss_bad = torch.zeros((), dtype=torch.bool, device=device)
         for _, finite in outcomes:
             if finite is not None: loss_bad = loss_bad | ~finite.to(device)
         grads_bad, loss_bad = agree(torch.stack([grads_bad, loss_bad]).int()) > 0

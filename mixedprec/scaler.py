@@ -45,7 +45,8 @@ class ScaleRule:
         self.refresh()
     def refresh(self):
         if not self.on_host: self.scale, self.inv = self.scale64.float(), self.scale64.reciprocal().float()
-        else: self.scale, self.inv = (torch.tensor(v, dtype=torch.float32) for v in (self.scale64, 1 / self.scale64))
+        else: self.scale, self.inv = (torch.tensor(v, dtype=torch.float32, device=self.device)
+                                      for v in (self.scale64, 1 / self.scale64))
 
     def moved(self, code, before, where) -> tuple:
         "The clean-step count and the scale after a step whose outcome is `code`, from `before` (`where`: a choice)"
@@ -66,7 +67,7 @@ class ScaleRule:
             self.noskip, self.scale64 = self.moved(code, before, host_where)
             if self.scale64 != before: self.refresh()
             norm = float(grad_norm) if grad_norm is not None else 0.
-            return torch.tensor(code != 0), (code, norm, before, self.scale64, self.noskip), None
+            return torch.tensor(code != 0, device=self.device), (code, norm, before, self.scale64, self.noskip), None
         self.noskip, self.scale64 = self.moved(code, before, torch.where)
         if self.dynamic: self.refresh()
         norm = grad_norm.double().reshape(()) if grad_norm is not None else torch.zeros_like(before)
@@ -143,6 +144,10 @@ class ScalerBooks:
         r = self._recent
         if len(r) < min(self.settings.judge_after, r.maxlen): return 0., 0.
         return self._in_recent[0] / len(r), self._in_recent[1] / len(r)
+    def __setstate__(self, state:dict):
+        self.__dict__.update(state)
+        if '_in_recent' not in state:           # pickled before the counts were kept
+            self._in_recent = [sum(o for o, _ in self._recent), sum(m for _, m in self._recent)]
     def _remember(self, step:tuple):
         "Keep one step's (overflowed, at min_scale) in the window, its counts kept with it"
         if len(self._recent) == self._recent.maxlen:
