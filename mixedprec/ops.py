@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['IMPLS', 'DEFAULT_IMPL', 'IMPL_HERE', 'PROGRESS_EVERY_S', 'STALE_BUILD_S', 'FIX', 'Q_BLOCK', 'scale_check_ref_',
            'set_impl', 'current_impl', 'env_flag', 'find_cuda_home', 'cpu_flags', 'cpu_isa', 'last_level_cache_bytes',
-           'stream_min_bytes', 'default_cache', 'unsafe', 'unsafe_above', 'compiled_here', 'build_extension', 'Kernels',
-           'warn_once', 'kernels_for', 'backend', 'require_impl', 'is_dtensor', 'local_shard', 'local_shards',
-           'scale_check_', 'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref',
-           'join_bf16_ref', 'rounding_bits_ref', 'round_stochastic_ref', 'in_memory_order', 'quantize8_ref',
-           'dequantize8_ref', 'adopt_edits_ref_', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_',
-           'PreparedStep']
+           'stream_min_bytes', 'default_cache', 'unsafe', 'unsafe_above', 'compiled_here', 'build_extension',
+           'describe_step_kernel', 'step_kernel_key', 'build_step_kernel', 'Kernels', 'warn_once', 'kernels_for',
+           'backend', 'require_impl', 'is_dtensor', 'local_shard', 'local_shards', 'scale_check_',
+           'scale_add_check_ref_', 'scale_add_check_', 'l2norm_ref', 'l2norm', 'split_bf16_ref', 'join_bf16_ref',
+           'rounding_bits_ref', 'round_stochastic_ref', 'in_memory_order', 'quantize8_ref', 'dequantize8_ref',
+           'adopt_edits_ref_', 'sgd_step_ref_', 'adam_step_ref_', 'sgd_step_', 'adam_step_', 'PreparedStep']
 
 # %% ../nbs/10_ops.ipynb #8848a001
 import contextvars, functools, glob, hashlib, json, math, operator, os, shutil, stat, sys, tempfile, warnings
@@ -318,20 +318,19 @@ def _remove_stale_builds(parent):
         if n.startswith('.building-') and stale:
             shutil.rmtree(p, ignore_errors=True)
 
-def _build_in(parent, final, name, verbose, **load_kw):
-    ("Compile into a new private folder in `parent`, record the library's size and checksum, and move the folder to "
-     "`final` in one rename")
+def _build_in(parent, final, name, verbose, what, took, **load_kw):
+    ("Compile `what` (which takes `took`) into a new private folder in `parent`, record the library's size and "
+     "checksum, and move the folder to `final` in one rename")
     cpp = _cpp_extension()
     _remove_stale_builds(parent)
     tmp = tempfile.mkdtemp(prefix='.building-', dir=parent)
     try:
         if parent not in _said_compiling:
             _said_compiling.add(parent)
-            print(f"mixedprec: compiling the fused kernels for this machine into {parent} (once per machine: from "
-                  "about 10 seconds "
-                  f"to a few minutes, by the CPU)", file=sys.stderr, flush=True)
+            print(f"mixedprec: compiling {what} for this machine into {parent} (once per machine: {took})",
+                  file=sys.stderr, flush=True)
         with _build_env(load_kw.pop('cuda_home')):
-            with _progress("compiling the fused kernels"):
+            with _progress(f"compiling {what}"):
                 ext = cpp.load(name, build_directory=tmp, verbose=verbose, **load_kw)
         so = os.path.join(tmp, f'{name}.so')
         with open(so, 'rb') as lib:
@@ -350,33 +349,86 @@ def _build_in(parent, final, name, verbose, **load_kw):
 _CUDA_FLAGS = ['-O3', '--fmad=false', '-DWITH_CUDA']
 
 # %% ../nbs/10_ops.ipynb #86f1a14e
+def _csrc() -> Path:
+    "The kernel sources' folder (real files: the compilers need paths)"
+    return Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'
+
+def _cache_key(*flags) -> str:
+    "A cache folder's name: a new one for every change of the kernel sources, of `flags`, of torch or of Python"
+    h = hashlib.sha256(repr((*flags, torch.__version__, sys.version_info[:2])).encode())
+    for f in sorted(_csrc().iterdir()): h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+def _cuda_build(cuda_arch:str=None):
+    "nvcc's flags for `cuda_arch` (like '9.0'; default: this GPU's), the toolkit's folder and the arch's digits"
+    cuda_home = find_cuda_home()
+    if cuda_home is None:
+        raise RuntimeError("no CUDA toolkit found (a folder with include/cuda_runtime.h and lib64/libcudart.so): "
+                           "set CUDA_HOME")
+    if cuda_arch is None:
+        major, minor = torch.cuda.get_device_capability()
+        cuda_arch = f"{major}.{minor}"
+    arch = cuda_arch.replace('.', '')
+    return _CUDA_FLAGS + [f'-gencode=arch=compute_{arch},code=sm_{arch}'], cuda_home, arch
+
 def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cache:str=None):
     ("The fused kernels (`Kernels`), loaded from the cache or compiled into it: CPU only, or CPU and CUDA for "
-     "`cuda_arch` (like '9.0'; default: this GPU's)")
-    # real files: the compiler needs paths
-    src = Path(next(iter(importlib.util.find_spec('mixedprec').submodule_search_locations))) / 'csrc'
+     "`cuda_arch` (like '9.0'; default: this GPU's), whose step kernels build when a run first needs them")
+    src = _csrc()
     sources = [str(src / 'mixedprec.cpp'), str(src / 'cpu_kernels.cpp')]
-    cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [], _openmp_flags(), None
+    cflags, cuda_flags, ldflags, cuda_home, arch = (['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [],
+                                                    _openmp_flags(), None, None)
     if cuda:
-        cuda_home = find_cuda_home()
-        if cuda_home is None:
-            raise RuntimeError("no CUDA toolkit found (a folder with include/cuda_runtime.h and lib64/libcudart.so): "
-                               "set CUDA_HOME")
-        if cuda_arch is None:
-            major, minor = torch.cuda.get_device_capability()
-            cuda_arch = f"{major}.{minor}"
-        arch = cuda_arch.replace('.', '')
-        sources += [str(src / f) for f in ('scale_kernels.cu', 'l2norm_kernel.cu', 'optim_kernels.cu')]
+        cuda_flags, cuda_home, arch = _cuda_build(cuda_arch)
+        sources += [str(src / 'cuda_dispatch.cpp'), str(src / 'core_kernels.cu')]
         cflags.append('-DWITH_CUDA')
-        cuda_flags = _CUDA_FLAGS + [f'-gencode=arch=compute_{arch},code=sm_{arch}']
         ldflags += [f'-L{os.path.join(cuda_home, "lib64")}']
     isa = cpu_isa()[0]
-    name = f"mixedprec_{'cuda' + cuda_arch.replace('.', '') if cuda else 'cpu'}{'_' + isa if isa else ''}"
-    h = hashlib.sha256(repr((cflags, cuda_flags, ldflags, torch.__version__, sys.version_info[:2])).encode())
-    for f in sorted(src.iterdir()): h.update(f.name.encode() + f.read_bytes())
-    key = h.hexdigest()[:16]                                       # a new folder for every change of sources or flags
+    name = f"mixedprec_{'cuda' + arch if cuda else 'cpu'}{'_' + isa if isa else ''}"
     load_kw = dict(sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=ldflags,
                    with_cuda=cuda, cuda_home=cuda_home)
+    mod = _cached_build(name, _cache_key(cflags, cuda_flags, ldflags), load_kw, verbose, cache, "the fused kernels",
+                        "from about 10 seconds to a few minutes, by the CPU")
+    return Kernels(mod, cuda_arch=arch and f"{arch[:-1]}.{arch[-1]}", cache=cache)
+
+_DTYPES = ('fp32', 'fp64', 'fp16', 'bf16')            # csrc/kernel_keys.h's dtype codes
+
+def describe_step_kernel(key:int) -> str:
+    "What the CUDA step kernel `key` (csrc/kernel_keys.h) steps, in words"
+    kind, g, o, mode, smode = key >> 16, key >> 12 & 15, key >> 8 & 15, key >> 4 & 15, key & 15
+    masters = (('fp32 masters' + (f" with a {_DTYPES[o]} model copy" if o else '')) if mode == 0 else
+               'split bf16 masters' if mode == 1 else 'stochastically rounded bf16 masters')
+    return (f"{'SGD' if kind == 4 else 'Adam'} step for {_DTYPES[g]} grads, {masters} and "
+            f"{('fp32', 'bf16', '8-bit')[smode]} state")
+
+_MASTER_MODES, _STATE_MODES = ('fp32', 'split', 'none'), ('fp32', 'bf16', '8bit')
+
+def step_kernel_key(optimizer:str, grads:torch.dtype, masters:str='fp32', state:str='fp32',
+                    copy:torch.dtype=None) -> int:
+    ("The key (csrc/kernel_keys.h) of the CUDA kernel that steps `optimizer` ('sgd' or 'adam') on grads of dtype "
+     "`grads`, with `masters` ('fp32', with a model `copy` of that dtype or none; 'split'; 'none': rounded bf16) "
+     "and `state` ('fp32', 'bf16' or '8bit')")
+    code = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+    mode = _MASTER_MODES.index(masters)
+    return ({'sgd': 4, 'adam': 5}[optimizer] << 16 | code[grads] << 12 | (code[copy] if copy and not mode else 0) << 8 |
+            mode << 4 | _STATE_MODES.index(state))
+
+def build_step_kernel(key:int=None, cuda_arch:str=None, verbose:bool=False, cache:str=None):
+    ("The CUDA step kernel `key` (csrc/kernel_keys.h) as a module of its own (`kernels()`: a capsule for "
+     "`register_kernels`), loaded from the cache or compiled into it in seconds; every step kernel when `key` is None")
+    cuda_flags, cuda_home, arch = _cuda_build(cuda_arch)
+    if key is not None: cuda_flags = cuda_flags + [f'-DMIXEDPREC_STEP_KEY={int(key)}']
+    name = f"mixedprec_cuda{arch}_step_{'all' if key is None else f'{int(key):x}'}"
+    load_kw = dict(sources=[str(_csrc() / 'step_kernel.cu')], extra_cuda_cflags=cuda_flags, with_cuda=True,
+                   extra_ldflags=[f'-L{os.path.join(cuda_home, "lib64")}'], cuda_home=cuda_home)
+    what, took = (('every fused step kernel', 'minutes') if key is None else
+                  (f"the CUDA kernel of the {describe_step_kernel(key)}", 'seconds'))
+    return _cached_build(name, _cache_key(cuda_flags), load_kw, verbose, cache, what, took)
+
+# %% ../nbs/10_ops.ipynb #53f77c8e
+def _cached_build(name, key, load_kw, verbose, cache, what, took):
+    ("The extension module `name` from cache folder `key`, loaded once checked, or compiled there (`what`, which takes "
+     "`took`); from a folder of this process's own when no cache folder can be used")
     roots = [cache or os.environ.get('MIXEDPREC_CACHE') or default_cache()]
     if default_cache() not in roots: roots.append(default_cache())
     passed = []                                                    # (folder, why it was not used)
@@ -397,7 +449,7 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
                     # later
                     _LOADED_FDS.append(fd)
                     _say_passed(passed, root)
-                    return Kernels(mod)
+                    return mod
                 os.close(fd)
                 warn_once(f"{damage}: rebuilding it", ('damaged', so))
                 shutil.rmtree(final, ignore_errors=True)
@@ -405,18 +457,18 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
             if why is not None: passed.append((root, why)); continue
         why = _private_folders(root, os.path.dirname(parent), parent)
         if why is not None: passed.append((root, why)); continue
-        try: ext = _build_in(parent, final, name, verbose, **load_kw)
+        try: ext = _build_in(parent, final, name, verbose, what, took, **load_kw)
         except OSError as e: passed.append((root, f"the build could not be written there ({e})")); continue
         _say_passed(passed, root)
-        return Kernels(ext)
+        return ext
     # no cache folder can be used: one of this process's own
     tmp = tempfile.mkdtemp(prefix='mixedprec-')
     import atexit
     # removed at exit (the loaded library stays mapped until then)
     atexit.register(shutil.rmtree, tmp, True)
-    ext = _build_in(tmp, os.path.join(tmp, key), name, verbose, **load_kw)
+    ext = _build_in(tmp, os.path.join(tmp, key), name, verbose, what, took, **load_kw)
     _say_passed(passed, tmp)
-    return Kernels(ext)
+    return ext
 
 def _say_passed(passed, used):
     "Say once which cache folders were not used, why, and how to fix it"
@@ -443,16 +495,24 @@ def _register_fakes(ns:str):
 class Kernels:
     ("One build's fused ops: torch custom ops (`torch.ops.<namespace>`, one schema each, a kernel per dispatch key, "
      "a fake kernel), called by name")
-    def __init__(self, module):
-        self.module, self.namespace = module, module.namespace()
+    def __init__(self, module, cuda_arch:str=None, cache:str=None):
+        self.module, self.namespace, self.cuda_arch, self.cache = module, module.namespace(), cuda_arch, cache
         module.stream_min_bytes(stream_min_bytes())
         ns = getattr(torch.ops, self.namespace)
         self.ops = {name: getattr(ns, name).default for name in _OPS + _PREPARED_OPS}
         _register_fakes(self.namespace)
+        # a step kernel a CUDA op asks for and lacks is built (or loaded from the cache) then, in seconds
+        if self.has_cuda(): module.set_kernel_builder(self.build_step_kernel)
     __name__ = property(lambda self: self.module.__name__)
     __file__ = property(lambda self: self.module.__file__)
     def __repr__(self): return f"Kernels({self.namespace}: {', '.join(_OPS)})"
     def has_cuda(self) -> bool: return self.module.has_cuda()
+    def build_step_kernel(self, key:int=None):
+        "Build (or load) the CUDA step kernel `key`, or all of them, and register it with this build"
+        self.module.register_kernels(build_step_kernel(key, self.cuda_arch, cache=self.cache).kernels())
+    def kernel_keys(self) -> list:
+        "The keys of the CUDA kernels registered with this build (csrc/kernel_keys.h)"
+        return sorted(self.module.kernel_keys()) if self.has_cuda() else []
     def scale_check(self, src, dst, scale, scale_tensor=None):
         return self.ops['scale_check_'](src, dst, scale, scale_tensor)
     def scale_add_check(self, src, dst, scale, scale_tensor=None):

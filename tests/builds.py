@@ -21,9 +21,12 @@ def build_emulator():
                                   build_directory=str(build))
 
 def build_cuda():
-    "The CUDA extension, compiled by nvcc for one arch into mixedprec's kernel cache (None without a CUDA toolkit)"
+    ("The CUDA extension, compiled by nvcc for one arch into mixedprec's kernel cache with every step kernel "
+     "registered (built once into one module: a run builds only the ones it asks for; None without a CUDA toolkit)")
     if ops.find_cuda_home() is None: return None
-    return ops.build_extension(cuda=True, cuda_arch=CUDA_ARCH)
+    ext = ops.build_extension(cuda=True, cuda_arch=CUDA_ARCH)
+    ext.build_step_kernel()
+    return ext
 
 if __name__ == '__main__':
     for build in (build_emulator, build_cuda):

@@ -20,11 +20,16 @@ def run(what, cmd):
 
 def main():
     incs = [f'-I{p}' for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f'-I{CSRC}']
-    for src in [CSRC / 'mixedprec.cpp', CSRC / 'cpu_kernels.cpp', ROOT / 'tests' / 'csrc' / 'cuda_emulator.cpp']:
-        run(src.name, ['g++', '-std=c++17', '-fsyntax-only', '-fopenmp', '-DWITH_CUDA', *incs, str(src)])
     home = find_cuda_home()
+    cuda_host = [CSRC / 'cuda_dispatch.cpp'] if home else []      # its CUDA headers need the toolkit's
+    cuda_incs = [f'-I{Path(home) / "include"}'] if home else []
+    for src in [CSRC / 'mixedprec.cpp', CSRC / 'cpu_kernels.cpp', *cuda_host,
+                ROOT / 'tests' / 'csrc' / 'cuda_emulator.cpp']:
+        run(src.name, ['g++', '-std=c++17', '-fsyntax-only', '-fopenmp', '-DWITH_CUDA', '-DTORCH_EXTENSION_NAME=check',
+                       *incs, *cuda_incs, str(src)])
     if home is None: print("cpp17_check: no CUDA toolkit: the .cu sources were not compiled"); return
-    nvcc = [str(Path(home) / 'bin' / 'nvcc'), '-std=c++17', '--fmad=false', '-DWITH_CUDA', f'-arch={CUDA_ARCH}', '-ptx']
+    nvcc = [str(Path(home) / 'bin' / 'nvcc'), '-std=c++17', '--fmad=false', '-DWITH_CUDA', f'-arch={CUDA_ARCH}', '-ptx',
+            '-DTORCH_EXTENSION_NAME=check']
     with tempfile.TemporaryDirectory() as tmp:
         for src in sorted(CSRC.glob('*.cu')):
             out = Path(tmp) / f'{src.stem}.ptx'

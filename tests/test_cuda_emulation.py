@@ -272,15 +272,49 @@ def test_amp_trains_on_the_emulated_kernels_as_on_the_cpu_kernels(emu, monkeypat
     assert_same(cpu, emulated)
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(cpu, init))   # it trained
 
+# The two common runs of bench/first_use_build.py, and the step kernels each asks for, which a first use on a GPU builds
+# (seconds each): its half params' (their masters step on the fp32 grads unscaled into them; fp32 masters write the
+# fp16 copy) and those of the fp32 params it keeps (batchnorm)
+COMMON_RUNS = {
+    'fp16, fp32 masters, AdamW': (dict(half_dtype='fp16'),
+                                  {ops.step_kernel_key('adam', torch.float32, copy=torch.float16),
+                                   ops.step_kernel_key('adam', torch.float32)}),
+    'bf16, split masters, 8-bit AdamW': (dict(half_dtype='bf16', masters='split', state='8bit'),
+                                         {ops.step_kernel_key('adam', torch.float32, 'split', '8bit'),
+                                          ops.step_kernel_key('adam', torch.float32, state='8bit')})}
+
+@pytest.mark.parametrize('run', COMMON_RUNS)
+def test_a_common_run_asks_for_the_step_kernels_its_first_use_builds(emu, monkeypatch, run):
+    from mixedprec import amp
+    from mixedprec.engine import settings
+    kw, keys = COMMON_RUNS[run]
+    use_emulator(emu, monkeypatch, SMALL_GRID)
+    emu.reset_counters()
+    with settings(impl='fused'):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 3))
+        model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), opt_level='O2',
+                                    verbosity=0, **kw)
+        half = next(model.parameters()).dtype
+        for _ in range(2):
+            x, y = torch.randn(16, 10).to(half), torch.randint(0, 3, (16,))
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            with amp.scale_loss(loss, opt) as scaled: scaled.backward()
+            opt.step(); opt.zero_grad()
+    launched = set(emu.launched_keys())
+    assert {k for k in launched if k >> 16 >= 4} == keys, [ops.describe_step_kernel(k) for k in launched]
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == half
+
 @pytest.mark.skipif(ops.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")
 def test_packs_compile_to_vector_instructions(tmp_path):
     # a pack is one 16-byte (fp32) or 8-byte (fp16, bf16) load or store in the PTX for sm_90, not four scalar ones
     nvcc = os.path.join(ops.find_cuda_home(), 'bin', 'nvcc')
-    ptx = tmp_path / 'scale_kernels.ptx'
+    ptx = tmp_path / 'core_kernels.ptx'
     includes = [f'-I{p}' for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}",
                                                                     f'-I{CSRC}']
     subprocess.run([nvcc, '-ptx', *ops._CUDA_FLAGS, '-std=c++20', '--expt-relaxed-constexpr', '-arch=sm_90',
-                    '-DTORCH_EXTENSION_NAME=mixedprec_ptx', *includes, str(CSRC / 'scale_kernels.cu'), '-o',
+                    '-DTORCH_EXTENSION_NAME=mixedprec_ptx', *includes, str(CSRC / 'core_kernels.cu'), '-o',
                         str(ptx)], check=True, capture_output=True)
     text = ptx.read_text()
     for instruction in ('ld.global.v4.f32', 'st.global.v4.f32', 'ld.global.v4.u16', 'st.global.v4.u16'):

@@ -291,9 +291,10 @@ def test_impl_rules(monkeypatch):
 def test_sources_ship_with_the_package():
     src = importlib.resources.files('mixedprec') / 'csrc'
     names = {p.name for p in src.iterdir()}
-    assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'multi_tensor.h', 'multi_tensor_apply.cuh', 'scale_kernels.h',
-            'scale_kernels.cu', 'l2norm_kernel.h',
-            'l2norm_kernel.cu', 'optim_kernels.h', 'optim_kernels.cu', 'bf16_bits.h', 'messages.h'} <= names
+    assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'cuda_dispatch.cpp', 'multi_tensor.h', 'multi_tensor_plan.h',
+            'kernel_keys.h', 'kernel_dispatch.h', 'cuda_launch.cuh', 'scale_kernels.h', 'l2norm_kernel.h',
+            'optim_kernels.h', 'core_kernels.cu', 'step_kernel.cu', 'bf16_bits.h', 'state8_bits.h',
+            'messages.h'} <= names
     import tomllib, pathlib
     cfg = tomllib.loads((pathlib.Path(__file__).parent.parent / 'pyproject.toml').read_text())
     assert 'csrc/*' in cfg['tool']['setuptools']['package-data']['mixedprec']
@@ -320,6 +321,10 @@ def test_cuda_sources_compile_without_a_gpu():
     ops.backend(torch.zeros(1))
     ext = build_cuda()                              # `make test` started it in the background (tests/builds.py)
     assert ext.has_cuda()
+    # every kernel a dispatch can ask for is registered: the core's 36 and the 144 step kernels (kernel_keys.h)
+    keys = ext.kernel_keys()
+    assert len(keys) == len(set(keys)) == 36 + 144
+    assert ops.step_kernel_key('adam', torch.float32, 'split', '8bit') in keys
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError):
             ext.scale_check([torch.ones(1, device='cuda')], [torch.ones(1, device='cuda')], 1.)

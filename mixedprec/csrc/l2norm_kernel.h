@@ -2,10 +2,15 @@
 // squares, summed over its block, then added per tensor in double.
 #pragma once
 #include "multi_tensor.h"
+#include "kernel_keys.h"
 
 namespace mixedprec {
 
 template <typename T> struct SquareSumFunctor {
+  static constexpr uint32_t kKey = kernel_key(kSquareSumKernel, DtypeCode<T>::value);
+  static constexpr bool kBlockSum = true;           // launched as a block sum: partial, then finish
+  using Table = TensorTable<1>;
+  using Args = ArgList<double*>;
   template <typename Table>
   MIXEDPREC_HD float partial(const Lane& lane, int64_t chunk, const int* noop, Table& t) const {
     int64_t begin, end;
@@ -25,25 +30,5 @@ template <typename T> struct SquareSumFunctor {
     atomic_add(&per_tensor[t.global_index[slot_of(t, lane.block)]], (double)block_sum);
   }
 };
-
-template <typename Grid>
-std::vector<at::Tensor> l2norm_on(const std::vector<at::Tensor>& ts) {
-  const typename Grid::Guard guard(ts[0].device());
-  auto sums = at::zeros({(int64_t)ts.size()}, ts[0].options().dtype(at::kDouble));
-  auto noop = at::zeros({}, ts[0].options().dtype(at::kInt));
-  // one launch sequence per dtype present
-  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble}) {
-    std::vector<at::Tensor> sel;
-    std::vector<int64_t> idx;
-    for (size_t i = 0; i < ts.size(); ++i) if (ts[i].scalar_type() == dtype) { sel.push_back(ts[i]); idx.push_back(i); }
-    if (sel.empty()) continue;
-    auto part = at::zeros({(int64_t)sel.size()}, ts[0].options().dtype(at::kDouble));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mixedprec_l2norm", [&] {
-      multi_tensor_sum<Grid, 1>(noop, {sel}, SquareSumFunctor<scalar_t>(), part.data_ptr<double>());
-    });
-    sums.index_copy_(0, at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(ts[0].device()), part);
-  }
-  return {sums.sum().sqrt().to(at::kFloat), sums.sqrt().to(at::kFloat)};
-}
 
 }  // namespace mixedprec

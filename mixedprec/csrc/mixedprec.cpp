@@ -1,7 +1,8 @@
 // mixedprec's fused multi-tensor ops as torch custom ops: one schema per op (named arguments, mutations annotated), the
-// C++ CPU kernels (cpu_kernels.cpp) registered for the CPU dispatch key and, in a CUDA build, the CUDA kernels (*.cu) for
-// the CUDA key. The dispatcher picks the device; each implementation checks its tensors. The namespace is the extension's
-// name (mixedprec_cpu_avx512, ...), so that two builds can live in one process. Fake kernels are registered in Python.
+// C++ CPU kernels (cpu_kernels.cpp) registered for the CPU dispatch key and, in a CUDA build, the CUDA kernels
+// (cuda_dispatch.cpp, launching kernels that nvcc builds: core_kernels.cu, and step_kernel.cu on demand) for the CUDA
+// key. The dispatcher picks the device; each implementation checks its tensors. The namespace is the extension's name
+// (mixedprec_cpu_avx512, ...), so that two builds can live in one process. Fake kernels are registered in Python.
 // The op registry and ATen's Tensor, and Python's C API for the module's functions: not <torch/extension.h> (the
 // whole C++ API) nor pybind11, which took two thirds of the compile time.
 #include <Python.h>
@@ -34,6 +35,11 @@ void sgd_step_cuda(const TV&, const TV&, const TV&, const TV&, const at::Tensor&
                    const TV&, const Seeds&, const Seeds&, const TV&);
 void adam_step_cuda(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
                     double, bool, const TV&, const Seeds&, const Seeds&, const TV&);
+struct KernelList;                                  // kernel_keys.h
+const KernelList& core_kernels();
+void register_kernels(const KernelList& list);
+std::vector<int64_t> kernel_keys();
+void set_kernel_builder(PyObject* builder);
 #endif
 
 using TL = at::TensorList;
@@ -373,14 +379,47 @@ static PyObject* mixedprec_stream_min_bytes(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "|L", &set)) return nullptr;
   return PyLong_FromLongLong(mixedprec::stream_min_bytes(set));
 }
+#ifdef WITH_CUDA
+// The CUDA kernels' registry (cuda_dispatch.cpp): a kernel module's capsule registered, the builder of missing step
+// kernels set, the keys registered listed.
+static PyObject* mixedprec_register_kernels(PyObject*, PyObject* capsule) {
+  auto list = static_cast<const mixedprec::KernelList*>(PyCapsule_GetPointer(capsule, "mixedprec.KernelList"));
+  if (list == nullptr) return nullptr;
+  mixedprec::register_kernels(*list);
+  Py_RETURN_NONE;
+}
+static PyObject* mixedprec_set_kernel_builder(PyObject*, PyObject* builder) {
+  if (builder != Py_None && !PyCallable_Check(builder)) { PyErr_SetString(PyExc_TypeError, "the builder must be callable or None"); return nullptr; }
+  mixedprec::set_kernel_builder(builder == Py_None ? nullptr : builder);
+  Py_RETURN_NONE;
+}
+static PyObject* mixedprec_kernel_keys(PyObject*, PyObject*) {
+  const auto keys = mixedprec::kernel_keys();
+  PyObject* res = PyList_New((Py_ssize_t)keys.size());
+  if (res == nullptr) return nullptr;
+  for (size_t i = 0; i < keys.size(); ++i) PyList_SET_ITEM(res, (Py_ssize_t)i, PyLong_FromLongLong(keys[i]));
+  return res;
+}
+#endif
 static PyMethodDef mixedprec_methods[] = {
   {"has_cuda", mixedprec_has_cuda, METH_NOARGS, "True when this build holds the CUDA kernels"},
   {"namespace", mixedprec_namespace, METH_NOARGS, "The torch.ops namespace of this build's ops"},
   {"stream_min_bytes", mixedprec_stream_min_bytes, METH_VARARGS,
    "stream_min_bytes(n=-1): the output size in bytes from which the CPU kernels write with streaming stores; sets it first when n >= 0"},
+#ifdef WITH_CUDA
+  {"register_kernels", mixedprec_register_kernels, METH_O, "register_kernels(capsule): a kernel module's CUDA kernels, for the ops to launch"},
+  {"set_kernel_builder", mixedprec_set_kernel_builder, METH_O,
+   "set_kernel_builder(f): f(key) builds and registers the step kernel `key` the first time an op needs it (None: none)"},
+  {"kernel_keys", mixedprec_kernel_keys, METH_NOARGS, "The keys of the CUDA kernels registered so far"},
+#endif
   {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef mixedprec_module = {PyModuleDef_HEAD_INIT, MIXEDPREC_STR(TORCH_EXTENSION_NAME),
                                        "mixedprec's fused kernels: the ops are in torch.ops.<namespace()>", -1, mixedprec_methods};
 #define MIXEDPREC_CAT2(a, b) a##b
 #define MIXEDPREC_CAT(a, b) MIXEDPREC_CAT2(a, b)
-PyMODINIT_FUNC MIXEDPREC_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&mixedprec_module); }
+PyMODINIT_FUNC MIXEDPREC_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+#ifdef WITH_CUDA
+  mixedprec::register_kernels(mixedprec::core_kernels());      // the unscale and the norms: every run's
+#endif
+  return PyModule_Create(&mixedprec_module);
+}

@@ -1,8 +1,10 @@
 // The multi-tensor machinery of the CUDA kernels, written once for two compilers. nvcc compiles it into the GPU kernels
-// (multi_tensor_apply.cuh launches them); the host compiler compiles the very same functors and launch planning into the
+// (cuda_launch.cuh launches them); the host compiler compiles the very same functors and launch planning into the
 // CPU emulation of the tests (tests/csrc/cuda_emulator.cpp), which runs every block and thread of a launch in a loop, so
 // that the CUDA kernels' indexing and arithmetic are checked against the pure-PyTorch references on machines without a
 // GPU. Only the launch itself, the shared-memory block sum and the intrinsics behind the arithmetic helpers differ.
+// This header is the device side and includes no ATen header, so that nvcc compiles a kernel unit in seconds; the
+// host's planning of launches over ATen tensors is in multi_tensor_plan.h.
 //
 // A launch works on a table, passed by value as the kernel argument (it must stay under the 4 KB kernel-argument limit):
 // the addresses of up to kMaxTensors tensors of each list (and, for ops that need one, of a per-tensor fp32 scalar such
@@ -17,17 +19,12 @@
 // flat buffers at other offsets), go element by element. The emulation's pack accesses check their alignment, which a
 // CPU would not, so a pack that the GPU would fault on fails the tests here.
 #pragma once
-#include <ATen/core/Tensor.h>           // ATen's own headers, not <torch/extension.h>: a shorter compile
-#include <ATen/Dispatch.h>
-#include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros.h>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
-#include <vector>
 #include "bf16_bits.h"
-#include "messages.h"
 
 #ifdef __CUDACC__
 #define MIXEDPREC_UNROLL _Pragma("unroll")
@@ -59,69 +56,6 @@ template <int Depth, bool WithScalar = false> struct TensorTable {
 
 // One thread of a launch: its block, its index in the block, and the block's size.
 struct Lane { int block, thread, threads; };
-
-// Plan the launches over `lists` (lists[d][i] is the i-th tensor of list d; every list has the same length and paired
-// tensors the same numel) in chunks of `chunk` elements: fill tables and call launch(table, blocks) each time one is
-// full and at the end. With WithScalar, scalars[i] is a 1-element fp32 tensor, seen by the functor as t.scalar[slot].
-template <int Depth, bool WithScalar, typename Launch>
-void plan_launches(const std::vector<std::vector<at::Tensor>>& lists, const std::vector<at::Tensor>* scalars, int64_t chunk, Launch&& launch) {
-  using Table = TensorTable<Depth, WithScalar>;
-  static_assert(sizeof(Table) <= 4000, "the tensor table must fit the 4 KB kernel-argument limit");
-  TORCH_CHECK((int)lists.size() == Depth, msg("multi_tensor_apply: expected ", Depth, " tensor lists, got ", lists.size()));
-  TORCH_CHECK(chunk > 0 && chunk % kPack == 0, msg("multi_tensor_apply: the chunk must be a positive multiple of ", kPack, ", got ", chunk));
-  constexpr int64_t kMaxLaunchBlocks = (int64_t)1 << 30;       // under CUDA's 2^31 - 1 blocks in x, with room to spare
-  Table table;
-  int slots = 0;
-  int64_t blocks = 0;
-  auto flush = [&]() {
-    if (slots == 0) return;
-    table.slots = slots;
-    launch(table, (int)blocks);
-    slots = 0; blocks = 0;
-  };
-  for (size_t t = 0; t < lists[0].size(); ++t) {
-    const int64_t numel = lists[0][t].numel();
-    if (numel == 0) continue;
-    const int64_t chunks = (numel + chunk - 1) / chunk;
-    TORCH_CHECK(chunks <= kMaxLaunchBlocks, msg("multi_tensor_apply: tensor ", (int64_t)t, " has ", numel,
-                                                  " elements, more than ", kMaxLaunchBlocks, " chunks of ", chunk));
-    if (slots == Table::kMaxTensors || blocks + chunks > kMaxLaunchBlocks) flush();
-    for (int d = 0; d < Depth; ++d) table.addr[d][slots] = lists[d][t].data_ptr();
-    if constexpr (WithScalar) table.scalar[slots] = (*scalars)[t].data_ptr<float>();
-    table.numel[slots] = numel;
-    table.global_index[slots] = (int)t;
-    table.first_block[slots] = (int)blocks;
-    ++slots;
-    blocks += chunks;
-  }
-  flush();
-}
-
-// Run functor `f` on `Grid` (CudaGrid in the CUDA build, the tests' CPU emulation) over `lists`: f(lane, chunk, noop,
-// table, args...) once per thread of each planned launch; `noop` is a 0-dim int tensor that the functors may read.
-template <typename Grid, int Depth, typename Functor, typename... Args>
-void multi_tensor_apply(const at::Tensor& noop, const std::vector<std::vector<at::Tensor>>& lists, Functor f, Args... args) {
-  plan_launches<Depth, false>(lists, nullptr, Grid::chunk(), [&](const auto& table, int blocks) {
-    Grid::run(table, blocks, noop.data_ptr<int>(), f, args...);
-  });
-}
-
-// The same with one 1-element fp32 tensor per tensor of the lists (on their device), read as t.scalar[slot].
-template <typename Grid, int Depth, typename Functor, typename... Args>
-void multi_tensor_apply_with_scalars(const at::Tensor& noop, const std::vector<std::vector<at::Tensor>>& lists,
-                                     const std::vector<at::Tensor>& scalars, Functor f, Args... args) {
-  plan_launches<Depth, true>(lists, &scalars, Grid::chunk(), [&](const auto& table, int blocks) {
-    Grid::run(table, blocks, noop.data_ptr<int>(), f, args...);
-  });
-}
-
-// A block sum: each thread's f.partial(lane, chunk, noop, table) summed over its block, then f.finish(lane, table, sum, args...).
-template <typename Grid, int Depth, typename Functor, typename... Args>
-void multi_tensor_sum(const at::Tensor& noop, const std::vector<std::vector<at::Tensor>>& lists, Functor f, Args... args) {
-  plan_launches<Depth, false>(lists, nullptr, Grid::chunk(), [&](const auto& table, int blocks) {
-    Grid::run_sum(table, blocks, noop.data_ptr<int>(), f, args...);
-  });
-}
 
 // The table slot of block `block`: the last slot whose first block is at or before it (a binary search).
 template <typename Table> MIXEDPREC_HD int slot_of(const Table& t, int block) {
@@ -194,7 +128,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 MIXEDPREC_HD void check_pack_aligned(const void* p, size_t bytes) {
 #ifndef __CUDA_ARCH__                          // the emulation: a GPU would fault on this access, a CPU would not
   if (reinterpret_cast<uintptr_t>(p) % bytes)
-    throw std::logic_error(msg("mixedprec: a ", (uint64_t)bytes, "-byte pack access at a misaligned address (the GPU would fault here)"));
+    throw std::logic_error("mixedprec: a " + std::to_string(bytes) + "-byte pack access at a misaligned address (the GPU would fault here)");
 #endif
 }
 

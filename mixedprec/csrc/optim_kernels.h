@@ -4,6 +4,7 @@
 #pragma once
 #include "multi_tensor.h"
 #include "state8_bits.h"
+#include "kernel_keys.h"
 
 namespace mixedprec {
 
@@ -197,6 +198,9 @@ template <typename G, typename O, int Mode, int SMode> struct StepLists {
 };
 
 template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
+  static constexpr uint32_t kKey = kernel_key(kSgdKernel, DtypeCode<G>::value, DtypeCode<O>::value, Mode, SMode);
+  using Table = TensorTable<SMode == kState8 ? 5 : 4>;
+  using Args = ArgList<float, float, float, float, float, float, bool, bool, bool, bool, bool, const int64_t*, const int64_t*>;
   static constexpr bool kWarpWide = SMode == kState8;       // 8-bit state: a warp steps each quantisation block
   template <typename Table>
   MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, float lr, float momentum, float damp,
@@ -236,6 +240,10 @@ template <typename G, typename O, int Mode, int SMode> struct SgdFunctor {
 // the per-step factors come from each tensor's own step count (t.scalar[slot], beside the params) plus one; the caller
 // advances the counts afterwards, on the device, unless the flag is set.
 template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
+  static constexpr uint32_t kKey = kernel_key(kAdamKernel, DtypeCode<G>::value, DtypeCode<O>::value, Mode, SMode);
+  using Table = TensorTable<SMode == kState8 ? 7 : 5, true>;
+  using Args = ArgList<float, double, double, double, float, float, float, float, float, float, bool, bool, const int64_t*,
+                       const int64_t*>;
   static constexpr bool kWarpWide = SMode == kState8;
   template <typename Table>
   MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float inv_scale, double lr, double beta1, double beta2,
@@ -276,137 +284,26 @@ template <typename G, typename O, int Mode, int SMode> struct AdamFunctor {
   }
 };
 
-// The storage mode of a call: fp32 masters, split bf16 (`lows` given) or stochastic rounding (`seeds` given).
-inline int master_mode(const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds) {
-  return !lows.empty() ? kSplit : (seeds.has_value() && seeds->defined()) ? kStochastic : kFp32;
-}
+}  // namespace mixedprec
 
-#define MIXEDPREC_MODES(MODE, ...)                                                                          \
-  switch (MODE) {                                                                                           \
-    case kSplit: { constexpr int kMode = kSplit; __VA_ARGS__(); break; }                                    \
-    case kStochastic: { constexpr int kMode = kStochastic; __VA_ARGS__(); break; }                          \
-    default: { constexpr int kMode = kFp32; __VA_ARGS__(); break; }                                         \
-  }
+namespace mixedprec {
 
-// The state mode of a call: bf16 or 8-bit when the first state tensor is (the bindings check that all are alike).
-inline int state_mode(const std::vector<at::Tensor>& state) {
-  if (state.empty()) return kStateFp32;
-  return state[0].scalar_type() == at::kBFloat16 ? kStateBf16 : state[0].scalar_type() == at::kChar ? kState8 : kStateFp32;
-}
+// The step functor a key names (kernel_keys.h): step_kernel.cu builds the kernel of one key, and every dispatch checks
+// that a functor's key names that very functor.
+template <uint32_t Key>
+using StepFunctorOf = std::conditional_t<
+    key_kind(Key) == kSgdKernel,
+    SgdFunctor<DtypeOf<key_a(Key)>, DtypeOf<key_b(Key)>, (int)key_mode(Key), (int)key_smode(Key)>,
+    AdamFunctor<DtypeOf<key_a(Key)>, DtypeOf<key_b(Key)>, (int)key_mode(Key), (int)key_smode(Key)>>;
 
-// List j of the scales of 8-bit state (`state_scales` is list-major, `n` tensors per list), or `fill` (an unused list).
-inline std::vector<at::Tensor> scale_list(const std::vector<at::Tensor>& state_scales, size_t j, size_t n, const std::vector<at::Tensor>& fill) {
-  if (state_scales.size() < (j + 1) * n) return fill;
-  return std::vector<at::Tensor>(state_scales.begin() + j * n, state_scales.begin() + (j + 1) * n);
-}
-
-#define MIXEDPREC_STATE_MODES(SMODE, ...)                                                                   \
-  switch (SMODE) {                                                                                          \
-    case kStateBf16: { constexpr int kSMode = kStateBf16; __VA_ARGS__(); break; }                           \
-    case kState8: { constexpr int kSMode = kState8; __VA_ARGS__(); break; }                                 \
-    default: { constexpr int kSMode = kStateFp32; __VA_ARGS__(); break; }                                   \
-  }
-
-// A type passed as a value (C++17 has no std::type_identity): `body(TypeTag<float>())`, then
-// `typename decltype(tag)::type`.
-template <typename T> struct TypeTag { using type = T; };
-
-// The element type O of the half model copy, which is part of every functor's type: dispatched only where there is a copy
-// (fp32 masters with `out`), and float (unused) otherwise, so that no kernel is compiled for a copy that cannot exist.
-template <int Mode, typename Body> void with_out_type(bool has_out, at::ScalarType type, Body&& body) {
-  if constexpr (Mode == kFp32) {
-    if (has_out) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "mixedprec_out",
-                                      [&] { body(TypeTag<scalar_t>()); });
-      return;
-    }
-  }
-  body(TypeTag<float>());
-}
-
-inline const int64_t* seeds_ptr(const std::optional<at::Tensor>& seeds) {
-  return seeds.has_value() && seeds->defined() ? seeds->data_ptr<int64_t>() : nullptr;
-}
-
-// The overflow flag as the kernels' int no-op flag, on the params' device (a CPU flag is copied there).
-inline at::Tensor as_int_flag(const at::Tensor& found_inf, const at::Tensor& like) { return found_inf.to(like.device(), at::kInt); }
-
-template <typename Grid>
-void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& bufs,
-                 const std::vector<at::Tensor>& out, const at::Tensor& found_inf, double inv_scale, double lr, double momentum,
-                 double dampening, double weight_decay, bool nesterov, bool first_run, bool decoupled,
-                 const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& state_seeds,
-                 const std::vector<at::Tensor>& state_scales) {
-  if (params.empty()) return;
-  const typename Grid::Guard guard(params[0].device());
-  auto flag = as_int_flag(found_inf, params[0]);
-  const bool has_out = !out.empty();
-  const bool has_buf = !bufs.empty();
-  const int smode = state_mode(bufs);
-  const int64_t* state_seed_ptr = seeds_ptr(state_seeds);
-  const int mode = master_mode(lows, seeds);
-  const int64_t* seed_ptr = mode == kStochastic ? seeds->data_ptr<int64_t>() : nullptr;
-  const auto& m = has_buf ? bufs : params;            // an unused list when there is no momentum buffer
-  const auto& o = mode == kSplit ? lows : has_out ? out : params;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_sgd", [&] {
-    using G = scalar_t;
-    MIXEDPREC_MODES(mode, [&] {
-      with_out_type<kMode>(has_out, o[0].scalar_type(), [&](auto out_type) {
-        using O = typename decltype(out_type)::type;
-        MIXEDPREC_STATE_MODES(smode, [&] {
-          auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
-            multi_tensor_apply<Grid, decltype(depth)::value>(flag, lists, SgdFunctor<G, O, kMode, kSMode>(), (float)inv_scale, (float)lr,
-                                                             (float)momentum, (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
-                                                             decoupled ? (float)(1.0 - lr * weight_decay) : 1.f, decoupled, nesterov, first_run, has_buf,
-                                                             has_out, seed_ptr, state_seed_ptr);
-          };
-          if constexpr (kSMode == kState8) run(Width<5>(), {grads, params, m, o, scale_list(state_scales, 0, params.size(), params)});
-          else run(Width<4>(), {grads, params, m, o});
-        });
-      });
-    });
-  });
-}
-
-// `steps[i]` is tensor i's step count before this step, a 1-element fp32 tensor beside the params (torch's capturable
-// layout); the caller advances it afterwards when the step is taken. The skip is decided from `found_inf` beside the
-// params (no host sync).
-template <typename Grid>
-void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
-                  const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& out, const at::Tensor& found_inf,
-                  const std::vector<at::Tensor>& steps, double inv_scale, double lr, double beta1, double beta2, double eps,
-                  double weight_decay, bool decoupled, const std::vector<at::Tensor>& lows, const std::optional<at::Tensor>& seeds,
-                  const std::optional<at::Tensor>& state_seeds, const std::vector<at::Tensor>& state_scales) {
-  if (params.empty()) return;
-  const typename Grid::Guard guard(params[0].device());
-  auto flag = as_int_flag(found_inf, params[0]);
-  const bool has_out = !out.empty();
-  const int smode = state_mode(exp_avgs);
-  const int64_t* state_seed_ptr = seeds_ptr(state_seeds);
-  const int mode = master_mode(lows, seeds);
-  const int64_t* seed_ptr = mode == kStochastic ? seeds->data_ptr<int64_t>() : nullptr;
-  const auto& o = mode == kSplit ? lows : has_out ? out : params;
-  const float omb1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
-  const float l2 = decoupled ? 0.f : (float)weight_decay, decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.f;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads[0].scalar_type(), "mixedprec_adam", [&] {
-    using G = scalar_t;
-    MIXEDPREC_MODES(mode, [&] {
-      with_out_type<kMode>(has_out, o[0].scalar_type(), [&](auto out_type) {
-        using O = typename decltype(out_type)::type;
-        MIXEDPREC_STATE_MODES(smode, [&] {
-          auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
-            multi_tensor_apply_with_scalars<Grid, decltype(depth)::value>(flag, lists, steps, AdamFunctor<G, O, kMode, kSMode>(), (float)inv_scale, lr,
-                                                                          beta1, beta2, omb1, b2, omb2, fe, l2, decay, decoupled, has_out, seed_ptr,
-                                                                          state_seed_ptr);
-          };
-          if constexpr (kSMode == kState8)
-            run(Width<7>(), {grads, params, exp_avgs, exp_avg_sqs, o, scale_list(state_scales, 0, params.size(), params),
-                             scale_list(state_scales, 1, params.size(), params)});
-          else run(Width<5>(), {grads, params, exp_avgs, exp_avg_sqs, o});
-        });
-      });
-    });
-  });
+// Every step kernel a dispatch can ask for: SGD and Adam, grads of each float type, fp32 masters with a half copy of
+// each type (or none: float) or bf16 masters split or rounded (no copy: float), and state of each kind.
+template <typename Visit> constexpr void for_each_step_key(Visit&& visit) {
+  for (uint32_t kind : {(uint32_t)kSgdKernel, (uint32_t)kAdamKernel})
+    for (uint32_t g = 0; g < kDtypeCodes; ++g)
+      for (uint32_t mode : {(uint32_t)kFp32, (uint32_t)kSplit, (uint32_t)kStochastic})
+        for (uint32_t o = 0; o < (mode == kFp32 ? kDtypeCodes : 1); ++o)
+          for (uint32_t smode : {(uint32_t)kStateFp32, (uint32_t)kStateBf16, (uint32_t)kState8}) visit(kernel_key(kind, g, o, mode, smode));
 }
 
 }  // namespace mixedprec

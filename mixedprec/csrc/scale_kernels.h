@@ -1,12 +1,17 @@
 // dst = src*scale (or dst += src*scale) over many tensors, raising a flag on any non-finite input, on a multi-tensor grid
-// (multi_tensor.h): the GPU's in scale_kernels.cu, the tests' CPU emulation otherwise. The scale is a host number, or
+// (multi_tensor.h): the GPU's in core_kernels.cu, the tests' CPU emulation otherwise (the host's side:
+// kernel_dispatch.h). The scale is a host number, or
 // (scale_ptr) a 1-element fp32 tensor beside the tensors, so that a scale the device computed needs no host read.
 #pragma once
 #include "multi_tensor.h"
+#include "kernel_keys.h"
 
 namespace mixedprec {
 
 template <typename S, typename D, bool Add> struct ScaleFunctor {
+  static constexpr uint32_t kKey = kernel_key(Add ? kScaleAddKernel : kScaleKernel, DtypeCode<S>::value, DtypeCode<D>::value);
+  using Table = TensorTable<2>;
+  using Args = ArgList<float, const float*, int*>;
   template <typename Table>
   MIXEDPREC_HD void operator()(const Lane& lane, int64_t chunk, const int* noop, Table& t, float host_scale, const float* scale_ptr, int* flag) const {
     const float scale = scale_ptr ? *scale_ptr : host_scale;
@@ -34,19 +39,5 @@ template <typename S, typename D, bool Add> struct ScaleFunctor {
     if (bad) *flag = 1;
   }
 };
-
-template <typename Grid, bool Add>
-at::Tensor scale_check_on(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const float* scale_ptr) {
-  if (src.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kBool));
-  auto flag = at::zeros({}, src[0].options().dtype(at::kInt));
-  const typename Grid::Guard guard(src[0].device());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src[0].scalar_type(), "mixedprec_scale_src", [&] {
-    using S = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst[0].scalar_type(), "mixedprec_scale_dst", [&] {
-      multi_tensor_apply<Grid, 2>(flag, {src, dst}, ScaleFunctor<S, scalar_t, Add>(), (float)scale, scale_ptr, flag.data_ptr<int>());
-    });
-  });
-  return flag.to(at::kBool);
-}
 
 }  // namespace mixedprec

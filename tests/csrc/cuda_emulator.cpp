@@ -4,11 +4,10 @@
 // sum (the same tree of additions, in a loop here) and nvcc's arithmetic intrinsics (the same IEEE operations).
 #include <torch/extension.h>                          // pybind11 and torch's type casters, for the module below
 #include <cstdint>
+#include <set>
 namespace mixedprec_emulator { inline int64_t accesses[2] = {0, 0}; }   // element accesses, pack accesses
 #define MIXEDPREC_COUNT_ACCESS(width) (++mixedprec_emulator::accesses[(width) == 1 ? 0 : 1])
-#include "scale_kernels.h"
-#include "l2norm_kernel.h"
-#include "optim_kernels.h"
+#include "kernel_dispatch.h"
 
 namespace mixedprec {
 
@@ -19,10 +18,13 @@ struct HostGrid {
   inline static int64_t chunk_ = kCudaChunk;
   inline static int threads_ = kBlockSize;
   inline static int64_t launches_ = 0;
+  inline static std::set<int64_t> keys_;                   // the kernel keys launched (kernel_keys.h)
   static int64_t chunk() { return chunk_; }
 
   template <typename Table, typename Functor, typename... Args>
   static void run(const Table& table, int blocks, const int* noop, Functor f, Args... args) {
+    check_contract<Table, Functor, Args...>();
+    keys_.insert(Functor::kKey);
     Table arg = table;                                     // a kernel gets its own copy of the table
     ++launches_;
     const int step = is_warp_wide<Functor>::value ? kWarp : 1;   // warp-wide: one call per warp, for all its lanes
@@ -32,6 +34,9 @@ struct HostGrid {
 
   template <typename Table, typename Functor, typename... Args>
   static void run_sum(const Table& table, int blocks, const int* noop, Functor f, Args... args) {
+    check_contract<Table, Functor, Args...>();
+    static_assert(is_block_sum<Functor>::value, "a block sum's functor says so");
+    keys_.insert(Functor::kKey);
     Table arg = table;
     ++launches_;
     std::vector<float> partial(threads_);
@@ -59,7 +64,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("counters", []() {
     return std::make_tuple(mixedprec_emulator::accesses[0], mixedprec_emulator::accesses[1], HostGrid::launches_);
   }, "element accesses, pack accesses and launches so far");
-  m.def("reset_counters", []() { mixedprec_emulator::accesses[0] = mixedprec_emulator::accesses[1] = 0; HostGrid::launches_ = 0; });
+  m.def("reset_counters", []() {
+    mixedprec_emulator::accesses[0] = mixedprec_emulator::accesses[1] = 0; HostGrid::launches_ = 0; HostGrid::keys_.clear(); });
+  m.def("launched_keys", []() { return std::vector<int64_t>(HostGrid::keys_.begin(), HostGrid::keys_.end()); },
+        "the keys of the kernels launched since the counters were reset (the CUDA build's kernel_keys.h)");
   m.def("load_pack", [](const at::Tensor& t, int64_t i) {
     float out[mixedprec::kPack];
     mixedprec::load<mixedprec::kPack>(t.data_ptr<float>(), i, out);
