@@ -360,7 +360,7 @@ def _cache_key(*flags) -> str:
     return h.hexdigest()[:16]
 
 def _cuda_build(cuda_arch:str=None):
-    "nvcc's flags for `cuda_arch` (like '9.0'; default: this GPU's), the toolkit's folder and the arch's digits"
+    "nvcc's flags for `cuda_arch` (like '9.0'; default: this GPU's), the toolkit's folder and the arch"
     cuda_home = find_cuda_home()
     if cuda_home is None:
         raise RuntimeError("no CUDA toolkit found (a folder with include/cuda_runtime.h and lib64/libcudart.so): "
@@ -369,27 +369,26 @@ def _cuda_build(cuda_arch:str=None):
         major, minor = torch.cuda.get_device_capability()
         cuda_arch = f"{major}.{minor}"
     arch = cuda_arch.replace('.', '')
-    return _CUDA_FLAGS + [f'-gencode=arch=compute_{arch},code=sm_{arch}'], cuda_home, arch
+    return _CUDA_FLAGS + [f'-gencode=arch=compute_{arch},code=sm_{arch}'], cuda_home, cuda_arch
 
 def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cache:str=None):
     ("The fused kernels (`Kernels`), loaded from the cache or compiled into it: CPU only, or CPU and CUDA for "
      "`cuda_arch` (like '9.0'; default: this GPU's), whose step kernels build when a run first needs them")
     src = _csrc()
     sources = [str(src / 'mixedprec.cpp'), str(src / 'cpu_kernels.cpp')]
-    cflags, cuda_flags, ldflags, cuda_home, arch = (['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [],
-                                                    _openmp_flags(), None, None)
+    cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [], _openmp_flags(), None
     if cuda:
-        cuda_flags, cuda_home, arch = _cuda_build(cuda_arch)
+        cuda_flags, cuda_home, cuda_arch = _cuda_build(cuda_arch)
         sources += [str(src / 'cuda_dispatch.cpp'), str(src / 'core_kernels.cu')]
         cflags.append('-DWITH_CUDA')
         ldflags += [f'-L{os.path.join(cuda_home, "lib64")}']
     isa = cpu_isa()[0]
-    name = f"mixedprec_{'cuda' + arch if cuda else 'cpu'}{'_' + isa if isa else ''}"
+    name = f"mixedprec_{'cuda' + cuda_arch.replace('.', '') if cuda else 'cpu'}{'_' + isa if isa else ''}"
     load_kw = dict(sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=ldflags,
                    with_cuda=cuda, cuda_home=cuda_home)
     mod = _cached_build(name, _cache_key(cflags, cuda_flags, ldflags), load_kw, verbose, cache, "the fused kernels",
                         "from about 10 seconds to a few minutes, by the CPU")
-    return Kernels(mod, cuda_arch=arch and f"{arch[:-1]}.{arch[-1]}", cache=cache)
+    return Kernels(mod, cuda_arch=cuda_arch, cache=cache)
 
 _DTYPES = ('fp32', 'fp64', 'fp16', 'bf16')            # csrc/kernel_keys.h's dtype codes
 
@@ -416,9 +415,9 @@ def step_kernel_key(optimizer:str, grads:torch.dtype, masters:str='fp32', state:
 def build_step_kernel(key:int=None, cuda_arch:str=None, verbose:bool=False, cache:str=None):
     ("The CUDA step kernel `key` (csrc/kernel_keys.h) as a module of its own (`kernels()`: a capsule for "
      "`register_kernels`), loaded from the cache or compiled into it in seconds; every step kernel when `key` is None")
-    cuda_flags, cuda_home, arch = _cuda_build(cuda_arch)
+    cuda_flags, cuda_home, cuda_arch = _cuda_build(cuda_arch)
     if key is not None: cuda_flags = cuda_flags + [f'-DMIXEDPREC_STEP_KEY={int(key)}']
-    name = f"mixedprec_cuda{arch}_step_{'all' if key is None else f'{int(key):x}'}"
+    name = f"mixedprec_cuda{cuda_arch.replace('.', '')}_step_{'all' if key is None else f'{int(key):x}'}"
     load_kw = dict(sources=[str(_csrc() / 'step_kernel.cu')], extra_cuda_cflags=cuda_flags, with_cuda=True,
                    extra_ldflags=[f'-L{os.path.join(cuda_home, "lib64")}'], cuda_home=cuda_home)
     what, took = (('every fused step kernel', 'minutes') if key is None else
