@@ -313,6 +313,48 @@ def test_kernel_sources_include_atens_headers_not_the_whole_cpp_api():
         assert m is None, (f"{f.name} uses {m.group(0).strip()}: include ATen's own headers (ATen/core/Tensor.h, "
                            "ATen/ops/*.h) instead")
 
+def test_the_cuda_units_include_no_aten_header():
+    ("A first use on a GPU builds the .cu units (the unscale and norms, then a step kernel per key) in seconds because "
+     "nothing they include, followed to the end, is ATen's or torch's (18 s of headers a unit)")
+    import re
+    from pathlib import Path
+    csrc = Path(ops.__file__).parent / 'csrc'
+    local, system = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M), re.compile(r'^\s*#\s*include\s*<([^>]+)>', re.M)
+    for unit in sorted(csrc.glob('*.cu')):
+        seen, todo = set(), [unit.name]
+        while todo:
+            name = todo.pop()
+            if name in seen: continue
+            seen.add(name)
+            text = (csrc / name).read_text()
+            heavy = [h for h in system.findall(text) if h.startswith(('ATen/', 'torch/', 'c10/cuda/', 'c10/core/'))]
+            assert not heavy, f"{unit.name} includes {heavy} through {name}"
+            todo += local.findall(text)
+        assert 'multi_tensor.h' in seen and 'kernel_keys.h' in seen
+
+@pytest.mark.skipif(ops.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")
+def test_one_step_kernel_builds_on_its_own_says_what_it_builds_and_registers(tmp_path):
+    # what a run's first CUDA step does when its kernel is missing (the builder the extension calls), in a process of
+    # its own: its registry is the extension's, and `make test` registers every step kernel in this one
+    import subprocess, sys, textwrap
+    os.chmod(tmp_path, 0o700)
+    code = textwrap.dedent(f"""
+        import torch
+        from mixedprec import ops
+        from builds import CUDA_ARCH
+        ext = ops.build_extension(cuda=True, cuda_arch=CUDA_ARCH)
+        before = set(ext.kernel_keys())
+        key = ops.step_kernel_key('adam', torch.float32, 'split', '8bit')
+        ext.module.register_kernels(ops.build_step_kernel(key, CUDA_ARCH, cache={str(tmp_path)!r}).kernels())
+        print(len(before), sorted(set(ext.kernel_keys()) - before) == [key])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get('PYTHONPATH', '')]))
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ['36', 'True'], res.stdout
+    assert ("compiling the CUDA kernel of the Adam step for fp32 grads, split bf16 masters and 8-bit state" in
+            res.stderr), res.stderr[-2000:]
+
 @pytest.mark.skipif(ops.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")
 def test_cuda_sources_compile_without_a_gpu():
     # a syntax or type error in a .cu file fails here, GPU or not; the build is cached after the first run. The CPU
