@@ -10,6 +10,18 @@ from fastai.callback.progress import ProgressCallback
 from mixedprec.callback import MixedPrecision
 from mixedprec.state import reachable_bytes     # noqa: F401 (the tests count bytes as the docs do)
 
+def bf16_adamw(front, model, lr, masters='fp32', state='fp32'):
+    ("`model` in bf16 and its AdamW through `front`: 'amp' (O2) or 'fp16_optimizer' (`FP16_Optimizer` over the bf16 "
+     "model's params, as peft's examples build the optimizer: on every param)")
+    from mixedprec import amp
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    if front == 'amp':
+        return amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), opt_level='O2', half_dtype='bf16',
+                              masters=masters, state=state, verbosity=0)
+    model = model.bfloat16()
+    return model, FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=lr), masters=masters, state=state,
+                                 verbose=False)
+
 def mlp(n_in=8, n_out=1):
     return nn.Sequential(nn.Linear(n_in, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, n_out))
 

@@ -6,9 +6,8 @@ import pytest, torch
 from torch import nn
 from fastai.optimizer import Adam
 from mixedprec import amp
-from mixedprec.fp16_optimizer import FP16_Optimizer
 from mixedprec.state import reachable_bytes
-from helpers import synth_learner
+from helpers import synth_learner, bf16_adamw
 
 WIDTH = 256
 # bytes a param between steps: weight 2, master (fp32 4 + its grad buffer 4; split's low half 2; none 0), Adam's two
@@ -28,14 +27,7 @@ def held_bytes(front, masters, state):
         model, roots = learn.model, [learn.model, learn.opt, learn.mixed_precision]
         stop = [learn]
     else:
-        model = mlp()
-        if front == 'amp':
-            model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), opt_level='O2',
-                                        half_dtype='bf16', masters=masters, state=state, verbosity=0)
-        else:
-            model = model.bfloat16()
-            opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), masters=masters, state=state,
-                                 verbose=False)
+        model, opt = bf16_adamw(front, mlp(), 1e-3, masters, state)
         x = torch.randn(16, 8)
         for _ in range(2):
             loss = model(x if front == 'amp' else x.bfloat16()).float().square().mean()

@@ -12,7 +12,7 @@ from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from fastai.learner import Learner
 from torch.utils.data import TensorDataset
-from helpers import reachable_bytes, quiet
+from helpers import reachable_bytes, quiet, bf16_adamw
 
 transformers = pytest.importorskip('transformers')
 peft = pytest.importorskip('peft')
@@ -49,14 +49,7 @@ def train(front, masters='fp32', state='fp32', init_seed=0, measure=False):
     model = lora_gpt2(init_seed=init_seed)
     frozen, seen, first = frozen_of(model), None, None
     if front == 'fp32': opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    elif front == 'amp':
-        model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), opt_level='O2',
-                                    half_dtype='bf16', masters=masters, state=state, verbosity=0)
-    else:
-        model = model.bfloat16()
-        # as peft's examples build it: on every param, frozen ones too
-        opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), masters=masters, state=state,
-                             verbose=False)
+    else: model, opt = bf16_adamw(front, model, 3e-3, masters, state)   # on every param, frozen ones too
     for i, x in enumerate(batches()):
         loss = model(input_ids=x, labels=x).loss
         first = loss.item() if first is None else first
