@@ -131,18 +131,22 @@ def _progress(what:str):
     finally: done.set(); th.join()
 
 @contextmanager
-def _build_env(cuda_home):
-    "Let torch find ninja beside this Python, and use `cuda_home`, for the duration of a build only"
+def _build_env(cuda_home, cuda_arch=None):
+    ("Let torch find ninja beside this Python, and use `cuda_home`, for the duration of a build only; with "
+     "`cuda_arch`, torch's own arch flags name it too where none are set (torch before 2.5 asks the GPU, and fails "
+     "without one)")
     cpp = _cpp_extension()
-    old_path, old_home = os.environ.get('PATH', ''), cpp.CUDA_HOME
+    old_path, old_home, old_arch = os.environ.get('PATH', ''), cpp.CUDA_HOME, os.environ.get('TORCH_CUDA_ARCH_LIST')
     bindir = os.path.dirname(sys.executable)
     try:
         if os.path.exists(os.path.join(bindir, 'ninja')) and bindir not in old_path.split(os.pathsep):
             os.environ['PATH'] = bindir + os.pathsep + old_path
         if cuda_home: cpp.CUDA_HOME = cuda_home
+        if cuda_arch and old_arch is None: os.environ['TORCH_CUDA_ARCH_LIST'] = cuda_arch
         yield
     finally:
         os.environ['PATH'], cpp.CUDA_HOME = old_path, old_home
+        if old_arch is None: os.environ.pop('TORCH_CUDA_ARCH_LIST', None)
 
 @functools.cache
 def cpu_flags() -> frozenset:
@@ -329,7 +333,7 @@ def _build_in(parent, final, name, verbose, what, took, **load_kw):
             _said_compiling.add(parent)
             print(f"mixedprec: compiling {what} for this machine into {parent} (once per machine: {took})",
                   file=sys.stderr, flush=True)
-        with _build_env(load_kw.pop('cuda_home')):
+        with _build_env(load_kw.pop('cuda_home'), load_kw.pop('cuda_arch', None)):
             with _progress(f"compiling {what}"):
                 ext = cpp.load(name, build_directory=tmp, verbose=verbose, **load_kw)
         so = os.path.join(tmp, f'{name}.so')
@@ -385,7 +389,7 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
     isa = cpu_isa()[0]
     name = f"mixedprec_{'cuda' + cuda_arch.replace('.', '') if cuda else 'cpu'}{'_' + isa if isa else ''}"
     load_kw = dict(sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=ldflags,
-                   with_cuda=cuda, cuda_home=cuda_home)
+                   with_cuda=cuda, cuda_home=cuda_home, cuda_arch=cuda_arch if cuda else None)
     mod = _cached_build(name, _cache_key(cflags, cuda_flags, ldflags), load_kw, verbose, cache, "the fused kernels",
                         "from about 10 seconds to a few minutes, by the CPU")
     return Kernels(mod, cuda_arch=cuda_arch, cache=cache)
@@ -419,7 +423,7 @@ def build_step_kernel(key:int=None, cuda_arch:str=None, verbose:bool=False, cach
     if key is not None: cuda_flags = cuda_flags + [f'-DMIXEDPREC_STEP_KEY={int(key)}']
     name = f"mixedprec_cuda{cuda_arch.replace('.', '')}_step_{'all' if key is None else f'{int(key):x}'}"
     load_kw = dict(sources=[str(_csrc() / 'step_kernel.cu')], extra_cuda_cflags=cuda_flags, with_cuda=True,
-                   extra_ldflags=[f'-L{os.path.join(cuda_home, "lib64")}'], cuda_home=cuda_home)
+                   extra_ldflags=[f'-L{os.path.join(cuda_home, "lib64")}'], cuda_home=cuda_home, cuda_arch=cuda_arch)
     what, took = (('every fused step kernel', 'minutes') if key is None else
                   (f"the CUDA kernel of the {describe_step_kernel(key)}", 'seconds'))
     return _cached_build(name, _cache_key(cuda_flags), load_kw, verbose, cache, what, took)
