@@ -102,8 +102,8 @@ template <int Mode, typename Body> void with_out_type(bool has_out, at::ScalarTy
   body(TypeTag<float>());
 }
 
-// A step's functor arguments, dispatched once for SGD and Adam: body(TypeTag<G>, TypeTag<O>, master mode, state mode),
-// the modes as integral constants.
+// A step's functor arguments, dispatched once for SGD and Adam: body(TypeTag<G>, TypeTag<O> of the copy, master mode,
+// state mode), the modes as integral constants.
 template <typename Body>
 void with_step_types(at::ScalarType grads, int mode, bool has_out, at::ScalarType out, int smode, Body&& body) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grads, "mixedprec_step", [&] {
@@ -142,8 +142,8 @@ void sgd_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Ten
   const int64_t* seed_ptr = mode == kStochastic ? seeds->data_ptr<int64_t>() : nullptr;
   const auto& m = has_buf ? bufs : params;            // an unused list when there is no momentum buffer
   const auto& o = mode == kSplit ? lows : has_out ? out : params;
-  with_step_types(grads[0].scalar_type(), mode, has_out, o[0].scalar_type(), smode, [&](auto g, auto out, auto md, auto sm) {
-    using F = SgdFunctor<typename decltype(g)::type, typename decltype(out)::type, decltype(md)::value, decltype(sm)::value>;
+  with_step_types(grads[0].scalar_type(), mode, has_out, o[0].scalar_type(), smode, [&](auto g, auto copy, auto md, auto sm) {
+    using F = SgdFunctor<typename decltype(g)::type, typename decltype(copy)::type, decltype(md)::value, decltype(sm)::value>;
     auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
       multi_tensor_apply<Grid, decltype(depth)::value>(flag, lists, F(), (float)inv_scale, (float)lr, (float)momentum,
                                                        (float)(1.0 - dampening), decoupled ? 0.f : (float)weight_decay,
@@ -175,8 +175,8 @@ void adam_step_on(const std::vector<at::Tensor>& grads, const std::vector<at::Te
   const auto& o = mode == kSplit ? lows : has_out ? out : params;
   const float omb1 = 1.0 - beta1, b2 = beta2, omb2 = 1.0 - beta2, fe = eps;
   const float l2 = decoupled ? 0.f : (float)weight_decay, decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.f;
-  with_step_types(grads[0].scalar_type(), mode, has_out, o[0].scalar_type(), smode, [&](auto g, auto out, auto md, auto sm) {
-    using F = AdamFunctor<typename decltype(g)::type, typename decltype(out)::type, decltype(md)::value, decltype(sm)::value>;
+  with_step_types(grads[0].scalar_type(), mode, has_out, o[0].scalar_type(), smode, [&](auto g, auto copy, auto md, auto sm) {
+    using F = AdamFunctor<typename decltype(g)::type, typename decltype(copy)::type, decltype(md)::value, decltype(sm)::value>;
     auto run = [&](auto depth, const std::vector<std::vector<at::Tensor>>& lists) {
       multi_tensor_apply_with_scalars<Grid, decltype(depth)::value>(flag, lists, steps, F(), (float)inv_scale, lr, beta1, beta2, omb1, b2,
                                                                     omb2, fe, l2, decay, decoupled, has_out, seed_ptr, state_seed_ptr);
