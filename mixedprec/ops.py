@@ -364,7 +364,7 @@ def _cache_key(*flags) -> str:
     return h.hexdigest()[:16]
 
 def _cuda_build(cuda_arch:str=None):
-    "nvcc's flags for `cuda_arch` (like '9.0'; default: this GPU's), the toolkit's folder and the arch"
+    "nvcc's flags for `cuda_arch` (like '9.0'; default: this GPU's), the linker's, the toolkit's folder and the arch"
     cuda_home = find_cuda_home()
     if cuda_home is None:
         raise RuntimeError("no CUDA toolkit found (a folder with include/cuda_runtime.h and lib64/libcudart.so): "
@@ -373,7 +373,8 @@ def _cuda_build(cuda_arch:str=None):
         major, minor = torch.cuda.get_device_capability()
         cuda_arch = f"{major}.{minor}"
     arch = cuda_arch.replace('.', '')
-    return _CUDA_FLAGS + [f'-gencode=arch=compute_{arch},code=sm_{arch}'], cuda_home, cuda_arch
+    return (_CUDA_FLAGS + [f'-gencode=arch=compute_{arch},code=sm_{arch}'], [f'-L{os.path.join(cuda_home, "lib64")}'],
+            cuda_home, cuda_arch)
 
 def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cache:str=None):
     ("The fused kernels (`Kernels`), loaded from the cache or compiled into it: CPU only, or CPU and CUDA for "
@@ -382,10 +383,10 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
     sources = [str(src / 'mixedprec.cpp'), str(src / 'cpu_kernels.cpp')]
     cflags, cuda_flags, ldflags, cuda_home = ['-O3', '-ffp-contract=off'] + _simd_flags() + _openmp_flags(), [], _openmp_flags(), None
     if cuda:
-        cuda_flags, cuda_home, cuda_arch = _cuda_build(cuda_arch)
+        cuda_flags, cuda_ldflags, cuda_home, cuda_arch = _cuda_build(cuda_arch)
         sources += [str(src / 'cuda_dispatch.cpp'), str(src / 'core_kernels.cu')]
         cflags.append('-DWITH_CUDA')
-        ldflags += [f'-L{os.path.join(cuda_home, "lib64")}']
+        ldflags += cuda_ldflags
     isa = cpu_isa()[0]
     name = f"mixedprec_{'cuda' + cuda_arch.replace('.', '') if cuda else 'cpu'}{'_' + isa if isa else ''}"
     load_kw = dict(sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_flags, extra_ldflags=ldflags,
@@ -394,36 +395,37 @@ def build_extension(cuda:bool=False, cuda_arch:str=None, verbose:bool=False, cac
                         "from about 10 seconds to a few minutes, by the CPU")
     return Kernels(mod, cuda_arch=cuda_arch, cache=cache)
 
-_DTYPES = ('fp32', 'fp64', 'fp16', 'bf16')            # csrc/kernel_keys.h's dtype codes
+# csrc/kernel_keys.h's codes: element types in code order, the kinds of the step kernels, masters' and state's modes
+_DTYPES = {torch.float32: 'fp32', torch.float64: 'fp64', torch.float16: 'fp16', torch.bfloat16: 'bf16'}
+_STEP_KINDS = {'sgd': (4, 'SGD'), 'adam': (5, 'Adam')}
+_MASTER_MODES, _STATE_MODES = ('fp32', 'split', 'none'), ('fp32', 'bf16', '8bit')
 
 def describe_step_kernel(key:int) -> str:
     "What the CUDA step kernel `key` (csrc/kernel_keys.h) steps, in words"
     kind, g, o, mode, smode = key >> 16, key >> 12 & 15, key >> 8 & 15, key >> 4 & 15, key & 15
-    masters = (('fp32 masters' + (f" with a {_DTYPES[o]} model copy" if o else '')) if mode == 0 else
+    names = list(_DTYPES.values())
+    masters = (('fp32 masters' + (f" with a {names[o]} model copy" if o else '')) if mode == 0 else
                'split bf16 masters' if mode == 1 else 'stochastically rounded bf16 masters')
-    return (f"{'SGD' if kind == 4 else 'Adam'} step for {_DTYPES[g]} grads, {masters} and "
-            f"{('fp32', 'bf16', '8-bit')[smode]} state")
-
-_MASTER_MODES, _STATE_MODES = ('fp32', 'split', 'none'), ('fp32', 'bf16', '8bit')
+    optimizer = next(name for code, name in _STEP_KINDS.values() if code == kind)
+    return f"{optimizer} step for {names[g]} grads, {masters} and {('fp32', 'bf16', '8-bit')[smode]} state"
 
 def step_kernel_key(optimizer:str, grads:torch.dtype, masters:str='fp32', state:str='fp32',
                     copy:torch.dtype=None) -> int:
     ("The key (csrc/kernel_keys.h) of the CUDA kernel that steps `optimizer` ('sgd' or 'adam') on grads of dtype "
      "`grads`, with `masters` ('fp32', with a model `copy` of that dtype or none; 'split'; 'none': rounded bf16) "
      "and `state` ('fp32', 'bf16' or '8bit')")
-    code = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-    mode = _MASTER_MODES.index(masters)
-    return ({'sgd': 4, 'adam': 5}[optimizer] << 16 | code[grads] << 12 | (code[copy] if copy and not mode else 0) << 8 |
+    code, mode = list(_DTYPES).index, _MASTER_MODES.index(masters)
+    return (_STEP_KINDS[optimizer][0] << 16 | code(grads) << 12 | (code(copy) if copy and not mode else 0) << 8 |
             mode << 4 | _STATE_MODES.index(state))
 
 def build_step_kernel(key:int=None, cuda_arch:str=None, verbose:bool=False, cache:str=None):
     ("The CUDA step kernel `key` (csrc/kernel_keys.h) as a module of its own (`kernels()`: a capsule for "
      "`register_kernels`), loaded from the cache or compiled into it in seconds; every step kernel when `key` is None")
-    cuda_flags, cuda_home, cuda_arch = _cuda_build(cuda_arch)
+    cuda_flags, ldflags, cuda_home, cuda_arch = _cuda_build(cuda_arch)
     if key is not None: cuda_flags = cuda_flags + [f'-DMIXEDPREC_STEP_KEY={int(key)}']
     name = f"mixedprec_cuda{cuda_arch.replace('.', '')}_step_{'all' if key is None else f'{int(key):x}'}"
     load_kw = dict(sources=[str(_csrc() / 'step_kernel.cu')], extra_cuda_cflags=cuda_flags, with_cuda=True,
-                   extra_ldflags=[f'-L{os.path.join(cuda_home, "lib64")}'], cuda_home=cuda_home, cuda_arch=cuda_arch)
+                   extra_ldflags=ldflags, cuda_home=cuda_home, cuda_arch=cuda_arch)
     what, took = (('every fused step kernel', 'minutes') if key is None else
                   (f"the CUDA kernel of the {describe_step_kernel(key)}", 'seconds'))
     return _cached_build(name, _cache_key(cuda_flags), load_kw, verbose, cache, what, took)

@@ -294,7 +294,7 @@ def test_sources_ship_with_the_package():
     assert {'mixedprec.cpp', 'cpu_kernels.cpp', 'cuda_dispatch.cpp', 'multi_tensor.h', 'multi_tensor_plan.h',
             'kernel_keys.h', 'kernel_dispatch.h', 'cuda_launch.cuh', 'scale_kernels.h', 'l2norm_kernel.h',
             'optim_kernels.h', 'core_kernels.cu', 'step_kernel.cu', 'bf16_bits.h', 'state8_bits.h',
-            'messages.h'} <= names
+            'messages.h', 'python_module.h'} <= names
     import tomllib, pathlib
     cfg = tomllib.loads((pathlib.Path(__file__).parent.parent / 'pyproject.toml').read_text())
     assert 'csrc/*' in cfg['tool']['setuptools']['package-data']['mixedprec']

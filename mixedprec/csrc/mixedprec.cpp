@@ -13,8 +13,10 @@
 #include <unordered_map>
 #include <vector>
 #include "messages.h"
-#define MIXEDPREC_STR2(x) #x
-#define MIXEDPREC_STR(x) MIXEDPREC_STR2(x)
+#include "python_module.h"
+#ifdef WITH_CUDA
+#include "kernel_keys.h"
+#endif
 
 namespace mixedprec {
 at::Tensor scale_check_cpu(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, double);
@@ -35,7 +37,6 @@ void sgd_step_cuda(const TV&, const TV&, const TV&, const TV&, const at::Tensor&
                    const TV&, const Seeds&, const Seeds&, const TV&);
 void adam_step_cuda(const TV&, const TV&, const TV&, const TV&, const TV&, const at::Tensor&, const TV&, double, double, double, double, double,
                     double, bool, const TV&, const Seeds&, const Seeds&, const TV&);
-struct KernelList;                                  // kernel_keys.h
 const KernelList& core_kernels();
 void register_kernels(const KernelList& list);
 std::vector<int64_t> kernel_keys();
@@ -373,7 +374,7 @@ static PyObject* mixedprec_has_cuda(PyObject*, PyObject*) {
   Py_RETURN_FALSE;
 #endif
 }
-static PyObject* mixedprec_namespace(PyObject*, PyObject*) { return PyUnicode_FromString(MIXEDPREC_STR(TORCH_EXTENSION_NAME)); }
+static PyObject* mixedprec_namespace(PyObject*, PyObject*) { return PyUnicode_FromString(MIXEDPREC_MODULE_NAME); }
 static PyObject* mixedprec_stream_min_bytes(PyObject*, PyObject* args) {
   long long set = -1;
   if (!PyArg_ParseTuple(args, "|L", &set)) return nullptr;
@@ -383,7 +384,7 @@ static PyObject* mixedprec_stream_min_bytes(PyObject*, PyObject* args) {
 // The CUDA kernels' registry (cuda_dispatch.cpp): a kernel module's capsule registered, the builder of missing step
 // kernels set, the keys registered listed.
 static PyObject* mixedprec_register_kernels(PyObject*, PyObject* capsule) {
-  auto list = static_cast<const mixedprec::KernelList*>(PyCapsule_GetPointer(capsule, "mixedprec.KernelList"));
+  auto list = static_cast<const mixedprec::KernelList*>(PyCapsule_GetPointer(capsule, mixedprec::kKernelListCapsule));
   if (list == nullptr) return nullptr;
   mixedprec::register_kernels(*list);
   Py_RETURN_NONE;
@@ -413,11 +414,9 @@ static PyMethodDef mixedprec_methods[] = {
   {"kernel_keys", mixedprec_kernel_keys, METH_NOARGS, "The keys of the CUDA kernels registered so far"},
 #endif
   {nullptr, nullptr, 0, nullptr}};
-static PyModuleDef mixedprec_module = {PyModuleDef_HEAD_INIT, MIXEDPREC_STR(TORCH_EXTENSION_NAME),
+static PyModuleDef mixedprec_module = {PyModuleDef_HEAD_INIT, MIXEDPREC_MODULE_NAME,
                                        "mixedprec's fused kernels: the ops are in torch.ops.<namespace()>", -1, mixedprec_methods};
-#define MIXEDPREC_CAT2(a, b) a##b
-#define MIXEDPREC_CAT(a, b) MIXEDPREC_CAT2(a, b)
-PyMODINIT_FUNC MIXEDPREC_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+PyMODINIT_FUNC MIXEDPREC_PYINIT(void) {
 #ifdef WITH_CUDA
   mixedprec::register_kernels(mixedprec::core_kernels());      // the unscale and the norms: every run's
 #endif

@@ -7,6 +7,7 @@
 #include <utility>
 #include "cuda_launch.cuh"
 #include "optim_kernels.h"
+#include "python_module.h"
 
 namespace mixedprec {
 
@@ -41,10 +42,6 @@ static PyObject* step_kernels(PyObject*, PyObject*) {
 static PyMethodDef step_kernel_methods[] = {
   {"kernels", step_kernels, METH_NOARGS, "A capsule of this module's step kernels (keys and launch functions)"},
   {nullptr, nullptr, 0, nullptr}};
-#define MIXEDPREC_STR2(x) #x
-#define MIXEDPREC_STR(x) MIXEDPREC_STR2(x)
-static PyModuleDef step_kernel_module = {PyModuleDef_HEAD_INIT, MIXEDPREC_STR(TORCH_EXTENSION_NAME),
+static PyModuleDef step_kernel_module = {PyModuleDef_HEAD_INIT, MIXEDPREC_MODULE_NAME,
                                          "mixedprec's fused step kernels, for the extension to register", -1, step_kernel_methods};
-#define MIXEDPREC_CAT2(a, b) a##b
-#define MIXEDPREC_CAT(a, b) MIXEDPREC_CAT2(a, b)
-PyMODINIT_FUNC MIXEDPREC_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&step_kernel_module); }
+PyMODINIT_FUNC MIXEDPREC_PYINIT(void) { return PyModule_Create(&step_kernel_module); }
