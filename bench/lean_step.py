@@ -3,11 +3,12 @@ Adam state (6 bytes a param) through amp O2 and FP16_Optimizer, and bf16 with fp
 fp32 model (foreach, its CPU default, and fused). A stack of Linear layers shaped as a transformer's (per block
 d->3d, 3d->d, d->4d, 4d->d): about 0.23M params at d=64 and 14.7M at d=512. One thread; the step's share of each
 iteration (unscale, step, clearing the grads), the configurations interleaved at every iteration, each step divided by
-torch foreach AdamW's of the same iteration. Prints a table per size.
+torch foreach AdamW's of the same iteration. Prints a table per size. With `--parts`, a second table: the step's parts
+under FP16_Optimizer (the unscale, the step, `zero_grad`), for each master kind and state store, interleaved alike.
 
-    python bench/lean_step.py [--widths 64,512] [--iters 60]
+    python bench/lean_step.py [--widths 64,512] [--iters 60] [--parts]
 """
-import argparse, sys, warnings
+import argparse, statistics, sys, time, warnings
 from pathlib import Path
 import torch
 from torch import nn
@@ -55,9 +56,36 @@ CONFIGS = {
     "FP16_Optimizer bf16, masters='split', state='8bit'": lambda w: fp16_optimizer(w, masters='split', state='8bit'),
 }
 
+PARTS = {"masters='fp32', state='fp32'": {}, "masters='fp32', state='8bit'": dict(state='8bit'),
+         "masters='split', state='fp32'": dict(masters='split'), "masters='split', state='bf16'": dict(
+             masters='split', state='bf16'), "masters='split', state='8bit'": dict(masters='split', state='8bit'),
+         "masters='none', state='8bit'": dict(masters='none', state='8bit')}
+
+def parts(width, iters):
+    "The unscale, the step and `zero_grad` of FP16_Optimizer's bf16 step for each of `PARTS`: a table of medians, ms"
+    from mixedprec.fp16_optimizer import FP16_Optimizer
+    runs = {}
+    for name, kw in PARTS.items():
+        m = model(width).bfloat16()
+        runs[name] = (m, FP16_Optimizer(torch.optim.AdamW(m.parameters(), lr=1e-4), verbose=False, **kw))
+    x, took = torch.randn(8, width).bfloat16(), {k: ([], [], []) for k in runs}
+    for it in range(iters + 3):
+        for name in list(runs)[it % len(runs):] + list(runs)[:it % len(runs)]:
+            m, o = runs[name]
+            o.backward(m(x).float().square().mean(), update_master_grads=False)
+            t = [time.perf_counter()]
+            for call in (o.update_master_grads, o.step, o.zero_grad): call(); t.append(time.perf_counter())
+            if it >= 3:
+                for i in range(3): took[name][i].append(t[i + 1] - t[i])
+    print("| FP16_Optimizer bf16, AdamW | unscale, ms | step, ms | zero_grad, ms | the three |\n|---|---|---|---|---|")
+    for name, ts in took.items():
+        med = [statistics.median(t) * 1e3 for t in ts]
+        print(f"| {name} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {sum(med):.2f} |")
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--widths', default='64,512'); ap.add_argument('--iters', type=int, default=60)
+    ap.add_argument('--parts', action='store_true', help="also the step's parts for each master kind and state store")
     args = ap.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings('ignore')
@@ -72,5 +100,6 @@ def main():
         print(f"\n{cpu_name()}, torch {torch.__version__}, 1 thread, d={width}: {n / 1e6:.2f}M params in 32 tensors, "
               f"{args.iters} iterations, the configurations interleaved")
         table(times, ratios, 'torch AdamW (foreach)')
+        if args.parts: print(); parts(width, args.iters)
 
 if __name__ == '__main__': main()

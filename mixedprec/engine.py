@@ -23,7 +23,8 @@ from . import ops
 from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler, host_where
 from fastcore.foundation import L
-from .master import MasterParams, Masters, CheckpointError, _mix, check_param_state, check_store
+from .master import (MasterParams, Masters, CheckpointError, _mix, check_param_state, check_store, step_grads,
+                              make_held_fp32)
 from .state import SCALES, Int8State, fp32_state, check_state_store, state_store
 from .distributed import agree, sum_over_ranks, rank0s, world_size
 
@@ -328,7 +329,8 @@ class FusedStep:
 
     def _launch(self, run:_Launch, found_inf, kw:dict, state:dict) -> bool:
         "One launch; False when its prepared lists no longer hold the grads (the group is prepared anew next step)"
-        grads, extra, out = [p.grad for p in run.held], dict(impl=self.impl, **run.args), run.args.get('out', [])
+        (grads, inv), extra = step_grads([p.grad for p in run.held]), dict(impl=self.impl, **run.args)
+        out = run.args.get('out', [])
         extra.pop('out', None)
         prepared = run.prepared is not None and run.prepared.holds(grads)
         seeds = None
@@ -344,13 +346,13 @@ class FusedStep:
         if self.lean and self.store == '8bit': extra['state_scales'] = run.scales
         rounding = dict(seeds=extra.get('seeds'), state_seeds=extra.get('state_seeds'))
         if self.plan.kind == 'sgd':
-            args = (found_inf, 1., kw['lr'], kw.get('momentum', 0.), kw.get('dampening', 0.), run.weight_decay,
+            args = (found_inf, inv, kw['lr'], kw.get('momentum', 0.), kw.get('dampening', 0.), run.weight_decay,
                     kw.get('nesterov', False), run.first, kw.get('decoupled', False))
             if prepared: run.prepared.sgd(*args, **rounding)
             else: sgd_step_(grads, run.targets, run.states[0] if run.states else [], out, *args[:7], first_run=args[7],
                             decoupled=args[8], **extra)
         else:
-            args = (found_inf, 1., kw['lr'], *kw['betas'], kw['eps'], run.weight_decay, kw['decoupled'])
+            args = (found_inf, inv, kw['lr'], *kw['betas'], kw['eps'], run.weight_decay, kw['decoupled'])
             if prepared: run.prepared.adam(*args, **rounding)
             else: adam_step_(grads, run.targets, run.states[0], run.states[1], out, args[0], run.steps, *args[1:],
                              advance=run.counts is None, **extra)
@@ -567,6 +569,7 @@ class StepRunner:
         own = held.own
         if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
         ms = held.masters
+        make_held_fp32(ms.grads.holders)
         def evaluate():
             "The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several points)"
             ms.weights.to_model()

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['HALF', 'STORES', 'IN_BACKWARD', 'CheckpointError', 'check_master_value', 'check_param_state', 'check_state_value',
-           'GradLists', 'Holder', 'Master', 'Fp32Master', 'OwnMaster', 'Frozen', 'StandInMaster', 'SplitMaster',
-           'RoundedMaster', 'check_store', 'flat_like', 'flat_slice', 'FlatSlice', 'FlatMaster', 'Masters',
-           'MasterGrad', 'MasterGrads', 'nonfinite_names', 'MasterParams', 'TrainingSync', 'MasterWeights',
-           'RoundingStreams']
+           'GradLists', 'Holder', 'Master', 'defers', 'Fp32Master', 'OwnMaster', 'Frozen', 'StandInMaster',
+           'SplitMaster', 'RoundedMaster', 'check_store', 'flat_like', 'flat_slice', 'FlatSlice', 'FlatMaster',
+           'Masters', 'MasterGrad', 'PendingGrad', 'make_pending', 'make_held_fp32', 'step_grads', 'MasterGrads',
+           'nonfinite_names', 'MasterParams', 'TrainingSync', 'MasterWeights', 'RoundingStreams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -73,10 +73,18 @@ def check_state_value(v, p:torch.Tensor, key:str, name:str, what:str):
 
 # %% ../nbs/13_master.ipynb #2f577845
 class GradLists:
-    "What one unscale moves: grads into fresh buffers (`src` -> `dst`), grads added into held ones (`add_src` -> `add_dst`)"
-    def __init__(self): self.src, self.dst, self.add_src, self.add_dst = [], [], [], []
+    ("What one unscale by `inv` moves: grads into fresh buffers (`src` -> `dst`), grads added into held ones "
+     "(`add_src` -> `add_dst`), half grads only checked, whose unscale the step that reads them does (`deferred`)")
+    def __init__(self, inv=None, impl:str=None):
+        self.src, self.dst, self.add_src, self.add_dst, self.deferred = [], [], [], [], []
+        self.inv, self.impl, self._inv = inv, impl, None
     def fresh(self, g, into): self.src.append(g); self.dst.append(into)
     def add(self, g, into): self.add_src.append(g); self.add_dst.append(into)
+    def defer(self, g, held) -> 'PendingGrad':
+        "The grad of `held`, `g` times the inverse scale, as a `PendingGrad`: `g` is checked, not unscaled"
+        if self._inv is None: self._inv = float(self.inv)         # (a CPU tensor: no wait)
+        self.deferred.append(g)
+        return PendingGrad(held, g, self._inv, self.impl)
 
 class Holder:
     ("What an optimizer holds in place of model params (`held`): a master holds its one param, a flat master several. "
@@ -204,6 +212,11 @@ def _stand_in(shape, device) -> torch.Tensor:
 # attribute reads as C calls, for a step's one-pass checks
 _grad, _param_grad, _held_grad, _buffer, _version = map(attrgetter, ('grad', 'param.grad', 'held.grad', 'buffer', '_version'))
 
+def defers(g:torch.Tensor, p:torch.Tensor) -> bool:
+    ("Whether the unscale of grad `g` of a master kept in its bf16 weight `p` is left to the step that reads it: a "
+     "dense CPU grad laid out as `p` (on the CPU an fp32 grad made at each unscale costs more than the step)")
+    return g.device.type == 'cpu' and type(g) is torch.Tensor and g.layout == torch.strided and g.stride() == p.stride()
+
 def _has_none(xs:list) -> bool: "Whether `xs` holds a None (one pass in C)"; return any(map(is_, xs, repeat(None)))
 
 def _moves(p:torch.Tensor, stride:tuple) -> bool:
@@ -325,8 +338,12 @@ class StandInMaster(Master):
         self.held.grad = None
     def take_grads(self, lists, accumulate, keep):
         zeroed, self.zeroed = self.zeroed and not accumulate, False
-        if self.param.grad is None and keep and zeroed:               # no grad came: the zeroed one is stepped
+        g, held = self.param.grad, self.held.grad
+        if accumulate and type(held) is PendingGrad: self.held.grad = held.made()     # added to: made in fp32 first
+        if g is None and keep and zeroed:                             # no grad came: the zeroed one is stepped
             self.held.grad = torch.zeros_like(self.param, dtype=torch.float32)
+        elif g is not None and not (accumulate and held is not None) and defers(g, self.param):
+            self.held.grad = lists.defer(g, self.held)
         else: super().take_grads(lists, accumulate, keep)
     def value(self) -> torch.Tensor: return self.param.detach().float()
     def put(self, v): self.param.copy_(v)
@@ -623,7 +640,7 @@ class MasterGrad(torch.Tensor):
     def __init__(self, *args, **kwargs): pass
     def __repr__(self):
         return f"MasterGrad({tuple(self.shape)}: stands for the fp32 master's unscaled grad, {self.master_grad.dtype})"
-    def __reduce_ex__(self, protocol): return (torch.Tensor.clone, (self.master_grad.to(self.dtype),))
+    def __reduce_ex__(self, protocol): return self.master_grad.to(self.dtype).__reduce_ex__(protocol)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -638,6 +655,63 @@ class MasterGrad(torch.Tensor):
         return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
 
 def _master_grad(t): return t.master_grad if isinstance(t, MasterGrad) else t
+
+# %% ../nbs/13_master.ipynb #pending13
+class PendingGrad(torch.Tensor):
+    ("The unscaled fp32 grad of a master kept in its bf16 weight, not made yet: its half grad `scaled` times `inv`. "
+     "The fused step reads the half grad and the scale, and no fp32 grad is written; whatever else reads or changes "
+     "it makes the fp32 grad first (`made()`), and the step reads that")
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, held:torch.Tensor, scaled:torch.Tensor, inv:float, impl:str=None):
+        t = torch.Tensor._make_wrapper_subclass(cls, held.shape, strides=scaled.stride(), dtype=torch.float32,
+                                                device=held.device)
+        t.scaled, t.inv, t.impl, t.value = scaled, inv, impl, None
+        return t
+    def __init__(self, *args, **kwargs): pass
+    def __repr__(self):
+        how = "made" if self.value is not None else f"{self.inv} x a half grad"
+        return f"PendingGrad({tuple(self.shape)}: {how})"
+    def __reduce_ex__(self, protocol): return self.made().__reduce_ex__(protocol)     # (as a plain tensor: any load)
+    def __deepcopy__(self, memo): return self.made().clone()
+    def made(self) -> torch.Tensor: "The fp32 grad, made at the first ask"; return make_pending([self])[0]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pending = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, PendingGrad)]
+        make_pending(pending)
+        of = {id(g.value): g for g in pending}
+        out = func(*tree_map(_pending_value, args), **tree_map(_pending_value, kwargs))
+        # an in-place op returns the pending grad it changed
+        return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+
+def _pending_value(t): return t.value if isinstance(t, PendingGrad) else t
+
+def make_pending(grads:list) -> list:
+    "The fp32 grads of `PendingGrad`s `grads`: those not made yet made by one unscale per scale"
+    todo = [g for g in grads if g.value is None]
+    for inv, impl in dict.fromkeys((g.inv, g.impl) for g in todo):
+        gs = [g for g in todo if (g.inv, g.impl) == (inv, impl)]
+        values = [torch.empty_strided(g.shape, g.stride(), dtype=torch.float32, device=g.device) for g in gs]
+        scale_check_([g.scaled for g in gs], values, inv, impl=impl)
+        for g, v in zip(gs, values): g.value, g.scaled = v, None
+    return [g.value for g in grads]
+
+def make_held_fp32(holders:list):
+    "Make the pending grads of what `holders` hold in fp32, in one unscale (an optimizer's own step reads tensors)"
+    hs = [h for h in holders if type(h.held.grad) is PendingGrad]
+    for h, g in zip(hs, make_pending([h.held.grad for h in hs])): h.held.grad = g
+
+def step_grads(grads:list) -> tuple:
+    ("The grads a fused step reads, and the scale it unscales them by: the half grads of pending grads and their "
+     "scale, or fp32 grads (pending ones made now, where some were made or the scales differ) and 1")
+    if PendingGrad not in set(map(type, grads)): return grads, 1.
+    inv = grads[0].inv if type(grads[0]) is PendingGrad else None
+    if all(type(g) is PendingGrad and g.value is None and g.inv == inv for g in grads):
+        return [g.scaled for g in grads], inv
+    return [g.made() if type(g) is PendingGrad else g for g in grads], 1.
 # which backward is running (-1: none); private in torch, so kept optional
 _graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
 
@@ -674,11 +748,12 @@ class MasterGrads:
 
     def unscale(self, inv_scale, accumulate:bool=False) -> torch.Tensor:
         "Unscale the half grads into the master grads (added to them with `accumulate`): the overflow flag (0-dim bool)"
-        lists = GradLists()
+        lists = GradLists(inv_scale, self.impl)
         for kind, hs in self._kinds.items(): kind.take_all(hs, lists, accumulate, self.keep_zero)
         try: found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
         except (RuntimeError, ValueError): _refuse_sparse(self.masters, self.names); raise
         if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
+        if lists.deferred: found |= scale_check_(lists.deferred, lists.deferred, 1., impl=self.impl)   # a check
         return found
 
     def set_aside(self):

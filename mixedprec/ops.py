@@ -47,6 +47,7 @@ def _scale_ref(src, dst, scale, add):
     with torch.no_grad():
         for s, d in zip(src, dst):
             found |= ~torch.isfinite(s).all()
+            if one and s is d and not add: continue              # in place by 1: a check, nothing to write
             if add: d.add_(s.float().mul(scale).view_as(d))
             elif one and s.dtype == torch.float32: d.copy_(s.view_as(d))
             else: d.copy_(s.float().mul(scale).view_as(d))
@@ -663,7 +664,8 @@ def _scale_op(kernel:str, ref, src, dst, scale, impl):
 
 def scale_check_(src:list, dst:list, scale, impl:str=None) -> torch.Tensor:
     ("`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number, or a 1-element fp32 tensor on the "
-     "tensors' device); returns a 0-dim bool tensor, True if any `src` element is inf or nan")
+     "tensors' device); returns a 0-dim bool tensor, True if any `src` element is inf or nan. In place by 1 (`dst` is "
+     "`src`, `scale` 1.), a check: nothing is written")
     return _scale_op('scale_check', scale_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/10_ops.ipynb #a9896ed1

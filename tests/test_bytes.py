@@ -45,3 +45,34 @@ def test_a_param_holds_its_kinds_bytes_between_steps_on_every_front_end(front, m
     per_param = held_bytes(front, masters, state)
     # a little beyond: the step counts, the scaler, the rounding streams (a few KB over 70K params)
     assert EXPECTED[masters, state] - 0.05 <= per_param <= EXPECTED[masters, state] + 0.15, per_param
+
+def pending_bytes(front):
+    ("Bytes a param of `masters='split', state='8bit'` between an unscale and its step (after a first step): on the CPU "
+     "its grad is the backward's bf16 one, whose unscale the step does")
+    if front == 'fastai':
+        from fastai.callback.core import Callback
+        class Count(Callback):
+            order = 11                                          # after mixedprec's callback (10), which unscales
+            def before_step(self):
+                if self.train_iter == 1: self.bytes = reachable_bytes(self.learn.model, self.learn.opt,
+                                                                      self.learn.mixed_precision, stop=[self.learn])
+        count = Count()
+        learn = synth_learner(model=mlp(), opt_func=Adam, lr=1e-3, cbs=count).to_bf16(masters='split', state='8bit')
+        learn.fit(1)
+        return count.bytes / sum(p.numel() for p in learn.model.parameters())
+    model, opt = bf16_adamw(front, mlp(), 1e-3, 'split', '8bit')
+    x = torch.randn(16, 8)
+    for i in range(2):
+        loss = model(x if front == 'amp' else x.bfloat16()).float().square().mean()
+        if front == 'amp':
+            with amp.scale_loss(loss, opt) as s: s.backward()
+        else: opt.backward(loss)
+        if i == 1: break
+        opt.step(); opt.zero_grad()
+    roots = [model, opt] + ([amp._state] if front == 'amp' else [])
+    return reachable_bytes(*roots) / sum(p.numel() for p in model.parameters())
+
+@pytest.mark.parametrize("front", ['fastai', 'amp', 'fp16_optimizer'])
+def test_from_the_unscale_to_the_step_a_bf16_master_adds_its_half_grad_and_no_fp32_grad(front):
+    per_param = pending_bytes(front)
+    assert EXPECTED['split', '8bit'] + 2 - 0.05 <= per_param <= EXPECTED['split', '8bit'] + 2 + 0.15, per_param   # not +4

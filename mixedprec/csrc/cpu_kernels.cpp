@@ -140,6 +140,23 @@ static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
   return bad;
 }
 
+// True if any of n elements of src is not finite: an in-place multiply by 1, which has nothing to write.
+template <typename S> static bool check_span(const S* src, int64_t n) {
+  bool bad = false;
+  int64_t i = 0;
+  if constexpr (vectorizable<S>) {
+    Vec acc(0.f);
+    for (; i + kStep <= n; i += kStep) {
+      Vec a, b;
+      VecIO<S>::load(src + i, a, b);
+      acc = acc + (a - a) + (b - b);
+    }
+    bad = any_nan(acc);
+  }
+  for (; i < n; ++i) bad |= !std::isfinite(static_cast<float>(src[i]));
+  return bad;
+}
+
 template <bool Add>
 static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst, double scale, const char* op) {
   require_cpu(src, op);
@@ -157,6 +174,11 @@ static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vect
         const S* ip = in.data_ptr<S>() + s.begin;
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mixedprec_scale_dst", [&] {
           scalar_t* dp = out.data_ptr<scalar_t>() + s.begin;
+          // in place by 1: a check (of grads whose unscale the step does), nothing written
+          if (!Add && (const void*)ip == (const void*)dp && in.scalar_type() == out.scalar_type() && sc == 1.0f) {
+            bad |= check_span(ip, s.end - s.begin);
+            return;
+          }
           if constexpr (!Add && kCanStream) {                 // in place (src is dst): each line is read anyway, stored normally
             if (stream && (const void*)ip != (const void*)dp) { bad |= scale_span<S, scalar_t, false, true>(ip, dp, s.end - s.begin, sc); return; }
           }
@@ -325,7 +347,12 @@ template <bool Signed> static void encode_block8(const float* __restrict buf, ui
     for (int64_t i = q; i < e; ++i) most = std::max(most, float_bits(buf[i]) & 0x7fffffffu);
     const float sc = q8_scale(most);
     scales[q / kQBlock] = sc;
-    for (int64_t i = q; i < e; ++i) codes[i] = q8_encode(buf[i], sc, rounding_bits32(base + (uint32_t)i, key_lo, key_hi), Signed);
+    const uint32_t se = float_bits(sc) >> 23;
+    if (!q8_coded(se)) { std::fill(codes + q, codes + e, uint8_t{0}); continue; }
+    uint32_t wide[kQBlock];                   // the codes in 32-bit lanes, then narrowed: each loop vectorises cleanly
+    for (int64_t i = q; i < e; ++i)
+      wide[i - q] = q8_code(buf[i], se, rounding_bits32(base + (uint32_t)i, key_lo, key_hi), Signed);
+    for (int64_t i = q; i < e; ++i) codes[i] = (uint8_t)wide[i - q];
   }
 }
 

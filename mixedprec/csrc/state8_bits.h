@@ -34,18 +34,27 @@ MIXEDPREC_HD float q8_scale(uint32_t max_bits) {
   return bits_float((e + 1) << 23);
 }
 
-// The code of x in a block with scale `scale`, rounded stochastically with the 16 random bits r. Written without
-// branches (every case computed, then selected), so that the CPU's loops over a block vectorise.
-MIXEDPREC_HD uint8_t q8_encode(float x, float scale, uint32_t r, bool is_signed) {
-  const uint32_t u = float_bits(x), mag = u & 0x7fffffffu, se = float_bits(scale) >> 23, ex = mag >> 23;
+// The code of x (in the low 8 bits) in a block whose scale is finite and not zero, with exponent field `se`, rounded
+// stochastically with the 16 random bits r. Written without branches (every case computed, then selected), so that the
+// CPU's loops over a block vectorise.
+MIXEDPREC_HD uint32_t q8_code(float x, uint32_t se, uint32_t r, bool is_signed) {
+  const uint32_t u = float_bits(x), mag = u & 0x7fffffffu, ex = mag >> 23;
   const int32_t f = (int32_t)ex - (int32_t)se + q8_bias(is_signed);     // the code's exponent field
   const int32_t shift = 1 - f < 0 ? 0 : 1 - f > 31 ? 31 : 1 - f;         // below the normal range: gradual underflow
   const uint32_t frac = mag & 0x7fffffu;
   const uint32_t t = f >= 1 ? ((uint32_t)f << 23) | frac : (frac | 0x800000u) >> shift;   // both computed (unsigned: defined for any f)
   const uint32_t c = (t + (r << 4)) >> 20;
-  const bool block = se != 0 && se != 255;                                // not a zero or diverged block
-  if (is_signed) return (uint8_t)(block && ex != 0 ? c | ((u >> 24) & 0x80u) : 0u);
-  return (uint8_t)(block && mag != 0 ? (ex == 0 || c == 0 ? 1u : c) : 0u);  // a positive second moment stays positive
+  if (is_signed) return ex != 0 ? c | ((u >> 24) & 0x80u) : 0u;
+  return mag != 0 ? (ex == 0 || c == 0 ? 1u : c) : 0u;                  // a positive second moment stays positive
+}
+
+// Whether a block of scale exponent field `se` holds codes: not a zero block (scale 0) or a diverged one (NaN).
+MIXEDPREC_HD bool q8_coded(uint32_t se) { return se != 0 && se != 255; }
+
+// The code of x in a block with scale `scale`, rounded stochastically with the 16 random bits r.
+MIXEDPREC_HD uint8_t q8_encode(float x, float scale, uint32_t r, bool is_signed) {
+  const uint32_t se = float_bits(scale) >> 23;
+  return (uint8_t)(q8_coded(se) ? q8_code(x, se, r, is_signed) : 0u);
 }
 
 // The value of code `c` in a block with scale `scale` (exact).
