@@ -267,6 +267,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'mixedprec.engine.FusedStep._launch': ('engine.html#fusedstep._launch', 'mixedprec/engine.py'),
                                   'mixedprec.engine.FusedStep._launch_of': ('engine.html#fusedstep._launch_of', 'mixedprec/engine.py'),
                                   'mixedprec.engine.FusedStep._prepare': ('engine.html#fusedstep._prepare', 'mixedprec/engine.py'),
+                                  'mixedprec.engine.FusedStep._rounding': ('engine.html#fusedstep._rounding', 'mixedprec/engine.py'),
                                   'mixedprec.engine.FusedStep.reset': ('engine.html#fusedstep.reset', 'mixedprec/engine.py'),
                                   'mixedprec.engine.HeldOptimizer': ('engine.html#heldoptimizer', 'mixedprec/engine.py'),
                                   'mixedprec.engine.HeldOptimizer.__init__': ('engine.html#heldoptimizer.__init__', 'mixedprec/engine.py'),

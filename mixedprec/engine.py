@@ -327,34 +327,36 @@ class FusedStep:
             views and ext is not None and kind.keeps_grad and not any(map(ops.is_dtensor, targets))) else None
         return _Launch(first, kind, wd, held, targets, args, states, scales, counts, steps, prepared)
 
+    def _rounding(self, run:_Launch, state:dict) -> dict:
+        "A launch's seeds: each master's where its kind rounds, and each state list's where the state is lean"
+        if not (run.kind.needs_seed or self.lean): return {}
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("stochastic rounding (masters='none', state='bf16' or '8bit') inside "
+                                      "torch.compile: its seeds are host ints that change at every step. Compile "
+                                      "the model (the forward and backward), and let mixedprec's step run eagerly")
+        seeds = self.layout.rounding.seeds(run.held, state)          # this step's seed of each (its stream advances)
+        rounding = dict(seeds=seeds) if run.kind.needs_seed else {}
+        if self.lean and run.states:
+            rounding['state_seeds'] = [tuple(_mix(s, j + 1) for j in range(len(run.states))) for s in seeds]
+        return rounding
+
     def _launch(self, run:_Launch, found_inf, kw:dict, state:dict) -> bool:
         "One launch; False when its prepared lists no longer hold the grads (the group is prepared anew next step)"
-        (grads, inv), extra = step_grads([p.grad for p in run.held]), dict(impl=self.impl, **run.args)
-        out = run.args.get('out', [])
-        extra.pop('out', None)
+        (grads, inv), rounding = step_grads([p.grad for p in run.held]), self._rounding(run, state)
         prepared = run.prepared is not None and run.prepared.holds(grads)
-        seeds = None
-        if run.kind.needs_seed or self.lean:
-            if torch.compiler.is_compiling():
-                raise NotImplementedError("stochastic rounding (masters='none', state='bf16' or '8bit') inside "
-                                          "torch.compile: its seeds are host ints that change at every step. Compile "
-                                          "the model (the forward and backward), and let mixedprec's step run eagerly")
-            seeds = self.layout.rounding.seeds(run.held, state)      # this step's seed of each (its stream advances)
-        if run.kind.needs_seed: extra['seeds'] = seeds
-        if self.lean and run.states:
-            extra['state_seeds'] = [tuple(_mix(s, j + 1) for j in range(len(run.states))) for s in seeds]
+        # an unprepared launch is handed its kind's lists (the half copy goes as `out`), the seeds, the 8-bit scales
+        extra = {**{k: v for k, v in run.args.items() if k != 'out'}, **rounding, 'impl': self.impl}
         if self.lean and self.store == '8bit': extra['state_scales'] = run.scales
-        rounding = dict(seeds=extra.get('seeds'), state_seeds=extra.get('state_seeds'))
+        out = run.args.get('out', [])
         if self.plan.kind == 'sgd':
             args = (found_inf, inv, kw['lr'], kw.get('momentum', 0.), kw.get('dampening', 0.), run.weight_decay,
                     kw.get('nesterov', False), run.first, kw.get('decoupled', False))
             if prepared: run.prepared.sgd(*args, **rounding)
-            else: sgd_step_(grads, run.targets, run.states[0] if run.states else [], out, *args[:7], first_run=args[7],
-                            decoupled=args[8], **extra)
+            else: sgd_step_(grads, run.targets, run.states[0] if run.states else [], out, *args, **extra)
         else:
-            args = (found_inf, inv, kw['lr'], *kw['betas'], kw['eps'], run.weight_decay, kw['decoupled'])
-            if prepared: run.prepared.adam(*args, **rounding)
-            else: adam_step_(grads, run.targets, run.states[0], run.states[1], out, args[0], run.steps, *args[1:],
+            args = (inv, kw['lr'], *kw['betas'], kw['eps'], run.weight_decay, kw['decoupled'])
+            if prepared: run.prepared.adam(found_inf, *args, **rounding)
+            else: adam_step_(grads, run.targets, run.states[0], run.states[1], out, found_inf, run.steps, *args,
                              advance=run.counts is None, **extra)
             if run.counts is not None: run.counts.add_(~found_inf.to(run.counts.device))
         return prepared or run.prepared is None

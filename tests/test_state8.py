@@ -129,6 +129,39 @@ def test_cpu_kernels_equal_the_reference_bit_for_bit(sizes, store, kind, channel
         runs.append([*params, *out, *kw.get('lows', []), *m, *msc, *v, *vsc, *steps])
     assert_same(*runs)
 
+def edge_values(n_blocks, seed):
+    ("Blocks of 256 values at every magnitude a code can take and below it: signed zeros, fp32 subnormals, each power "
+     "of two down to 2^-149 with random mantissas, and blocks whose largest magnitude sits at the zero-block edge")
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for b in range(n_blocks):
+        top = [0., -24., -79., -81., 60.][b % 5]                   # the block's largest magnitude, as a power of two
+        wide = torch.rand(Q_BLOCK, generator=g) < 0.25                # most within the codes' 2^-33, some far below
+        e = top - torch.where(wide, torch.randint(0, 170, (Q_BLOCK,), generator=g),
+                              torch.randint(0, 36, (Q_BLOCK,), generator=g)).float()
+        x = (1 + torch.rand(Q_BLOCK, generator=g)) * torch.exp2(e.clamp(min=-149))
+        x = x * torch.where(torch.rand(Q_BLOCK, generator=g) < 0.5, -1., 1.)
+        x[:4] = torch.tensor([0., -0., 1e-45, -1e-40])
+        x[4] = 2. ** top
+        blocks.append(x)
+    return torch.cat(blocks)
+
+def test_the_kernels_encode_values_of_every_magnitude_as_the_reference():
+    ("Adam with betas (0, 0) from zero state encodes the grad (m) and its square (v): every code, the gradual "
+     "underflow, fp32 subnormals and zeros, blocks at the zero-block edge, the codes and scales bit for bit")
+    runs = []
+    for impl in ('ref', 'fused'):
+        grads = [edge_values(10, 0), edge_values(7, 1)[:1500]]
+        params = [torch.zeros_like(g) for g in grads]
+        m = [quantize8_ref(torch.zeros_like(g), None) for g in grads]
+        v = [quantize8_ref(torch.zeros_like(g), None, False) for g in grads]
+        mc, msc, vc, vsc = [c for c, _ in m], [s for _, s in m], [c for c, _ in v], [s for _, s in v]
+        ops.adam_step_(grads, params, mc, vc, [], torch.tensor(False), torch.tensor([0.]), 1., 0., 0., 0., 1e-8,
+                       0., True, state_seeds=[(5, 6), (7, 8)], state_scales=[msc, vsc], impl=impl)
+        runs.append([*mc, *msc, *vc, *vsc])
+    assert_same(*runs)
+    assert len(set(runs[0][0].tolist())) > 200 and len(set(runs[0][4].tolist())) > 200   # most codes were hit
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cpu_kernels_equal_the_reference_on_fuzzed_sizes(seed):
     ("Sizes drawn around the edges that matter: a scale block, the CPU kernels' 1024-element buffers and "

@@ -34,18 +34,21 @@ MIXEDPREC_HD float q8_scale(uint32_t max_bits) {
   return bits_float((e + 1) << 23);
 }
 
-// The code of x (in the low 8 bits) in a block whose scale is finite and not zero, with exponent field `se`, rounded
-// stochastically with the 16 random bits r. Written without branches (every case computed, then selected), so that the
-// CPU's loops over a block vectorise.
+// The code of x (in the low 8 bits) in a block whose scale is finite and not zero, with exponent field `se` (>= 48, as
+// q8_scale gives), rounded stochastically with the 16 random bits r. Written without branches (every case computed,
+// then selected), so that the CPU's loops over a block vectorise. A code's exponent field f >= 1 is the magnitude's bits
+// with the exponent lowered by se - bias; below, the fraction with its leading one shifted right (gradual underflow).
+// An fp32 zero or subnormal x codes to 0 in both (its f is below -31), so an unsigned code needs only c == 0 raised to 1.
+// (The same codes as the field-by-field form for every fp32 x below the scale, at ten scales, in a one-off check;
+// tests/test_state8.py holds the kernels to the reference at every magnitude.)
 MIXEDPREC_HD uint32_t q8_code(float x, uint32_t se, uint32_t r, bool is_signed) {
-  const uint32_t u = float_bits(x), mag = u & 0x7fffffffu, ex = mag >> 23;
-  const int32_t f = (int32_t)ex - (int32_t)se + q8_bias(is_signed);     // the code's exponent field
-  const int32_t shift = 1 - f < 0 ? 0 : 1 - f > 31 ? 31 : 1 - f;         // below the normal range: gradual underflow
-  const uint32_t frac = mag & 0x7fffffu;
-  const uint32_t t = f >= 1 ? ((uint32_t)f << 23) | frac : (frac | 0x800000u) >> shift;   // both computed (unsigned: defined for any f)
+  const uint32_t u = float_bits(x), mag = u & 0x7fffffffu, ex = mag >> 23, bias = (uint32_t)q8_bias(is_signed);
+  const int32_t f = (int32_t)ex - (int32_t)se + (int32_t)bias;          // the code's exponent field
+  const uint32_t below = 1u - (uint32_t)f < 31u ? 1u - (uint32_t)f : 31u;   // f < 1: the shift (f >= 1: unused)
+  const uint32_t t = f >= 1 ? mag - ((se - bias) << 23) : ((mag & 0x7fffffu) | 0x800000u) >> below;
   const uint32_t c = (t + (r << 4)) >> 20;
   if (is_signed) return ex != 0 ? c | ((u >> 24) & 0x80u) : 0u;
-  return mag != 0 ? (ex == 0 || c == 0 ? 1u : c) : 0u;                  // a positive second moment stays positive
+  return mag != 0 ? (c > 1u ? c : 1u) : 0u;                              // a positive second moment stays positive
 }
 
 // Whether a block of scale exponent field `se` holds codes: not a zero block (scale 0) or a diverged one (NaN).
