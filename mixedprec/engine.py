@@ -670,8 +670,8 @@ class StepEngine:
     def zero_grad(self, set_to_none:bool=True):
         ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
          "(zeroed grads stay, and are stepped); a decision about grads that are gone goes with them")
-        if not set_to_none:                # zeroed in place: steps not yet in the books keep which params overflowed
-            for s in self.progress.scalers: s.freeze_names()
+        # steps not yet in the books (decided on a GPU) keep which params overflowed, not the grads: zeroed or dropped
+        for s in self.progress.scalers: s.freeze_names()
         self.masters.grads.zero(set_to_none)
         self.progress.cleared()
 
@@ -839,10 +839,12 @@ class OverflowNames:
         if self._grads is None: self._grads = [e.masters.grads.unscaled() for e in self.engines]
         return self._grads
     def freeze(self):
-        "Each grad's largest magnitude (inf or NaN where it holds one), one foreach op on the device"
+        ("Each grad's largest magnitude (inf or NaN where it holds one), one foreach op on the device; the grads are "
+         "let go (a master grad made for one step is not kept alive into the next)")
         if self.frozen is None:
             self.frozen = [torch._foreach_norm(ops.local_shards([g for _, g in gs]), float('inf')) if gs else []
                            for gs in self.grads]
+            self._grads = [[(p, None) for p, _ in gs] for gs in self._grads]
     def __call__(self) -> list:
         if self.frozen is None: peaks = [None] * len(self.grads)
         else: peaks = [torch.stack(p).tolist() if p else [] for p in self.frozen]

@@ -424,3 +424,21 @@ def test_an_fp32_tensor_made_in_forward_names_the_module_and_the_fix_that_trains
     learn.fit(3)
     assert learn.model.body[1][0].lin.weight.dtype == torch.float32 and learn.model.out.weight.dtype != torch.float32
     assert learn.recorder.values[-1][1] < learn.recorder.values[0][1]
+
+def test_a_steps_names_keep_each_grads_peak_not_the_grad_past_zero_grad(monkeypatch):
+    ("On a GPU a step's books wait for the device: what names its overflowed params keeps each grad's largest magnitude "
+     "from `zero_grad` on, not the grads (fp32 master grads made for one step, by split masters, lived into the next)")
+    import gc, weakref
+    from mixedprec.engine import OverflowNames
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).bfloat16()
+    opt = FP16_Optimizer(torch.optim.AdamW(model.parameters()), verbose=False, masters='split', static_loss_scale=8.)
+    model[1].weight.register_hook(lambda g: g * float('inf'))
+    opt.backward(model(torch.randn(5, 4).bfloat16()).float().sum())
+    e = opt.engine
+    names = OverflowNames([e], [e.masters.grads.unscaled()])          # what a GPU's pending step holds
+    grads = [weakref.ref(g) for _, g in names.grads[0]]
+    frozen = []
+    monkeypatch.setattr(LossScaler, 'freeze_names', lambda self: (frozen.append(self), names.freeze()))
+    opt.step(); opt.zero_grad(); gc.collect()              # set_to_none (torch's default): the grads are dropped
+    assert frozen and all(r() is None for r in grads)
+    assert [n.split(' (')[0] for n in names()] == ['(2, 3)']       # named, after its grad is gone
