@@ -184,3 +184,15 @@ def test_fastais_gradient_clip_clips_split_masters_as_fp32_masters_bit_for_bit()
         learn.fit(1)
         return master_values(learn)
     same_bits(fit('split'), fit('fp32'))
+
+def test_fp16_optimizers_second_backward_before_the_step_adds_to_the_deferred_grads():
+    "`FP16_Optimizer.backward` twice (each unscaled at once), then one step: the second adds in fp32, as fp32 masters"
+    def run(masters):
+        model, o, backward = make('fp16_optimizer', masters, 'fp32', 2.**10)
+        for x, y in batches(4):
+            out = model(x.bfloat16()).float()
+            backward(nn.functional.mse_loss(out, y), retain_graph=True)
+            backward(out.abs().mean())
+            o.step(); o.zero_grad()
+        return list(model.state_dict().values())
+    same_bits(run('split'), run('fp32'))
