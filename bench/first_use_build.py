@@ -2,7 +2,7 @@
 run needs are built, for one arch, without a GPU (nvcc compiles for an arch with none present). Each run in a
 process of its own, with a cache of its own: the extension (C++ CPU kernels, the CUDA ops' host side, the unscale and
 norm kernels), then the step kernels the run asks for, each built the first time a step needs it
-(tests/test_cuda_emulation.py's COMMON_RUNS checks that these runs ask for exactly these). Last, every step kernel in
+(tests/test_cuda_emulation.py reads `RUNS` and checks that these runs ask for exactly these). Last, every step kernel in
 one module (what `make test` builds once). Prints a table; `python bench/first_use_build.py [--arch 9.0]`."""
 import argparse, os, subprocess, sys, tempfile, time
 import torch

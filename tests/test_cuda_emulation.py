@@ -3,7 +3,7 @@ bit for bit through aligned packs and ragged ends, views aligned alike and diffe
 over between them, every master storage mode, and a front end training on it. CI has no GPU: this is where a wrong
 index in a CUDA kernel fails before it reaches one. Where there is a GPU, the same bit-exact tests also run on the real
 CUDA kernels (the `cuda` parameter), views at offsets included."""
-import itertools, os, pathlib, random, subprocess, sysconfig
+import itertools, os, pathlib, random, subprocess, sys, sysconfig
 import pytest, torch
 from torch.utils import cpp_extension
 from mixedprec import ops
@@ -272,22 +272,19 @@ def test_amp_trains_on_the_emulated_kernels_as_on_the_cpu_kernels(emu, monkeypat
     assert_same(cpu, emulated)
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(cpu, init))   # it trained
 
-# The two common runs of bench/first_use_build.py, and the step kernels each asks for, which a first use on a GPU builds
-# (seconds each): its half params' (their masters step on the fp32 grads unscaled into them; fp32 masters write the
-# fp16 copy) and those of the fp32 params it keeps (batchnorm)
-COMMON_RUNS = {
-    'fp16, fp32 masters, AdamW': (dict(half_dtype='fp16'),
-                                  {ops.step_kernel_key('adam', torch.float32, copy=torch.float16),
-                                   ops.step_kernel_key('adam', torch.float32)}),
-    'bf16, split masters, 8-bit AdamW': (dict(half_dtype='bf16', masters='split', state='8bit'),
-                                         {ops.step_kernel_key('adam', torch.float32, 'split', '8bit'),
-                                          ops.step_kernel_key('adam', torch.float32, state='8bit')})}
+# The two common runs of bench/first_use_build.py and the step kernels each asks for (its table, read here: the keys are
+# written once), which a first use on a GPU builds (seconds each): its half params' (their masters step on the fp32
+# grads unscaled into them; fp32 masters write the fp16 copy) and those of the fp32 params it keeps (batchnorm)
+sys.path.insert(0, str(ROOT / 'bench'))
+from first_use_build import RUNS
+COMMON_RUNS = {'fp16, fp32 masters, AdamW': dict(half_dtype='fp16'),
+               'bf16, split masters, 8-bit AdamW': dict(half_dtype='bf16', masters='split', state='8bit')}
 
 @pytest.mark.parametrize('run', COMMON_RUNS)
 def test_a_common_run_asks_for_the_step_kernels_its_first_use_builds(emu, monkeypatch, run):
     from mixedprec import amp
     from mixedprec.engine import settings
-    kw, keys = COMMON_RUNS[run]
+    kw, keys = COMMON_RUNS[run], set(RUNS[run])
     use_emulator(emu, monkeypatch, SMALL_GRID)
     # on a GPU the unscale writes the master grads (the scale lives on the device): no grad's unscale is the step's
     monkeypatch.setattr('mixedprec.master.defers', lambda g, p: False)
