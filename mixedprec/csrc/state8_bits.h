@@ -60,13 +60,14 @@ MIXEDPREC_HD uint8_t q8_encode(float x, float scale, uint32_t r, bool is_signed)
   return (uint8_t)(q8_coded(se) ? q8_code(x, se, r, is_signed) : 0u);
 }
 
-// The value of code `c` in a block with scale `scale` (exact).
+// The value of code `c` in a block with scale `scale` (exact): a code whose exponent field is 1 or more is an fp32
+// number once its exponent is raised by 127 - bias; field 0 is its mantissa times the smallest step. (The same values
+// as the field-by-field form for every code at every scale, in a one-off check.)
 MIXEDPREC_HD float q8_decode(uint8_t code, float scale, bool is_signed) {
-  const uint32_t c = is_signed ? code & 0x7fu : code, f = c >> 3, mant = c & 7u;
-  const uint32_t bias = (uint32_t)q8_bias(is_signed);
-  const uint32_t normal = ((f + 127u - bias) << 23) | (mant << 20);
-  const uint32_t small = float_bits((float)mant * bits_float((127u - 2u - bias) << 23));
-  const uint32_t is_normal = 0u - (uint32_t)(f != 0);                 // all ones or zero: a select without a branch
+  const uint32_t c = is_signed ? code & 0x7fu : code, bias = (uint32_t)q8_bias(is_signed);
+  const uint32_t normal = (c << 20) + ((127u - bias) << 23);
+  const uint32_t small = float_bits((float)(c & 7u) * bits_float((127u - 2u - bias) << 23));
+  const uint32_t is_normal = 0u - (uint32_t)(c >= 8u);                 // all ones or zero: a select without a branch
   const float v = bits_float((normal & is_normal) | (small & ~is_normal)) * scale;
   return bits_float(float_bits(v) ^ (is_signed ? ((uint32_t)code & 0x80u) << 24 : 0u));   // the sign, without a branch
 }
