@@ -3,7 +3,7 @@ bit for bit through aligned packs and ragged ends, views aligned alike and diffe
 over between them, every master storage mode, and a front end training on it. CI has no GPU: this is where a wrong
 index in a CUDA kernel fails before it reaches one. Where there is a GPU, the same bit-exact tests also run on the real
 CUDA kernels (the `cuda` parameter), views at offsets included."""
-import itertools, os, pathlib, random, subprocess, sys, sysconfig
+import importlib.util, itertools, os, pathlib, random, subprocess, sysconfig
 import pytest, torch
 from torch.utils import cpp_extension
 from mixedprec import ops
@@ -275,8 +275,12 @@ def test_amp_trains_on_the_emulated_kernels_as_on_the_cpu_kernels(emu, monkeypat
 # The two common runs of bench/first_use_build.py and the step kernels each asks for (its table, read here: the keys are
 # written once), which a first use on a GPU builds (seconds each): its half params' (their masters step on the fp32
 # grads unscaled into them; fp32 masters write the fp16 copy) and those of the fp32 params it keeps (batchnorm)
-sys.path.insert(0, str(ROOT / 'bench'))
-from first_use_build import RUNS
+def _bench(name):
+    "A module of bench/, loaded by its path (bench/ on sys.path would shadow packages: its kernels.py, HF's `kernels`)"
+    spec = importlib.util.spec_from_file_location(f'bench_{name}', ROOT / 'bench' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+    return module
+RUNS = _bench('first_use_build').RUNS
 COMMON_RUNS = {'fp16, fp32 masters, AdamW': dict(half_dtype='fp16'),
                'bf16, split masters, 8-bit AdamW': dict(half_dtype='bf16', masters='split', state='8bit')}
 
