@@ -655,6 +655,8 @@ class MasterGrad(torch.Tensor):
         return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
 
 def _master_grad(t): return t.master_grad if isinstance(t, MasterGrad) else t
+# which backward is running (-1: none); private in torch, so kept optional
+_graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
 
 # %% ../nbs/13_master.ipynb #pending13
 class PendingGrad(torch.Tensor):
@@ -712,8 +714,6 @@ def step_grads(grads:list) -> tuple:
     if all(type(g) is PendingGrad and g.value is None and g.inv == inv for g in grads):
         return [g.scaled for g in grads], inv
     return [g.made() if type(g) is PendingGrad else g for g in grads], 1.
-# which backward is running (-1: none); private in torch, so kept optional
-_graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
 
 # %% ../nbs/13_master.ipynb #mroom0
 def _refuse_sparse(masters:list, names:dict):
