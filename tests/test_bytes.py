@@ -19,6 +19,20 @@ def mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
 
+def train(front, masters, state, steps, then_backward=False):
+    ("The MLP in bf16 under amp O2 or FP16_Optimizer, `steps` steps (and a backward after them, unscaled, with "
+     "`then_backward`): the model, the optimizer, and the roots of what training holds")
+    model, opt = bf16_adamw(front, mlp(), 1e-3, masters, state)
+    x = torch.randn(16, 8)
+    for i in range(steps + then_backward):
+        loss = model(x if front == 'amp' else x.bfloat16()).float().square().mean()
+        if front == 'amp':
+            with amp.scale_loss(loss, opt) as s: s.backward()
+        else: opt.backward(loss)
+        if i == steps: break
+        opt.step(); opt.zero_grad()
+    return model, opt, [model, opt] + ([amp._state] if front == 'amp' else [])
+
 def held_bytes(front, masters, state):
     "Bytes a param after two steps and a `zero_grad`, beyond nothing: the model, the optimizer and mixedprec's objects"
     if front == 'fastai':
@@ -27,15 +41,8 @@ def held_bytes(front, masters, state):
         model, roots = learn.model, [learn.model, learn.opt, learn.mixed_precision]
         stop = [learn]
     else:
-        model, opt = bf16_adamw(front, mlp(), 1e-3, masters, state)
-        x = torch.randn(16, 8)
-        for _ in range(2):
-            loss = model(x if front == 'amp' else x.bfloat16()).float().square().mean()
-            if front == 'amp':
-                with amp.scale_loss(loss, opt) as s: s.backward()
-            else: opt.backward(loss)
-            opt.step(); opt.zero_grad()
-        roots, stop = [model, opt] + ([amp._state] if front == 'amp' else []), []
+        model, opt, roots = train(front, masters, state, steps=2)
+        stop = []
     n = sum(p.numel() for p in model.parameters())
     return reachable_bytes(*roots, stop=stop) / n
 
@@ -60,16 +67,7 @@ def pending_bytes(front):
         learn = synth_learner(model=mlp(), opt_func=Adam, lr=1e-3, cbs=count).to_bf16(masters='split', state='8bit')
         learn.fit(1)
         return count.bytes / sum(p.numel() for p in learn.model.parameters())
-    model, opt = bf16_adamw(front, mlp(), 1e-3, 'split', '8bit')
-    x = torch.randn(16, 8)
-    for i in range(2):
-        loss = model(x if front == 'amp' else x.bfloat16()).float().square().mean()
-        if front == 'amp':
-            with amp.scale_loss(loss, opt) as s: s.backward()
-        else: opt.backward(loss)
-        if i == 1: break
-        opt.step(); opt.zero_grad()
-    roots = [model, opt] + ([amp._state] if front == 'amp' else [])
+    model, opt, roots = train(front, 'split', '8bit', steps=1, then_backward=True)
     return reachable_bytes(*roots) / sum(p.numel() for p in model.parameters())
 
 @pytest.mark.parametrize("front", ['fastai', 'amp', 'fp16_optimizer'])
