@@ -665,7 +665,7 @@ def _scale_op(kernel:str, ref, src, dst, scale, impl):
 def scale_check_(src:list, dst:list, scale, impl:str=None) -> torch.Tensor:
     ("`dst[i] = src[i].float()*scale` in `dst[i]`'s dtype (`scale`: a number, or a 1-element fp32 tensor on the "
      "tensors' device); returns a 0-dim bool tensor, True if any `src` element is inf or nan. In place by 1 (`dst` is "
-     "`src`, `scale` 1.), a check: nothing is written")
+     "`src`, `scale` 1.), the CPU kernels and the reference only check: nothing is written")
     return _scale_op('scale_check', scale_check_ref_, src, dst, scale, impl)
 
 # %% ../nbs/10_ops.ipynb #a9896ed1

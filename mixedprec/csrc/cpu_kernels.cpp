@@ -108,13 +108,15 @@ static bool any_nan(const Vec& acc) {
 
 // dst = src * scale (Add: dst + src * scale) over n elements, true if any src is not finite. Stream: the vector part
 // writes with streaming stores from dst's first aligned element on (the elements before it are stored one by one).
-template <typename S, typename D, bool Add, bool Stream>
+// Without Store, only the check: an in-place multiply by 1, which has nothing to write.
+template <typename S, typename D, bool Add, bool Stream, bool Store = true>
 static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
   bool bad = false;
   auto one_by_one = [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       float x = static_cast<float>(src[i]);
       bad |= !std::isfinite(x);
+      if constexpr (!Store) continue;
       float prod = x * scale;                              // rounded to fp32 before the add, as the reference does
       if (Add) dst[i] = static_cast<D>(static_cast<float>(dst[i]) + prod);
       else dst[i] = static_cast<D>(prod);
@@ -129,6 +131,7 @@ static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
       Vec a, b;
       VecIO<S>::load(src + i, a, b);
       acc = acc + (a - a) + (b - b);
+      if constexpr (!Store) continue;
       Vec pa = a * vs, pb = b * vs;
       if (Add) { Vec da, db; VecIO<D>::load(dst + i, da, db); pa = da + pa; pb = db + pb; }
       if constexpr (Stream) VecIO<D>::stream(dst + i, pa, pb);
@@ -137,23 +140,6 @@ static bool scale_span(const S* src, D* dst, int64_t n, float scale) {
     bad |= any_nan(acc);
   }
   one_by_one(i, n);
-  return bad;
-}
-
-// True if any of n elements of src is not finite: an in-place multiply by 1, which has nothing to write.
-template <typename S> static bool check_span(const S* src, int64_t n) {
-  bool bad = false;
-  int64_t i = 0;
-  if constexpr (vectorizable<S>) {
-    Vec acc(0.f);
-    for (; i + kStep <= n; i += kStep) {
-      Vec a, b;
-      VecIO<S>::load(src + i, a, b);
-      acc = acc + (a - a) + (b - b);
-    }
-    bad = any_nan(acc);
-  }
-  for (; i < n; ++i) bad |= !std::isfinite(static_cast<float>(src[i]));
   return bad;
 }
 
@@ -176,7 +162,7 @@ static at::Tensor scale_impl(const std::vector<at::Tensor>& src, const std::vect
           scalar_t* dp = out.data_ptr<scalar_t>() + s.begin;
           // in place by 1: a check (of grads whose unscale the step does), nothing written
           if (!Add && (const void*)ip == (const void*)dp && in.scalar_type() == out.scalar_type() && sc == 1.0f) {
-            bad |= check_span(ip, s.end - s.begin);
+            bad |= scale_span<S, scalar_t, false, false, false>(ip, dp, s.end - s.begin, sc);
             return;
           }
           if constexpr (!Add && kCanStream) {                 // in place (src is dst): each line is read anyway, stored normally
