@@ -644,17 +644,20 @@ class MasterGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        lent = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, MasterGrad)]
         if _graph_task_id() != -1: raise RuntimeError(IN_BACKWARD)     # autograd would add raw grads to unscaled ones
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):     # `.detach()`, `.data`
             return MasterGrad(args[0], args[0].master_grad)
-        of = {id(g.master_grad): g for g in lent}
-        out = func(*tree_map(_master_grad, args), **tree_map(_master_grad, kwargs))
-        # an in-place op returns the stand-in it changed
-        return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+        return _run_on_inner(MasterGrad, attrgetter('master_grad'), func, args, kwargs or {})
 
-def _master_grad(t): return t.master_grad if isinstance(t, MasterGrad) else t
+def _run_on_inner(cls, inner, func, args:tuple, kwargs:dict, before=None):
+    ("Run op `func` with each `cls` wrapper among its arguments replaced by the tensor it stands for, `inner(wrapper)` "
+     "(`before(wrappers)` first); an in-place op returns the wrapper it changed")
+    wrappers = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, cls)]
+    if before is not None: before(wrappers)
+    of = {id(inner(w)): w for w in wrappers}
+    swap = lambda t: inner(t) if isinstance(t, cls) else t
+    out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
+    return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
 # which backward is running (-1: none); private in torch, so kept optional
 _graph_task_id = getattr(torch._C, '_current_graph_task_id', lambda: -1)
 
@@ -681,15 +684,7 @@ class PendingGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        pending = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, PendingGrad)]
-        make_pending(pending)
-        of = {id(g.value): g for g in pending}
-        out = func(*tree_map(_pending_value, args), **tree_map(_pending_value, kwargs))
-        # an in-place op returns the pending grad it changed
-        return tree_map(lambda t: of.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
-
-def _pending_value(t): return t.value if isinstance(t, PendingGrad) else t
+        return _run_on_inner(PendingGrad, attrgetter('value'), func, args, kwargs or {}, before=make_pending)
 
 def make_pending(grads:list) -> list:
     "The fp32 grads of `PendingGrad`s `grads`: those not made yet made by one unscale per scale"
