@@ -40,13 +40,19 @@ def amp_o2(width, **kw):
     def step(): pending.pop().__exit__(None, None, None); o.step(); o.zero_grad()
     return fwd_bwd, step, torch.randn(8, width)
 
-def fp16_optimizer(width, **kw):
+def fp16_optimizer_parts(width, **kw):
+    "A bf16 model under FP16_Optimizer: its forward and backward, its step's three calls (unscale, step, zero_grad), x"
     from mixedprec.fp16_optimizer import FP16_Optimizer
     m = model(width).bfloat16()
     o = FP16_Optimizer(torch.optim.AdamW(m.parameters(), lr=1e-4), verbose=False, **kw)
     def fwd_bwd(x): o.backward(m(x).float().square().mean(), update_master_grads=False)
-    def step(): o.update_master_grads(); o.step(); o.zero_grad()
-    return fwd_bwd, step, torch.randn(8, width).bfloat16()
+    return fwd_bwd, (o.update_master_grads, o.step, o.zero_grad), torch.randn(8, width).bfloat16()
+
+def fp16_optimizer(width, **kw):
+    fwd_bwd, calls, x = fp16_optimizer_parts(width, **kw)
+    def step():
+        for call in calls: call()
+    return fwd_bwd, step, x
 
 CONFIGS = {
     'torch AdamW (foreach), fp32 model': lambda w: torch_adamw(w, foreach=True),
@@ -63,18 +69,14 @@ PARTS = {"masters='fp32', state='fp32'": {}, "masters='fp32', state='8bit'": dic
 
 def parts(width, iters):
     "The unscale, the step and `zero_grad` of FP16_Optimizer's bf16 step for each of `PARTS`: a table of medians, ms"
-    from mixedprec.fp16_optimizer import FP16_Optimizer
-    runs = {}
-    for name, kw in PARTS.items():
-        m = model(width).bfloat16()
-        runs[name] = (m, FP16_Optimizer(torch.optim.AdamW(m.parameters(), lr=1e-4), verbose=False, **kw))
-    x, took = torch.randn(8, width).bfloat16(), {k: ([], [], []) for k in runs}
+    runs = {name: fp16_optimizer_parts(width, **kw) for name, kw in PARTS.items()}
+    took = {k: ([], [], []) for k in runs}
     for it in range(iters + 3):
         for name in list(runs)[it % len(runs):] + list(runs)[:it % len(runs)]:
-            m, o = runs[name]
-            o.backward(m(x).float().square().mean(), update_master_grads=False)
+            fwd_bwd, calls, x = runs[name]
+            fwd_bwd(x)
             t = [time.perf_counter()]
-            for call in (o.update_master_grads, o.step, o.zero_grad): call(); t.append(time.perf_counter())
+            for call in calls: call(); t.append(time.perf_counter())
             if it >= 3:
                 for i in range(3): took[name][i].append(t[i + 1] - t[i])
     print("| FP16_Optimizer bf16, AdamW | unscale, ms | step, ms | zero_grad, ms | the three |\n|---|---|---|---|---|")
