@@ -10,17 +10,19 @@ from fastai.callback.progress import ProgressCallback
 from mixedprec.callback import MixedPrecision
 from mixedprec.state import reachable_bytes     # noqa: F401 (the tests count bytes as the docs do)
 
-def bf16_adamw(front, model, lr, masters='fp32', state='fp32'):
+def bf16_adamw(front, model, lr, masters='fp32', state='fp32', loss_scale=None, opt=torch.optim.AdamW, **opt_kw):
     ("`model` in bf16 and its AdamW through `front`: 'amp' (O2) or 'fp16_optimizer' (`FP16_Optimizer` over the bf16 "
-     "model's params, as peft's examples build the optimizer: on every param)")
+     "model's params, as peft's examples build the optimizer: on every param); `loss_scale`: a static scale (default: "
+     "the front end's); `opt` and `opt_kw`: another optimizer, or AdamW's settings")
     from mixedprec import amp
     from mixedprec.fp16_optimizer import FP16_Optimizer
+    scale = {} if loss_scale is None else dict(loss_scale=loss_scale)
     if front == 'amp':
-        return amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), opt_level='O2', half_dtype='bf16',
-                              masters=masters, state=state, verbosity=0)
+        return amp.initialize(model, opt(model.parameters(), lr=lr, **opt_kw), opt_level='O2', half_dtype='bf16',
+                              masters=masters, state=state, verbosity=0, **scale)
     model = model.bfloat16()
-    return model, FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=lr), masters=masters, state=state,
-                                 verbose=False)
+    return model, FP16_Optimizer(opt(model.parameters(), lr=lr, **opt_kw), masters=masters, state=state,
+                                 verbose=False, **{f'static_{k}': v for k, v in scale.items()})
 
 def mlp(n_in=8, n_out=1):
     return nn.Sequential(nn.Linear(n_in, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, n_out))

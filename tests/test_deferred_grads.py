@@ -23,18 +23,10 @@ def batches(n, seed=1):
 
 def make(front, masters, state, scale, opt=torch.optim.AdamW):
     "A bf16 MLP under `front` ('amp' O2 or 'fp16_optimizer'): the model, the optimizer, its backward"
-    model = mlp()
-    kw = dict(masters=masters, state=state)
-    if front == 'amp':
-        model, o = amp.initialize(model, opt(model.parameters(), lr=1e-2, weight_decay=0.1), opt_level='O2',
-                                  half_dtype='bf16', loss_scale=scale, verbosity=0, **kw)
-        def backward(loss):
-            with amp.scale_loss(loss, o) as s: s.backward()
-    else:
-        model = model.bfloat16()
-        o = FP16_Optimizer(opt(model.parameters(), lr=1e-2, weight_decay=0.1), static_loss_scale=scale, verbose=False,
-                           **kw)
-        backward = o.backward
+    model, o = bf16_adamw(front, mlp(), 1e-2, masters, state, loss_scale=scale, opt=opt, weight_decay=0.1)
+    if front != 'amp': return model, o, o.backward
+    def backward(loss):
+        with amp.scale_loss(loss, o) as s: s.backward()
     return model, o, backward
 
 def held_params(o):
