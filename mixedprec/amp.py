@@ -337,7 +337,7 @@ def loss_scale(loss_id:int=0) -> float:
     return _drained(loss_id, 'loss_scale').scale
 
 def state_dict() -> dict:
-    "Every loss scaler's state, and the fp32 masters of every optimizer"
+    "Every loss scaler's state, and the fp32 values of every optimizer's half params (its masters' and frozen ones')"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
     sd['masters'] = [e.masters.weights.values() for e in _state.engines]
@@ -355,7 +355,8 @@ def load_state_dict(sd:dict):
     if len(saved) != len(_state.engines):
         raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
                          "nothing was loaded")
-    for i, (e, ms) in enumerate(zip(_state.engines, saved)): e.masters.weights.check_values(ms, f"the state_dict (optimizer {i})")
+    checked = [e.masters.weights.check_values(ms, f"the state_dict (optimizer {i})")
+               for i, (e, ms) in enumerate(zip(_state.engines, saved))]
     for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
     for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])
-    for e, ms in zip(_state.engines, saved): e.masters.weights.load_values(ms)
+    for e, values in zip(_state.engines, checked): e.masters.weights.load_values(values)

@@ -192,10 +192,10 @@ class FastaiMasters:
         if learn is None and old is not None and self.conversion is not None: self.leave()
 
     def state_dict(self) -> dict:
-        "The scaler state and the fp32 masters, one per model param (None where it has none)"
-        masters = self.conversion.masters if self.conversion else {}
-        return {'scaler': self.cb.scaler.state_dict(), 'masters': [masters.value(p).clone() if p in masters else None
-                                                                   for p in self.learn.model.parameters()]}
+        "The scaler state and the fp32 value of each half model param, trained or frozen (None for an fp32 param)"
+        values = self.conversion.masters.value if self.conversion else None
+        return {'scaler': self.cb.scaler.state_dict(), 'masters': [values(p).clone() if values and p.dtype in HALF
+                                                                   else None for p in self.learn.model.parameters()]}
     def load_state_dict(self, sd:dict):
         "Restore `state_dict()`: every tensor is checked before anything changes"
         self.prepare()
@@ -267,12 +267,19 @@ def _check_trainable(held:FastaiMasters):
     groups = held.masters.model_groups if held.masters is not None else (
         opt.param_lists if opt is not None and not held.conversion.steps_masters else [])
     holds = {id(p) for g in groups for p in g}
-    missing = [n for n, p in trained if id(p) not in holds]
-    if missing:
-        refuse_fsdp2(held.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
-        raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(missing[:5])}): they "
-                         "were replaced after the optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) "
-                         "again after changing the model, so they get masters and an optimizer.")
+    missing = [(n, p) for n, p in trained if id(p) not in holds]
+    if not missing: return
+    refuse_fsdp2(held.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
+    converted = {id(p) for p in held.conversion.params}
+    left_out = [n for n, p in missing if id(p) in converted]
+    if left_out:
+        raise ValueError(f"the model trains params the optimizer was built without them ({', '.join(left_out[:5])}): "
+                         "they were frozen when it was built, and it took only the params that trained then. Build "
+                         "it anew after unfreezing (`learn.create_opt()`), or build it on every param (fastai's own "
+                         "optimizers hold frozen params, and step them once they train)")
+    raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(n for n, _ in missing[:5])}): "
+                     "they were replaced after the optimizer was built. Call `learn.to_fp16()` (or `to_bf16()`) again "
+                     "after changing the model, so they get masters and an optimizer.")
 
 # %% ../nbs/15_callback.ipynb #4d846810
 class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision):

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from .ops import warn_once, cpu_flags
-from .master import Masters, Fp32Master, check_master_value, HALF
+from .master import Masters, Fp32Master, check_master_value, exact_remainder, HALF
 
 # %% ../nbs/12_convert.ipynb #9636570c
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -320,12 +320,11 @@ class MasterDoors:
         return res
 
     def save(self, module, state_dict, prefix, local_metadata):
-        "`state_dict` post-hook: each direct param's master's fp32 value in place of its rounding"
+        "`state_dict` post-hook: each direct param's fp32 value (its master's, or its remainder's) in place of its rounding"
         for name, p in module._parameters.items():
-            m = self.record.get(p) if p is not None else None
-            if m is None or prefix + name not in state_dict: continue
-            m.take_edits()                   # a param edited in place since the last step saves the edit
-            state_dict[prefix + name] = m.value().reshape(p.shape)
+            if p is None or prefix + name not in state_dict: continue
+            v = self.record.saved_value(p)          # (a param edited in place since the last step saves the edit)
+            if v is not None: state_dict[prefix + name] = v.reshape(p.shape)
 
     def load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         ("`load_state_dict` pre-hook: at the load's root, everything is checked before anything changes; then each "
@@ -337,10 +336,16 @@ class MasterDoors:
             same = pre is not None and len(pre) == len(state_dict) and all(state_dict.get(k) is v for k, v in pre.items())
             if not same: self.check(module, state_dict, prefix, _strict())
         for name, p in module._parameters.items():
-            m, v = self.record.get(p) if p is not None else None, state_dict.get(prefix + name)
-            if m is None or not isinstance(v, torch.Tensor): continue
-            m.set_(v)
-            state_dict[prefix + name] = m.param.detach().clone()     # torch copies this into the param next
+            v = state_dict.get(prefix + name)
+            if p is None or not isinstance(v, torch.Tensor) or not v.is_floating_point(): continue
+            m = self.record.get(p)
+            if m is not None:
+                m.set_(v)
+                state_dict[prefix + name] = m.param.detach().clone()     # torch copies this into the param next
+            elif p.dtype in HALF and self.record.owns(p):   # a param that does not train: its rounding and remainder
+                v = v.detach().reshape(p.shape).to(p.device, torch.float32)
+                state_dict[prefix + name] = half = v.to(p.dtype)
+                self.record.keep_exact(p, v, half)
 
     def loaded(self, module, incompatible_keys):
         "`load_state_dict` post-hook: the params hold what their masters say, not an edit to take"
@@ -447,7 +452,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                          "(amp.initialize takes each model once); for a copy of a converted model, pass "
                          "`fp32_copy(model)` (mixedprec.convert), an fp32 copy with its masters' values")
     keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
-    res, kept, seen, made = ModelConversion(model, dtype, keep), _kept_modules(model, keep), set(), []
+    res, kept, seen, made, exact = ModelConversion(model, dtype, keep), _kept_modules(model, keep), set(), [], []
     with torch.no_grad():
         for m in model.modules():
             if id(m) in kept:
@@ -458,10 +463,12 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
             for p in m.parameters(recurse=False):
                 if id(p) in seen or p.dtype not in (torch.float32, *HALF_DTYPES): continue
                 seen.add(id(p)); res.params.append(p)
-                # the masters of what trains, from the exact weights before the cast; a frozen param keeps none
+                # the masters of what trains, from the exact weights before the cast; a frozen param keeps none,
+                # but keeps what its half weight lacks of its value
                 if masters and p.requires_grad: made.append(Fp32Master.make(p, p.detach().float()))
                 _check_range(p.detach(), dtype, f"weights of a {type(m).__name__}")
-                p.data = p.data.to(dtype)
+                before, p.data = p.data, p.data.to(dtype)
+                if masters and not p.requires_grad: exact.append((p, exact_remainder(before, p.data)))
             for name, b in m.named_buffers(recurse=False):
                 if b is None or b.dtype != torch.float32: continue
                 res.buffers.append((m, name))
@@ -469,6 +476,7 @@ def convert_model(model:nn.Module, dtype=torch.float16, keep_fp32:tuple=(_BatchN
                 _check_range(b, dtype, f"buffer {name} of a {type(m).__name__}")
     res.masters = Masters(res.params)
     for m in made: res.masters.register(m)
+    for p, rem in exact: res.masters.keep(p, rem)
     if masters:
         res.doors = MasterDoors(res.masters)
         # every module that holds a cast param, or one below it: `state_dict()` and loads on any of them see masters

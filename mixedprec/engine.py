@@ -24,7 +24,7 @@ from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler, host_where
 from fastcore.foundation import L
 from .master import (MasterParams, Masters, CheckpointError, _mix, check_param_state, check_store, step_grads,
-                              make_held_fp32)
+                              make_held_fp32, HALF)
 from .state import SCALES, Int8State, fp32_state, check_state_store, state_store
 from .distributed import agree, sum_over_ranks, rank0s, world_size
 
@@ -183,6 +183,9 @@ class OptimizerAdapter:
     def states(self) -> list:
         "The dicts, keyed by param, that hold the optimizer's per-param state"
         return [self.opt.state]
+    def has_state(self, t) -> bool:
+        "Whether the optimizer holds state tensors for `t` (fastai's flags alone are none)"
+        return any(isinstance(v, torch.Tensor) for s in self.states() for v in s.get(t, {}).values())
     def flat_key(self):
         "`key(p)`: params with different keys never share a flat master (None: any may)"
         return None
@@ -446,7 +449,7 @@ def _swap_in(adapter, record:Masters, kind:type, names:dict, impl:str, flat:bool
              keep_bf16:bool=False, previous:MasterParams=None) -> MasterParams:
     "Lay the masters out over the groups `adapter`'s optimizer holds, and swap them in, its state moved onto them"
     layout = MasterParams(adapter.groups(), record, kind, flat=flat, key=adapter.flat_key(), names=names, impl=impl,
-                          make=make, previous=previous)
+                          make=make, previous=previous, has_state=adapter.has_state)
     for state in adapter.states(): layout.state_in(state, keep_bf16)
     adapter.set_groups(layout.groups)
     return layout
@@ -705,14 +708,17 @@ def check_optimizer_state(opt_sd:dict, groups:list, what:str):
 def load_optimizer_state(optimizer:torch.optim.Optimizer, opt_sd:dict, store:str):
     ("Load a (checked) torch optimizer state dict into `optimizer`, 8-bit codes and their scales put back as saved "
      "(decoded where the optimizer does not keep 8-bit state, `store`)")
-    codes = {i: {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
-             for i, s in opt_sd['state'].items()}
     optimizer.load_state_dict(opt_sd)
     ids = [i for g in opt_sd['param_groups'] for i in g['params']]
     for i, p in zip(ids, [p for g in optimizer.param_groups for p in g['params']]):
-        if not codes.get(i): continue
-        st, saved = optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in codes[i].items()}
-        for k in saved: st.pop(k, None)
+        s = opt_sd['state'].get(i, {})
+        codes = {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
+        # a frozen half param is held as it is: torch cast its moments to half, which rounds them
+        whole = {k: v for k, v in s.items() if p.dtype in HALF and k not in codes and isinstance(v, torch.Tensor)
+                 and v.is_floating_point() and v.dim() > 0}
+        if not (codes or whole): continue
+        st, saved = optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in {**codes, **whole}.items()}
+        for k in codes: st.pop(k, None)
         st.update(saved if store == '8bit' else fp32_state(saved))
 
 def _decoded_8bit(optimizer, sd:dict) -> dict:

@@ -113,19 +113,19 @@ class FP16_Optimizer:
         return -1 if self.engine.must_skip() else norm
 
     def state_dict(self) -> dict:
-        "The scaler state, the overflow flag, the wrapped optimizer's state and the fp32 masters"
+        "The scaler state, the overflow flag, the wrapped optimizer's state and every half param's fp32 value"
         return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
                 'optimizer_state_dict': self.optimizer.state_dict(), 'fp32_from_fp16': self.masters.weights.values()}
     def load_state_dict(self, sd:dict):
         "Restore the scaler, the wrapped optimizer and the fp32 masters; everything is checked before anything changes"
         missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
         if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
-        self.masters.weights.check_values(sd['fp32_from_fp16'])
+        values = self.masters.weights.check_values(sd['fp32_from_fp16'])
         check_optimizer_state(sd['optimizer_state_dict'], [g['params'] for g in self.param_groups], 'the state_dict')
         self.scaler.check_state(sd['loss_scaler'])
         self.scaler.load_state_dict(sd['loss_scaler'])
         load_optimizer_state(self.optimizer, sd['optimizer_state_dict'], self.engine.state)
-        self.masters.weights.load_values(sd['fp32_from_fp16'])
+        self.masters.weights.load_values(values)
 
     def add_param_group(self, param_group:dict):
         "Add a param group (its half params that train get fp32 masters), keeping the state of the existing ones"

@@ -6,8 +6,9 @@
 __all__ = ['HALF', 'STORES', 'IN_BACKWARD', 'CheckpointError', 'check_master_value', 'check_param_state', 'check_state_value',
            'GradLists', 'Holder', 'Master', 'defers', 'Fp32Master', 'OwnMaster', 'Frozen', 'StandInMaster',
            'SplitMaster', 'RoundedMaster', 'check_store', 'flat_like', 'flat_slice', 'FlatSlice', 'FlatMaster',
-           'Masters', 'MasterGrad', 'PendingGrad', 'make_pending', 'make_held_fp32', 'step_grads', 'MasterGrads',
-           'nonfinite_names', 'MasterParams', 'TrainingSync', 'MasterWeights', 'RoundingStreams']
+           'Remainder', 'fingerprint', 'exact_remainder', 'join_remainder', 'Masters', 'MasterGrad', 'PendingGrad',
+           'make_pending', 'make_held_fp32', 'step_grads', 'MasterGrads', 'nonfinite_names', 'MasterParams',
+           'TrainingSync', 'MasterWeights', 'RoundingStreams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -20,6 +21,7 @@ from .ops import (scale_check_, scale_add_check_, adopt_edits_ref_, l2norm, spli
 from .state import _like, SCALES, Int8State, fp32_state
 from .distributed import agree
 from torch.utils._pytree import tree_map, tree_flatten
+from typing import NamedTuple
 
 # %% ../nbs/13_master.ipynb #8eee747c
 HALF = (torch.float16, torch.bfloat16)
@@ -179,6 +181,9 @@ class Master(Holder):
 
     @property
     def grad(self) -> torch.Tensor: "The unscaled fp32 grad, or None"; return self.held.grad
+    def has_grad(self) -> bool:
+        "Whether its optimizer would step it with no new grad: a grad kept (zeroed in place, as fastai's are)"
+        return self.held.grad is not None
     def take_grads(self, lists, accumulate, keep):
         g = self.param.grad
         if g is None:
@@ -330,6 +335,7 @@ class StandInMaster(Master):
         m.set_(value)
         return m
     zeroed = False          # its grad was zeroed in place (fastai's `zero_grad`): stepped as zeros if none comes
+    def has_grad(self) -> bool: return self.zeroed or self.held.grad is not None
     def value_edited(self) -> bool: return False       # a value made anew at each `state_dict()`
     def take_param(self): "The param is the value: a kind that keeps more beside it resets that here"
     def clear_grad(self, set_to_none:bool):
@@ -565,13 +571,74 @@ class FlatMaster(Holder):
         for s in self.slices: s.mark_written()         # (the slices share one version counter)
         return moved
 
+# %% ../nbs/13_master.ipynb #rem13
+class Remainder(NamedTuple):
+    ("What a half weight lacks of an fp32 value: a 16-bit code an element, the few values the code cannot hold kept "
+     "whole beside it, and a fingerprint of the half weight it completes")
+    code: torch.Tensor        # int16, the value's shape
+    where: torch.Tensor       # flat indices of the values kept whole (int32)
+    whole: torch.Tensor       # their fp32 values
+    sealed: int               # `fingerprint` of the half weight
+    outliers = property(lambda self: self.where.numel())
+    def fits(self, half:torch.Tensor) -> bool:
+        "Whether `half` is the half weight this completes (not written since, in place or through `.data`)"
+        return half.shape == self.code.shape and fingerprint(half) == self.sealed
+
+def fingerprint(half:torch.Tensor, chunk:int=1 << 20) -> int:
+    "A 64-bit fingerprint of a half tensor's bits (in chunks: the temporaries stay small)"
+    bits, res = half.detach().reshape(-1).view(torch.int16), 0
+    for start in range(0, bits.numel(), chunk):
+        b = bits[start:start + chunk].to(torch.int64) + 40503
+        i = torch.arange(start, start + b.numel(), dtype=torch.int64, device=b.device)
+        res = (res + int((b * (i * 2654435761 % 4294967291 + 1)).sum())) % 2**64
+    return res
+
+def _unit(h:torch.Tensor) -> torch.Tensor:
+    "The weight of an fp16 code's unit beside fp32 `h` (an fp16 value): 2^-25 of its exponent's, or of fp16's smallest normal"
+    e = torch.where(h.abs() >= 2.**-14, torch.frexp(h).exponent - 1, -14)
+    return torch.ldexp(torch.ones_like(h), e - 25)
+
+def _codes(v:torch.Tensor, half:torch.Tensor) -> torch.Tensor:
+    ("What `v` (fp32) is beyond `half`, as int64: for bf16 the low 16 bits of its fp32 pattern; for fp16 the "
+     "difference in units of `_unit`")
+    if half.dtype == torch.bfloat16:
+        return v.view(torch.int32).to(torch.int64) - (half.view(torch.int16).to(torch.int64) << 16)
+    h = half.float()
+    q = torch.nan_to_num((v - h) / _unit(h), nan=2.**20, posinf=2.**20, neginf=2.**20)
+    return q.clamp(-2.**20, 2.**20).round().to(torch.int64)
+
+def _joined(half:torch.Tensor, code:torch.Tensor) -> torch.Tensor:
+    "The fp32 value a 16-bit `code` completes `half` to"
+    if half.dtype == torch.bfloat16:
+        bits = (half.view(torch.int16).to(torch.int64) << 16) + code.to(torch.int64)
+        return ((bits + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+    h = half.float()
+    return torch.where(code == 0, h, h + code.float() * _unit(h))
+
+def exact_remainder(v:torch.Tensor, half:torch.Tensor) -> Remainder:
+    "What half tensor `half` lacks of fp32 `v` (the same shape), kept exactly; None where `half` holds `v` exactly"
+    v, half = v.detach().float(), half.detach()
+    codes = _codes(v, half)
+    fits = (codes >= -2**15) & (codes < 2**15)
+    code = torch.where(fits, codes, 0).to(torch.int16)
+    where = (_joined(half, code).view(torch.int32) != v.view(torch.int32)).reshape(-1).nonzero().squeeze(1)
+    if where.numel() == 0 and not bool(code.any()): return None
+    return Remainder(code, where.to(torch.int32), v.reshape(-1)[where].clone(), fingerprint(half))
+
+def join_remainder(half:torch.Tensor, rem:Remainder) -> torch.Tensor:
+    "The exact fp32 value that `rem` completes `half` to"
+    res = _joined(half.detach(), rem.code)
+    if rem.outliers: res = res.contiguous(); res.view(-1)[rem.where.long()] = rem.whole
+    return res
+
 # %% ../nbs/13_master.ipynb #mrec0
 class Masters:
-    ("The record of masters: half param -> its `Master`, for the params that train, whichever optimizer holds them; "
-     "the doors that save and load read it")
+    ("The record of the fp32 values of half params: the `Master` of each param that trains, whichever optimizer holds "
+     "it, and the `Remainder` of each that keeps none; the doors that save and load read it")
     def __init__(self, params=None, parents=()):
-        # params: those whose masters are recorded here (None: any); parents: records that own params of theirs
+        # params: those whose values are recorded here (None: any); parents: records that own params of theirs
         self.of, self.params, self.parents = {}, None if params is None else list(params), list(parents)
+        self.exact = {}            # half param -> its `Remainder`, for a param that keeps no master
         self.__setstate__(self.__dict__)
     def __setstate__(self, state:dict):      # (a copy's params are new tensors: their ids are found anew)
         self.__dict__.update(state)
@@ -593,32 +660,60 @@ class Masters:
             if r.owns(p): return r.get(p)
         return None
     def _owner(self, p) -> 'Masters': return next((r for r in self.parents if r.owns(p)), self)
-    def register(self, m:Master): self._owner(m.param).of[m.param] = m
+    def register(self, m:Master):
+        "Record `m` as its param's master (its remainder goes: the master holds the value now)"
+        owner = self._owner(m.param)
+        owner.of[m.param] = m; owner.exact.pop(m.param, None)
     def drop(self, p) -> Master:
-        "Forget `p`'s master (it stopped training; the param keeps its rounding), returning it"
-        return self._owner(p).of.pop(p, None)
+        "Forget `p`'s master (it stopped training), its value kept exactly in a remainder; returns the master"
+        m = self._owner(p).of.pop(p, None)
+        if m is not None: self.keep_exact(p, m.value())
+        return m
     def keep_only(self, params):
-        "Drop the masters of the params not among `params` (no optimizer holds them)"
+        "Drop the masters of the params not among `params` (no optimizer holds them), their values kept exactly"
         held = {id(p) for p in params}
-        for p in [p for p in self.of if id(p) not in held]: self.of.pop(p)
+        for p in [p for p in self.of if id(p) not in held]: self.drop(p)
+    def keep(self, p, rem:Remainder):
+        "Keep `rem` as what half param `p`, which keeps no master, lacks of its value (None: it lacks nothing)"
+        owner = self._owner(p)
+        if rem is None: owner.exact.pop(p, None)
+        else: owner.exact[p] = rem
+    def keep_exact(self, p, v:torch.Tensor, half:torch.Tensor=None):
+        "Keep fp32 `v` as the value of `p`, which keeps no master, beside the half weight `half` it has (default: its own)"
+        v = v.detach().reshape(p.shape).to(p.device, torch.float32)
+        self.keep(p, exact_remainder(v, p.detach() if half is None else half))
+    def remainder(self, p) -> Remainder:
+        "What `p`'s half weight lacks of its value (a param without a master), or None: the half weight is the value"
+        rem = self._owner(p).exact.get(p)
+        return rem if rem is not None and rem.fits(p) else None
     def held(self, p) -> torch.Tensor:
         "What an optimizer holds in place of `p`: its master's tensor, or `p` itself where it has no master"
         m = self.get(p)
         return m.held if m is not None else p
     def value(self, p) -> torch.Tensor:
-        "The fp32 value of `p`: its master's, or for a param that does not train its own"
+        "The fp32 value of `p`: its master's, or for a param that does not train its half weight and remainder"
         m = self.get(p)
-        return m.value() if m is not None else p.detach().float()
+        if m is not None: return m.value()
+        rem = self.remainder(p)
+        return p.detach().float() if rem is None else join_remainder(p, rem)
+    def saved_value(self, p) -> torch.Tensor:
+        "What a checkpoint saves for half param `p`: its fp32 value (an edit taken first), or None where `p` holds it"
+        m = self.get(p)
+        if m is not None: m.take_edits(); return m.value()
+        rem = self.remainder(p)
+        return None if rem is None else join_remainder(p, rem)
     def check(self, saved:dict, names:dict, what:str):
         "Raise `CheckpointError`, naming the param, before anything changes, unless each value in `saved` can be its"
         for p, v in saved.items(): check_master_value(v, p, names.get(p, 'a param'), what)
     def load(self, saved:dict):
-        "Make each (checked) value in `saved` its param's master's, or a frozen param's (rounded: it keeps no master)"
+        "Make each (checked) value in `saved` its param's: its master's, or a frozen param's half weight and remainder"
         for p, v in saved.items():
             m = self.get(p)
-            if m is not None: m.set_(v)
-            else:
-                with torch.no_grad(): p.copy_(v.reshape(p.shape))
+            if m is not None: m.set_(v); continue
+            v = v.detach().reshape(p.shape).to(p.device, torch.float32)
+            half = v.to(p.dtype)
+            self.keep_exact(p, v, half)
+            with torch.no_grad(): p.copy_(half)
 
 # %% ../nbs/13_master.ipynb #f33a4ad4
 IN_BACKWARD = ("a backward reached half params whose grads were already unscaled into their fp32 masters and not yet "
@@ -737,12 +832,14 @@ class MasterGrads:
         self._own = [m for m in self.masters if m.own]
         self._lends = [m for m in self.masters if not m.own]
         self._lend_params = [m.param for m in self._lends]
+        self._frozen = [m.param for m in self.masters if not m.trains]
         self._kept = all(m.keeps_grad for m in self._lends)      # every lent grad is a buffer kept between steps
         self._kinds = {}                              # the holders by kind, for `take_all`
         for h in self.holders: self._kinds.setdefault(type(h), []).append(h)
 
     def unscale(self, inv_scale, accumulate:bool=False) -> torch.Tensor:
         "Unscale the half grads into the master grads (added to them with `accumulate`): the overflow flag (0-dim bool)"
+        if self._frozen and not all(map(is_, map(_grad, self._frozen), repeat(None))): self._refuse_frozen_grads()
         lists = GradLists(inv_scale, self.impl)
         for kind, hs in self._kinds.items(): kind.take_all(hs, lists, accumulate, self.keep_zero)
         try: found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
@@ -750,6 +847,15 @@ class MasterGrads:
         if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
         if lists.deferred: found |= scale_check_(lists.deferred, lists.deferred, 1., impl=self.impl)   # a check
         return found
+
+    def _refuse_frozen_grads(self):
+        "Say what to do about a frozen half param given a grad (by hand: no backward reaches it)"
+        names = [str(self.names.get(p, tuple(p.shape))) for p in self._frozen if p.grad is not None]
+        raise RuntimeError(f"{', '.join(names[:3])} is frozen (requires_grad=False) and has a grad, which torch's "
+                           "optimizer would step: mixedprec keeps no master for a half param that does not train, "
+                           f"only its exact value. To train it, call `{names[0]}.requires_grad_(True)` before the "
+                           "backward (its master is made then, from that value); to leave it as it is, set its "
+                           "`.grad` to None")
 
     def set_aside(self):
         "Keep the fp32 params' unscaled grads aside, so a scaled backward can be unscaled and added to them"
@@ -850,8 +956,10 @@ class MasterParams:
         impl:str=None,            # the ops' implementation: 'auto', 'fused' or 'ref' (default: `engine.settings`)
         make:bool=True,           # half params get masters (amp's O3: they are stepped in half, their own masters)
         previous:'MasterParams'=None,   # the layout this one replaces: its fp32 params' grads set aside stay
+        has_state=None,           # `has_state(t)`: the optimizer holds state tensors for `t` (default: never)
     ):
         self.record, self.kind, self.flat, self.names, self.impl, self.make = record, kind, flat, names or {}, impl, make
+        self.has_state = has_state or (lambda t: False)
         self._own_before = {id(m.param): m for m in previous.masters if m.own} if previous else {}
         self.model_groups, self.groups, self.masters, self.holders, seen = [], [], [], [], set()
         for group in groups:
@@ -865,21 +973,28 @@ class MasterParams:
         # the fused kernels know how to step every master that trains; there are masters of half params that train
         self.steppable = bool(self.masters) and all(m.fused for m in self.masters if m.trains)
         self.has_trained = bool(self.trained)
-        self.training = TrainingSync(self.masters, self.holders, make)
+        self.training = TrainingSync(self.masters, self.holders, make, self.idle)
         self.grads = MasterGrads(self.masters, self.holders, impl, self.names, self.fsdp2)
         self.weights = MasterWeights(self.masters, self.holders, record, self.names, impl)
         self.rounding = RoundingStreams(previous.rounding.seed if previous else torch.initial_seed(), self.holders)
 
     def _master(self, p) -> Master:
-        ("The master of model param `p`: its master from the record (which it keeps, frozen again or not), one made "
-         "from its half weight where it trains, or none (an fp32 param; a half param that has not trained)")
+        ("The master of model param `p`: its master from the record, one made from its exact value where it trains, "
+         "or none (an fp32 param; a half param that does not train, its value kept in its remainder)")
         if p.dtype not in HALF or not self.make: return self._own_before.get(id(p)) or OwnMaster(p)
         m = self.record.get(p)
+        if m is not None and not p.requires_grad and self.idle(m, p):
+            self.record.drop(p)
+            m = None
         if m is None and not p.requires_grad: return Frozen(p)
         if m is None or type(m) is not self.kind:
-            m = self.kind.make(p, m.value() if m is not None else p.detach().float())
+            m = self.kind.make(p, self.record.value(p))
             self.record.register(m)
         return m
+    def idle(self, m:Master, key) -> bool:
+        ("Whether master `m` of a frozen param would not be stepped: no grad, no optimizer state (keyed by `key`); it "
+         "goes then (a GAN's critic, frozen after it stepped, keeps its master, as torch keeps its state)")
+        return m.param.grad is None and not m.has_grad() and not self.has_state(key)
 
     def _flats(self, ms:list, key) -> list:
         "What the optimizer holds for one group: a flat master per key over its masters, the rest as they are"
@@ -928,8 +1043,9 @@ _requires_grad = attrgetter('requires_grad')
 
 class TrainingSync:
     "Which params train, agreed between the model and what the optimizer holds, and whether the layout still fits it"
-    def __init__(self, masters:list, holders:list, make:bool=True):
-        self.masters, self.holders, self.make = masters, holders, make
+    def __init__(self, masters:list, holders:list, make:bool=True, idle=None):
+        # idle(master, held): a frozen param's master would not be stepped (it goes at the next layout)
+        self.masters, self.holders, self.make, self.idle = masters, holders, make, idle or (lambda p, held: False)
         self._params, self._held = [m.param for m in masters], [h.held for h in holders]
         self._seen, self.changed = self._requires_grads(), False
     def _requires_grads(self) -> tuple:
@@ -949,7 +1065,9 @@ class TrainingSync:
                 for p in ps: p.requires_grad_(h.held.requires_grad)
         self._seen = self._requires_grads()
         self.changed = self.make and (any(not m.trains and m.param.requires_grad for m in self.masters) or
-                                      any(len({p.requires_grad for p in h.params}) > 1 for h in self.holders))
+                                      any(len({p.requires_grad for p in h.params}) > 1 for h in self.holders) or
+                                      any(m.trains and not m.own and not m.param.requires_grad and
+                                          self.idle(m, m.held) for m in self.masters))
         return self.changed
 
 # %% ../nbs/13_master.ipynb #mweights13
@@ -1011,23 +1129,26 @@ class MasterWeights:
         for h in self._read: h.end_read()
         self._read = []
 
-    trained = property(lambda self: [m for m in self.masters if m.trains and not m.own])
+    halves = property(lambda self: [m.param for m in self.masters if not m.own],
+                      doc="The half params the optimizer holds, trained or frozen, in the layout's order")
     def values(self) -> list:
-        "A copy of the fp32 value of each half param that trains, in the layout's order (a checkpoint's masters)"
-        return [m.value().clone() for m in self.trained]
-    def check_values(self, saved:list, what:str='the state_dict'):
-        "Raise, naming the first misfit, unless `saved` holds a fitting master for each half param that trains"
-        trained = self.trained
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(trained):
-            n = len(saved) if isinstance(saved, (list, tuple)) else 'no'
-            raise CheckpointError(f"{what} holds {n} fp32 masters, this optimizer trains {len(trained)} half params: "
-                                  "it comes from another model, or other params were frozen when it was saved; "
-                                  "nothing was loaded")
-        names = {m.param: f"master {i} ({self.names.get(m.param, 'param')})" for i, m in enumerate(trained)}
-        self.record.check({m.param: v for m, v in zip(trained, saved)}, names, what)
-    def load_values(self, saved:list):
-        "Make the (checked) values in `saved` the masters of the half params that train, and the params their rounding"
-        for m, v in zip(self.trained, saved): m.set_(v)
+        "A copy of the fp32 value of each half param, trained or frozen, in the layout's order (a checkpoint's masters)"
+        return [self.record.value(p).clone() for p in self.halves]
+    def check_values(self, saved:list, what:str='the state_dict') -> dict:
+        ("`saved`, one fp32 value per half param (or, as saved before, per half param that trains), checked whole: "
+         "{param: value}, for `load_values`")
+        halves, trained = self.halves, [m.param for m in self.masters if m.trains and not m.own]
+        n = len(saved) if isinstance(saved, (list, tuple)) else None
+        if n != len(halves) and n != len(trained):
+            raise CheckpointError(f"{what} holds {'no' if n is None else n} fp32 values, this optimizer holds "
+                                  f"{len(halves)} half params: it comes from another model; nothing was loaded")
+        params = halves if n == len(halves) else trained
+        values = dict(zip(params, saved))
+        self.record.check(values, {p: f"value {i} ({self.names.get(p, 'param')})" for i, p in enumerate(params)}, what)
+        return values
+    def load_values(self, checked:dict):
+        "Make the values `check_values` gave the params': a master's, or a frozen param's half weight and remainder"
+        self.record.load(checked)
 
 # %% ../nbs/13_master.ipynb #rounding13
 def _mix(*xs) -> int:
