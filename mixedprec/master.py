@@ -163,8 +163,9 @@ class Master(Holder):
         "True when the value was changed in place, through `state_dict()`'s values (an EMA), and the param was not"
         return False
     def take_param(self):
-        "Make the param's value (which it was edited to) the master's, the param left as it is"
-        self.held.copy_(self.param)
+        ("Make the param's value (which it was edited to) the master's, the param left as it is; an edit that left it "
+         "the value's rounding (DDP's broadcast of the same weights) changed nothing, and the value stays")
+        if not torch.equal(self.value().to(self.param.dtype), self.param): self.held.copy_(self.param)
     def take_edits(self) -> bool:
         "An edited param becomes the value, an edited value the param's; True if there was one"
         if self.edited():
@@ -466,7 +467,8 @@ class FlatSlice(Fp32Master):
         self.buffer = gview
     def value(self): return self.view
     def put(self, v): self.view.copy_(v); self.param.copy_(v)
-    def take_param(self): self.view.copy_(self.param)
+    def take_param(self):
+        if not torch.equal(self.view.to(self.param.dtype), self.param): self.view.copy_(self.param)
     def adopt_data_edits(self): adopt_edits_ref_(self.view, self.param)
     @property
     def grad(self): return self.gview if self.flat.held.grad is not None else None

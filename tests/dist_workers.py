@@ -289,9 +289,8 @@ def ddp_fastai_parts(rank, world):
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2 * BS // world), DataLoader(TensorDataset(x, y), bs=BS))
     class WrapDDP(Callback):
         order = MixedPrecision.order + 1
-        def before_fit(self): self.learn.model = DDP(self.learn.model) if world > 1 else self.learn.model
-        def after_fit(self):
-            if world > 1: self.learn.model = self.learn.model.module
+        def before_fit(self): self.learn.model = DDP(self.learn.model)      # (one rank too: the same broadcast)
+        def after_fit(self): self.learn.model = self.learn.model.module
     return dls, WrapDDP
 
 def fastai_ddp(rank, world, outdir, flat=False, opt='adam'):
