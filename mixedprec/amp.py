@@ -17,7 +17,7 @@ from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
 from .master import check_store, Masters
-from .engine import check_optimizer_state, load_optimizer_state, clip_pending
+from .engine import clip_pending
 from .state import check_state_store
 from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2, unwrap_accelerated
 
@@ -75,12 +75,8 @@ def resolve_opt_level(opt_level='O1', cast_model_type=None, keep_batchnorm_fp32=
 class AmpState:
     "What one `initialize` set up: the opt level's properties, a loss scaler per loss, and a step engine per optimizer"
     def __init__(self, props, scalers, enabled=True, verbosity=1):
-        self.props, self.scalers, self.enabled, self.verbosity, self.engines = props, scalers, enabled, verbosity, []
-
-    @property
-    def optimizers(self) -> list:
-        "The optimizers, in the order `initialize` got them"
-        return [e.optimizer for e in self.engines]
+        self.props, self.scalers, self.enabled, self.verbosity = props, scalers, enabled, verbosity
+        self.engines, self.optimizers = [], []        # an engine per optimizer, in the order `initialize` got them
 
     def scaler(self, loss_id:int) -> LossScaler:
         "The scaler of `loss_id`"
@@ -100,8 +96,9 @@ _HINT = ("wrap the backward in `with amp.scale_loss(loss, optimizer) as scaled_l
          "(with `delay_unscale=True`, the last loss before the step must be scaled without it), in place of "
          "`loss.backward()` or accelerate's `accelerator.backward(loss)`")
 
-# the optimizer a user passed to `initialize`, and the `AmpOptimizer` it returned -> their engine
-_engines = weakref.WeakKeyDictionary()
+# the optimizer a user passed to `initialize`, and the `AmpOptimizer` it returned -> their engine; an engine -> the
+# `initialize` that made it
+_engines, _setups = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
 
 def _refuse_own_step(engine_ref):
     ("A step pre-hook for the optimizer passed to `initialize`: its own `step()` would step the masters without the "
@@ -167,8 +164,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, sd:dict):
         "Checked against the masters first (torch checks the group sizes only)"
-        check_optimizer_state(sd, [g['params'] for g in self.param_groups], "optimizer.load_state_dict")
-        load_optimizer_state(self.optimizer, sd, self.engine.state)
+        self.engine.check_optimizer_state_dict(sd, "optimizer.load_state_dict")
+        self.engine.load_optimizer_state_dict(sd)
 
 # %% ../nbs/17_amp.ipynb #6a0513d8
 class AutocastForward:
@@ -264,10 +261,11 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         # the masters of the models' conversions; masters of its own for half params no conversion cast
         e = StepEngine.attach(o, Masters(parents=records), names=names, decide=decide, impl=impl, hint=_HINT,
                               store=masters, state=state, make=props['master_weights'])
-        e.amp = setup
+        _setups[e] = setup
+        setup.optimizers.append(o)
         returned.append(AmpOptimizer(o, e))
         setup.engines.append(e)
-    held = [p for e in setup.engines for g in e.masters.model_groups for p in g]
+    held = [p for e in setup.engines for g in e.params for p in g]
     for r in records: r.keep_only(held)          # what no optimizer holds does not train: it keeps no master
     if verbosity:
         print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale "
@@ -293,10 +291,11 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
         yield loss; return
     engines = _engines_of(optimizers)
     # a model wrapped by `fully_shard` after initialize would run, and never train
-    for ref in getattr(engines[0].amp, 'models', []):
-        if (m := ref()) is not None and m not in getattr(engines[0].amp, 'fsdp2', ()):
+    setup = _setups[engines[0]]
+    for ref in getattr(setup, 'models', []):
+        if (m := ref()) is not None and m not in getattr(setup, 'fsdp2', ()):
             refuse_fsdp2(m, "amp.scale_loss: the model was wrapped by `fully_shard` after amp.initialize")
-    scaler = engines[0].amp.scaler(loss_id)
+    scaler = setup.scaler(loss_id)
     yield scale_into(engines, loss, scaler)
     if delay_unscale:
         return                   # the engines stay at stage 'scaled': the next unscale takes these grads too
@@ -307,7 +306,7 @@ def master_params(optimizer):
     ("The params `optimizer` owns, as an iterator: the fp32 masters at O2 (a master kept in its bf16 weight reads as "
      "its fp32 value until the next step), the model's params otherwise")
     e = _engines.get(optimizer)
-    return iter(e.masters.weights.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
+    return iter(e.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
 
 def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
     ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (summed over ranks on "
@@ -318,7 +317,7 @@ def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
 def skipped(optimizer) -> bool:
     ("True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was "
      "decided on the device)")
-    return _engines_of(optimizer)[0].progress.last_skipped()
+    return _engines_of(optimizer)[0].skipped
 
 def _drained(loss_id:int, what:str) -> LossScaler:
     "The scaler of `loss_id`, its books caught up (a host read on a GPU)"
@@ -336,11 +335,15 @@ def loss_scale(loss_id:int=0) -> float:
      "amp.loss_scale(), params, create_graph=True)`, each grad divided by it, as with torch's `GradScaler`")
     return _drained(loss_id, 'loss_scale').scale
 
+def _params_of(e) -> list:
+    "The model params engine `e`'s optimizer holds whose values its checkpoint keeps (none at O3: no masters)"
+    return [p for g in e.params for p in g] if e.makes_masters else []
+
 def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 values of every optimizer's half params (its masters' and frozen ones')"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
-    sd['masters'] = [e.masters.weights.values() for e in _state.engines]
+    sd['masters'] = [e.record.values_of(_params_of(e)) for e in _state.engines]
     return sd
 
 def load_state_dict(sd:dict):
@@ -355,8 +358,8 @@ def load_state_dict(sd:dict):
     if len(saved) != len(_state.engines):
         raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
                          "nothing was loaded")
-    checked = [e.masters.weights.check_values(ms, f"the state_dict (optimizer {i})")
+    checked = [e.record.check_values(_params_of(e), ms, e.names, f"the state_dict (optimizer {i})")
                for i, (e, ms) in enumerate(zip(_state.engines, saved))]
     for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
     for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])
-    for e, values in zip(_state.engines, checked): e.masters.weights.load_values(values)
+    for e, values in zip(_state.engines, checked): e.record.load(values)

@@ -28,8 +28,7 @@ from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow, ShardedConversion
 from .master import check_store, CheckpointError, check_param_state, flat_like, HALF
 from .state import check_state_store, fp32_state
-from .engine import (StepEngine, unscale_into, write_atomically, adapter_for, state_by_model_param,
-                              state_onto_masters, check_optimizer_state, load_optimizer_state)
+from .engine import StepEngine, write_atomically, adapter_for
 from .distributed import (rank, refuse_shard, refuse_fsdp2, fsdp2_sharded, check_fsdp2, check_fsdp2_policy,
                                    dcp_save, dcp_load)
 from fastcore.xtras import join_path_file
@@ -121,7 +120,6 @@ class FastaiMasters:
     def __init__(self, cb): self.cb, self.conversion, self.engine, self.state_io = cb, None, None, None
     def __getstate__(self): return {**self.__dict__, 'engine': None, 'state_io': None}   # made anew at the next fit
     learn = property(lambda self: self.cb.learn)
-    masters = property(lambda self: self.engine.masters if self.engine is not None else None)
 
     def prepare(self):
         ("Convert the model to the half dtype (once), keeping fp32 masters of what trains; an FSDP2 model is cast by its "
@@ -143,17 +141,16 @@ class FastaiMasters:
     def attach_opt(self):
         "Swap the masters into `learn.opt` in place of the half params, carrying the state across; an engine over them"
         cb, wrapped, opt = self.cb, self.learn.opt, _raw_opt(self.learn)
-        if self.engine is not None and self.engine.optimizer is not opt:
-            self.engine.masters.training.sync()        # a freeze on the old optimizer reaches the model
+        e = self.engine
+        if e is not None and not e.holds(opt): e.sync_training()     # a freeze on the old optimizer reaches the model
         held = {id(p) for g in opt.param_lists for p in g}
-        if not (self.engine is not None and self.engine.optimizer is opt and
-                held == {id(p) for p in self.masters.master_params}):
+        if not (e is not None and e.holds(opt) and held == {id(t) for g in e.held_groups for t in g}):
             names = {p: n for n, p in self.learn.model.named_parameters()}
             self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=cb.flat_master,
                                             store=cb.master_store, state=cb.state_store, scaler=cb.scaler,
                                             clip=cb.clip, decide=cb.decide, impl=cb.impl)
             # what the optimizer does not hold does not train: it keeps no master
-            self.conversion.masters.keep_only(p for g in self.masters.model_groups for p in g)
+            self.conversion.masters.keep_only(p for g in self.engine.params for p in g)
         # `learn.opt` reads and writes the state in the model's layout (the same wrapper again when it was one)
         io = wrapped if isinstance(wrapped, MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is cb else (
             MixedPrecisionOpt.wrapping(cb, opt))
@@ -163,7 +160,7 @@ class FastaiMasters:
         "Put the model params back into fastai's optimizer, its state in its own layout; it is `learn.opt` again"
         opt, e = _raw_opt(self.learn), self.engine
         if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
-        if opt is not None and e is not None and e.optimizer is opt: e.held.detach()
+        if opt is not None and e is not None and e.holds(opt): e.detach()
         elif opt is not None and e is None and self.cb.state_store != 'fp32':    # a copy's: lean moments as fp32
             for state in adapter_for(opt).states():
                 for p, st in list(state.items()): state[p] = fp32_state(st)
@@ -264,7 +261,7 @@ def _check_trainable(held:FastaiMasters):
         raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
                          "(`learn.unfreeze()`), or use `get_preds` for inference")
     opt = _raw_opt(held.learn)
-    groups = held.masters.model_groups if held.masters is not None else (
+    groups = held.engine.params if held.engine is not None else (
         opt.param_lists if opt is not None and not held.conversion.steps_masters else [])
     holds = {id(p) for g in groups for p in g}
     missing = [(n, p) for n, p in trained if id(p) not in holds]
@@ -328,9 +325,9 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self.__dict__['_learn'] = learn
 
     conversion, engine = property(lambda self: self.held.conversion), property(lambda self: self.held.engine)
-    masters, state_io = property(lambda self: self.held.masters), property(lambda self: self.held.state_io)
-    model_pgs = property(lambda self: self.masters.model_groups, doc="The model's params by optimizer group")
-    master_pgs = property(lambda self: self.masters.groups, doc="What the optimizer holds, by group")
+    state_io = property(lambda self: self.held.state_io)
+    model_pgs = property(lambda self: self.engine.params, doc="The model's params by optimizer group")
+    master_pgs = property(lambda self: self.engine.held_groups, doc="What the optimizer holds, by group")
     loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
     skipped = property(lambda self: self.scaler.drained().skipped, doc="True if the last step was skipped")
     history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per optimizer step")
@@ -347,8 +344,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if any(m.held.device != m.param.device for m in self.conversion.masters.values()):
             self.held.follow_model_device()
         self.held.attach_opt()
-        self.engine.held.prepare(follow=True)   # ChannelsLast (order -1) lays the model out anew; a freeze since
-        self.engine.choose()
+        self.engine.prepare_fit()               # ChannelsLast (order -1) lays the model out anew; a freeze since
         for p in self.learn.model.parameters(): p.grad = None
     on_train_begin = before_fit                 # fastai v1's names, for readers of the seed
 
@@ -367,13 +363,13 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if e is None: return                         # nothing was converted: nothing to unscale
         e.unscale(input_finite=lambda: _all_finite(xb, torch.finfo(self.dtype).max),   # read on a bad loss only
                   forward_overflow=lambda: _forward_overflow(self.learn.model, xb))      # run when training stops
-        if not e.runner.on_device and e.must_skip(): e.discard(); raise CancelStepException()
+        if e.skip_on_host(): raise CancelStepException()
     on_backward_end, on_step_end = before_step, after_step
 
     def after_fit(self):
         "Give the optimizer's state its own layout (fastai's int step counts); the table's columns go"
         if self.engine is not None and getattr(self.learn, 'opt', None) is not None:
-            self.scaler.drain(); self.engine.held.own_layout()
+            self.scaler.drain(); self.engine.own_layout()
         self.report.end(self.learn)
     on_train_end = after_fit
     def before_train(self): self.report.start_epoch()
@@ -413,14 +409,14 @@ class MixedPrecisionOpt(GetAttr):
     def __reduce_ex__(self, protocol):
         ("A copy (`copy.deepcopy(learn)`, pickle, `export`) is fastai's optimizer on the model's params, its state in "
          "their layout: the copy's callback swaps its masters in at its next fit")
-        held = self.cb.engine.held if self.cb.engine is not None else None
-        return (_in_model_layout, (self.opt, held.masters.model_layout() if held is not None else None))
+        e = self.cb.engine
+        return (_in_model_layout, (self.opt, e.model_layout() if e is not None else None))
 
     def step(self, closure=None):
         ("The step engine's step: the fp32 masters stepped (or the step skipped), then written into the half model. "
          "Outside a fit, the grads of a plain `loss.backward()` are taken as they are (no loss scale)")
         e = self._attached().engine
-        if e.found is None and e.masters.grads.raw(): unscale_into([e], LossScaler(1., dynamic=False))
+        e.unscale_unscaled()
         return e.step(closure)
 
     def zero_grad(self):
@@ -430,12 +426,11 @@ class MixedPrecisionOpt(GetAttr):
 
     def state_dict(self) -> dict:
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
-        cb = self._attached(); opt, masters = self.opt, cb.masters
-        cb.engine.held.own_layout()                   # fastai's int step counts
-        state = state_by_model_param(cb.engine.held)
-        if masters.fsdp2 and cb.engine.state == '8bit':     # decoded: the scales cover blocks of this rank's shard
+        cb = self._attached(); opt, e = self.opt, cb.engine
+        state = e.optimizer_state()                   # fastai's int step counts
+        if e.fsdp2 and e.state == '8bit':             # decoded: the scales cover blocks of this rank's shard
             state = {p: fp32_state(s, keep_bf16=True) for p, s in state.items()}
-        params = [p for g in masters.model_groups for p in g]
+        params = [p for g in e.params for p in g]
         res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers),
                'mixedprec': {'scaler': cb.scaler.state_dict()}}
         # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
@@ -446,17 +441,17 @@ class MixedPrecisionOpt(GetAttr):
     def check_state_dict(self, sd:dict, what:str='the optimizer state'):
         ("Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load: groups, "
          "params, each state tensor, the loss scaler (nothing changes)")
-        cb = self._attached(); masters = cb.masters
-        params = [p for g in masters.model_groups for p in g]
+        cb = self._attached(); groups = cb.engine.params
+        params = [p for g in groups for p in g]
         if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple, L)) and isinstance(sd.get('hypers'), (list, tuple, L))):
             raise CheckpointError(f"{what} is not a fastai optimizer state_dict (it needs 'state' and 'hypers'); "
                                   "nothing was loaded")
-        if len(sd['hypers']) != len(masters.model_groups) or len(sd['state']) != len(params):
+        if len(sd['hypers']) != len(groups) or len(sd['state']) != len(params):
             raise CheckpointError(f"{what} holds state for {len(sd['state'])} params in {len(sd['hypers'])} groups, "
                                   "this model has "
-                                  f"{len(params)} params in {len(masters.model_groups)} groups: it comes from "
+                                  f"{len(params)} params in {len(groups)} groups: it comes from "
                                   "another model; nothing was loaded")
-        names = masters.names
+        names = cb.engine.names
         for i, (p, s) in enumerate(zip(params, sd['state'])):
             if not isinstance(s, dict):
                 raise CheckpointError(f"{what}: the state of param {i} is a {type(s).__name__}, not a dict; nothing "
@@ -469,10 +464,8 @@ class MixedPrecisionOpt(GetAttr):
          "is checked before anything changes")
         self.check_state_dict(sd)
         cb, opt = self.cb, self.opt
-        params = [p for g in cb.masters.model_groups for p in g]
-        # fp32, whatever the file holds
-        state = state_onto_masters(cb.engine.held, dict(zip(params, sd['state'])))
-        cb.engine.held.adapter.set_state(state, sd['hypers'])
+        params = [p for g in cb.engine.params for p in g]
+        cb.engine.set_optimizer_state(dict(zip(params, sd['state'])), sd['hypers'])     # fp32, whatever the file holds
         for k, v in sd.items():                        # a wrapper's own state (Lookahead's count and slow weights)
             if k not in ('state', 'hypers', 'mixedprec'): setattr(opt, k, v)
         if 'mixedprec' in sd: cb.scaler.load_state_dict(sd['mixedprec']['scaler'])
@@ -489,7 +482,7 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
     def check_state_dict(self, sd:dict, what:str='the optimizer state'):
         "Raise `CheckpointError`, saying what does not fit, unless `load_state_dict(sd)` would load (nothing changes)"
         cb = self._attached()
-        check_optimizer_state(sd, [g['params'] for g in cb.engine.optimizer.param_groups], what)
+        cb.engine.check_optimizer_state_dict(sd, what, self.opt.opt)
         scaler = sd.get('mixedprec', {}).get('scaler')
         if scaler is not None: cb.scaler.check_state(scaler)
 
@@ -498,7 +491,7 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
          "loads the file too)")
         self.check_state_dict(sd)
         scaler = sd.get('mixedprec', {}).get('scaler')
-        load_optimizer_state(self.opt.opt, {k: v for k, v in sd.items() if k != 'mixedprec'}, self.cb.engine.state)
+        self.cb.engine.load_optimizer_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'}, self.opt.opt)
         if scaler is not None: self.cb.scaler.load_state_dict(scaler)
 
 def _fitting(learn) -> bool:
@@ -688,7 +681,7 @@ def freeze_to(self:Learner, n:int):
      "`requires_grad` at once")
     fastai_freeze_to(self, n)
     cb = getattr(self, 'mixed_precision', None)
-    if isinstance(cb, MixedPrecision) and cb.masters is not None: cb.masters.training.sync()
+    if isinstance(cb, MixedPrecision) and cb.engine is not None: cb.engine.sync_training()
 
 @patch
 def to_fp32(self:Learner):

@@ -678,6 +678,47 @@ class StepEngine:
         self.masters.grads.zero(set_to_none)
         self.progress.cleared()
 
+    # what the front ends ask of the engine besides the step; they reach nothing inside it
+    record = property(lambda self: self.masters.record, doc="The record of the values of the half params")
+    params = property(lambda self: self.masters.model_groups, doc="The model's params, by the optimizer's groups")
+    held_groups = property(lambda self: self.masters.groups, doc="What the optimizer holds, by group")
+    names = property(lambda self: self.masters.names, doc="{param: its name}, for messages")
+    fsdp2 = property(lambda self: self.masters.fsdp2, doc="True when it steps FSDP2's shards")
+    makes_masters = property(lambda self: self.masters.make, doc="False when half params are stepped in half (O3)")
+    skipped = property(lambda self: self.progress.last_skipped(), doc="True if the last step was skipped")
+    awaits_step = property(lambda self: self.stage == Stage.UNSCALED, doc="True while unscaled grads wait for `step`")
+    def holds(self, optimizer) -> bool: "Whether it holds `optimizer`"; return self.optimizer is optimizer
+    def sync_training(self): "Agree on which params train, the model's `requires_grad` first"; self.masters.training.sync()
+    def prepare_fit(self):
+        "Before a fit: the masters laid out as the params, and anew for which of them train; how the step runs"
+        self.held.prepare(follow=True)
+        self.choose()
+    def skip_on_host(self) -> bool:
+        "Where the pending decision is read on the host and says skip: the step is dropped, and True"
+        if self.runner.on_device or not self.must_skip(): return False
+        self.discard()
+        return True
+    def unscale_unscaled(self):
+        "Take grads no scaled backward made (a plain `loss.backward()` after a fit) as they are: a unit, static scale"
+        if self.found is None and self.masters.grads.raw(): unscale_into([self], LossScaler(1., dynamic=False))
+    def own_layout(self): "Give the optimizer's state the layout its own step expects"; self.held.own_layout()
+    def detach(self): "Give the optimizer back, on the model's params, its state in its own layout"; self.held.detach()
+    def readable(self) -> list: "What the optimizer holds, reading as fp32 values"; return self.masters.weights.readable()
+    def model_layout(self) -> list: "What it holds, with the params each stands for"; return self.masters.model_layout()
+    def optimizer_state(self) -> dict:
+        "The optimizer's state keyed by model param, in its own layout (fastai's int step counts), lean state as kept"
+        self.held.own_layout()
+        return state_by_model_param(self.held)
+    def set_optimizer_state(self, state:dict, hypers:list):
+        "Make `state` (keyed by model param, read from a file) and `hypers` a fastai optimizer's, onto the masters"
+        self.held.adapter.set_state(state_onto_masters(self.held, state), hypers)
+    def check_optimizer_state_dict(self, sd:dict, what:str, optimizer=None):
+        "Raise unless torch optimizer state dict `sd` fits the optimizer it holds (or `optimizer`, the torch one inside)"
+        check_optimizer_state(sd, [g['params'] for g in (optimizer or self.optimizer).param_groups], what)
+    def load_optimizer_state_dict(self, sd:dict, optimizer=None):
+        "Load a checked torch optimizer state dict into the optimizer it holds (or `optimizer`, the torch one inside)"
+        load_optimizer_state(optimizer or self.optimizer, sd, self.state)
+
 
 # %% ../nbs/14_engine.ipynb #ckpt14
 def state_by_model_param(held:HeldOptimizer) -> dict:

@@ -707,6 +707,21 @@ class Masters:
     def check(self, saved:dict, names:dict, what:str):
         "Raise `CheckpointError`, naming the param, before anything changes, unless each value in `saved` can be its"
         for p, v in saved.items(): check_master_value(v, p, names.get(p, 'a param'), what)
+    def values_of(self, params) -> list:
+        "A copy of the fp32 value of each half param among `params`, trained or frozen (a front end's checkpoint)"
+        return [self.value(p).clone() for p in params if p.dtype in HALF]
+    def check_values(self, params, saved:list, names:dict, what:str) -> dict:
+        ("`saved`, a value per half param among `params` (or, as saved before 2026-12-07, per half param that trains), "
+         "checked whole: {param: value}, for `load`")
+        halves = [p for p in params if p.dtype in HALF]
+        trained = [p for p in halves if p in self]
+        n = len(saved) if isinstance(saved, (list, tuple)) else None
+        if n != len(halves) and n != len(trained):
+            raise CheckpointError(f"{what} holds {'no' if n is None else n} fp32 values, this optimizer holds "
+                                  f"{len(halves)} half params: it comes from another model; nothing was loaded")
+        values = dict(zip(halves if n == len(halves) else trained, saved))
+        self.check(values, {p: f"value {i} ({names.get(p, 'param')})" for i, p in enumerate(values)}, what)
+        return values
     def load(self, saved:dict):
         "Make each (checked) value in `saved` its param's: its master's, or a frozen param's half weight and remainder"
         for p, v in saved.items():
@@ -1130,27 +1145,6 @@ class MasterWeights:
         "The next step begins: the values `readable` lent go"
         for h in self._read: h.end_read()
         self._read = []
-
-    halves = property(lambda self: [m.param for m in self.masters if not m.own],
-                      doc="The half params the optimizer holds, trained or frozen, in the layout's order")
-    def values(self) -> list:
-        "A copy of the fp32 value of each half param, trained or frozen, in the layout's order (a checkpoint's masters)"
-        return [self.record.value(p).clone() for p in self.halves]
-    def check_values(self, saved:list, what:str='the state_dict') -> dict:
-        ("`saved`, one fp32 value per half param (or, as saved before, per half param that trains), checked whole: "
-         "{param: value}, for `load_values`")
-        halves, trained = self.halves, [m.param for m in self.masters if m.trains and not m.own]
-        n = len(saved) if isinstance(saved, (list, tuple)) else None
-        if n != len(halves) and n != len(trained):
-            raise CheckpointError(f"{what} holds {'no' if n is None else n} fp32 values, this optimizer holds "
-                                  f"{len(halves)} half params: it comes from another model; nothing was loaded")
-        params = halves if n == len(halves) else trained
-        values = dict(zip(params, saved))
-        self.record.check(values, {p: f"value {i} ({self.names.get(p, 'param')})" for i, p in enumerate(params)}, what)
-        return values
-    def load_values(self, checked:dict):
-        "Make the values `check_values` gave the params': a master's, or a frozen param's half weight and remainder"
-        self.record.load(checked)
 
 # %% ../nbs/13_master.ipynb #rounding13
 def _mix(*xs) -> int:

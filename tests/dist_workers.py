@@ -37,7 +37,7 @@ def fp16_optimizer(rank, world, inject_rank=1, agree=True, decide='cuda'):
         if step == INJECT_AT and rank == inject_rank: model[0].weight.grad[0, 0] = float('inf')
         opt.update_master_grads(); opt.clip_master_grads(10.); opt.step()
     return dict(params=[p.detach().clone() for p in model.parameters()],
-                masters=[m.value().clone() for m in opt.masters.trained],
+                masters=[m.value().clone() for m in opt.engine.masters.trained],
                 scaler=opt.scaler.state_dict(), skipped=[r.skipped for r in opt.history],
                     norms=[r.grad_norm for r in opt.history])
 
@@ -524,7 +524,7 @@ def fsdp2_fp16_optimizer(rank, world, outdir, dtype='fp16', state='fp32', inject
     ref = fsdp2_reference(clip, lr, FSDP2_INJECT if inject else None, norm_type) if rank == 0 else None
     return dict(norms=norms, params=full, loss=fsdp2_loss(full), skipped=[r.skipped for r in opt.history],
                 named=[r.params for r in opt.history], scaler=opt.scaler.state_dict(), state_dtypes=states,
-                masters=len(opt.masters.trained), reference=ref, given=type(optimizer).__name__,
+                masters=len(opt.engine.masters.trained), reference=ref, given=type(optimizer).__name__,
                 wrapped=sum(type(m).__name__.startswith('FSDP') for m in model.modules()),
                 runner=repr(opt.engine.runner))
 
@@ -589,4 +589,4 @@ def fsdp2_fastai(rank, world, outdir, dtype='fp16', state='fp32', inject=False, 
     return dict(params=full, loss=fsdp2_loss(full), skipped=[r.skipped for r in mp.history],
                 norms=[r.grad_norm for r in mp.history],
                 named=[r.params for r in mp.history], scaler=mp.scaler.state_dict(), state_dtypes=states,
-                masters=len(mp.masters.trained), fsdp2=mp.masters.fsdp2, reference=ref)
+                masters=len(mp.engine.masters.trained), fsdp2=mp.engine.masters.fsdp2, reference=ref)

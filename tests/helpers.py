@@ -70,3 +70,7 @@ class Record(Callback):
         self.order = MixedPrecision.order + offset
         for k, f in fns.items(): setattr(self, k, (lambda f: lambda: f(self.learn))(f))
 
+
+def values_of(engine):
+    "The fp32 value of each half param a step engine's optimizer holds, trained or frozen (what its checkpoints save)"
+    return engine.record.values_of([p for g in engine.params for p in g])

@@ -11,7 +11,7 @@ from mixedprec.engine import StepEngine, settings
 from mixedprec.scaler import LossScaler
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from fastai.optimizer import Adam
-from helpers import synth_learner, masters_of, master_values
+from helpers import synth_learner, masters_of, master_values, values_of
 
 DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
 CHUNK = 1 << 16
@@ -185,7 +185,7 @@ def test_split_masters_equal_fp32_masters_given_the_same_grads_over_300_steps(op
         e_fp32.scaled(None)                                      # its grads were set by hand, not by a scaled backward
         for e in (e_split, e_fp32): e.unscale(); e.step(); e.zero_grad()
         if i % 50 == 49 or i == 299:
-            for a, b in zip(e_split.masters.weights.values(), e_fp32.masters.weights.values()):
+            for a, b in zip(values_of(e_split), values_of(e_fp32)):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), i
     for p, q in zip(m_split.parameters(), m_fp32.parameters()):
         same = bits16(p.detach()) == bits16(q.detach())
@@ -274,8 +274,8 @@ def test_wrong_settings_say_what_to_do():
 def test_fastai_to_bf16_with_bf16_masters_trains_like_fp32_masters(store):
     ref = synth_learner(); ref.to_bf16(); ref.fit(3, 1e-2)
     learn = synth_learner(); learn.to_bf16(masters=store); learn.fit(3, 1e-2)
-    assert ref.mixed_precision.masters.kind.__name__ == 'Fp32Master'
-    assert learn.mixed_precision.masters.kind.store == store
+    assert ref.mixed_precision.engine.masters.kind.__name__ == 'Fp32Master'
+    assert learn.mixed_precision.engine.masters.kind.store == store
     assert learn.mixed_precision.engine.runner.plan is not None           # fastai's Adam, fused
     if store == 'split':
         for a, b in zip(master_values(ref), master_values(learn)):
@@ -363,12 +363,12 @@ def test_amp_o2_bf16_with_bf16_masters(store):
         return model, opt
     (m1, o1), (m2, o2) = run('fp32'), run(store)
     assert opt_masters_store(o2) == store
-    for a, b in zip(o1._mixedprec_engine.masters.weights.values(), o2._mixedprec_engine.masters.weights.values()):
+    for a, b in zip(values_of(o1._mixedprec_engine), values_of(o2._mixedprec_engine)):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
     sd = amp.state_dict()                                           # the masters of the last initialize, as fp32 values
     assert all(t.dtype == torch.float32 for t in sd['masters'][0])
     amp.load_state_dict(sd)
-    for a, b in zip(sd['masters'][0], o2._mixedprec_engine.masters.weights.values()):
+    for a, b in zip(sd['masters'][0], values_of(o2._mixedprec_engine)):
         if store == 'split': assert torch.equal(a, b)
         else:
             # without a low half, a loaded master is its nearest bf16
@@ -396,7 +396,7 @@ def test_fp16_optimizer_with_bf16_masters_round_trips_its_state_dict(store):
         assert torch.equal(bits16(p.detach()), bits16(w))     # the load set the model's weights too
     # resumed: the same 20 steps give the same weights (SR's stream is in the state)
     train(m2, o2, 20, 30)
-    for a, b in zip(o1.masters.weights.values(), o2.masters.weights.values()): assert torch.equal(a, b)
+    for a, b in zip(values_of(o1.engine), values_of(o2.engine)): assert torch.equal(a, b)
 
 def test_split_masters_follow_channels_last():
     from fastai.vision.all import Learner
@@ -461,7 +461,7 @@ def test_split_masters_train_a_transformer_as_fp32_masters():
             with amp.scale_loss(loss, opt) as sl: sl.backward()
             opt.step(); opt.zero_grad()
             losses.append(loss.item())
-        return losses, e.masters.weights.values()
+        return losses, values_of(e)
     (l1, m1), (l2, m2) = run('fp32'), run('split')
     assert l2[-1] < l2[0] * 0.8
     torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=2e-2, atol=0)
@@ -514,7 +514,7 @@ def test_split_masters_with_a_scheduler_and_step_hooks_match_fp32_masters():
             idx = torch.arange(i * 16, i * 16 + 16) % len(x)
             with amp.scale_loss(nn.functional.cross_entropy(model(x[idx]).float(), y[idx]), opt) as sl: sl.backward()
             opt.step(); opt.zero_grad(); sched.step()
-        return calls, opt._mixedprec_engine.masters.weights.values()
+        return calls, values_of(opt._mixedprec_engine)
     (c1, m1), (c2, m2) = run('fp32'), run('split')
     assert c1 == c2 and len(c1) == 40                              # the hook ran every step, with the same schedule
     for a, b in zip(m1, m2): torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)

@@ -124,11 +124,11 @@ def test_fit_twice_keeps_scale_masters_and_state():
     learn = synth_learner(opt_func=Adam, lr=1e-3).to_fp16(loss_scale=2.**8, max_noskip=4)
     learn.fit(1)
     mp, opt = learn.mixed_precision, learn.opt
-    scale, n, masters = mp.loss_scale, mp.scaler.n_steps, [m for m in mp.masters.master_params]
+    scale, n, masters = mp.loss_scale, mp.scaler.n_steps, [m for m in mp.engine.masters.master_params]
     avg = opt.state[masters[0]]['grad_avg']
     learn.fit(1)
     # the same `MixedPrecisionOpt`, not a new one per fit
-    assert learn.opt is opt and learn.mixed_precision.masters.master_params == masters
+    assert learn.opt is opt and learn.mixed_precision.engine.masters.master_params == masters
     assert mp.scaler.n_steps == 2 * n and mp.loss_scale >= scale
     # updated in place, never reset
     assert opt.state[masters[0]]['step'] == 2 * n and opt.state[masters[0]]['grad_avg'] is avg

@@ -112,11 +112,11 @@ def test_two_initializes_keep_their_own_scalers():
     m1, m2 = two_layer(1), two_layer(2)
     m1, o1 = amp.initialize(m1, torch.optim.SGD(m1.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     m2, o2 = amp.initialize(m2, torch.optim.SGD(m2.parameters(), lr=0.1), opt_level="O2", verbosity=0)
-    assert o1._mixedprec_engine.amp is not o2._mixedprec_engine.amp
+    assert amp._setups[o1._mixedprec_engine] is not amp._setups[o2._mixedprec_engine]
     with amp.scale_loss(m1(batch(0)[0]).sum() * 1e6, o1) as s:
         s.backward()        # overflows: only the first initialize's scale drops
     o1.step()
-    assert o1._mixedprec_engine.amp.scalers[0].scale == 2.**15 and o2._mixedprec_engine.amp.scalers[0].scale == 2.**16
+    assert amp._setups[o1._mixedprec_engine].scalers[0].scale == 2.**15 and amp._setups[o2._mixedprec_engine].scalers[0].scale == 2.**16
 
 def test_flat_master_leaves_a_param_without_grad_unchanged():
     class TwoHeads(nn.Module):

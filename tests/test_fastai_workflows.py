@@ -77,7 +77,7 @@ def test_save_model_and_early_stopping_callbacks(tmp_path):
     learn = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path).to_fp16(loss_scale=2.**8)
     learn.fit(3, cbs=[SaveModelCallback(fname='best', with_opt=True), EarlyStoppingCallback(patience=1)])
     assert (tmp_path/'models'/'best.pth').exists()
-    assert learn.model[0].weight.dtype == torch.half and learn.mixed_precision.masters is not None
+    assert learn.model[0].weight.dtype == torch.half and learn.mixed_precision.engine.masters is not None
     learn.fit(1)
 
 def digits_df():

@@ -191,4 +191,4 @@ def test_fused_step_matches_the_wrapped_optimizer(make, monkeypatch, decide):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     s1, s2 = o1.optimizer.state_dict(), o2.optimizer.state_dict()
     assert s1['state'].keys() == s2['state'].keys() and all(s1['state'][k].keys() == s2['state'][k].keys() for k in s1['state'])
-    for m in o2.masters.trained: assert torch.equal(m.param.detach(), m.held.detach().half())
+    for m in o2.engine.masters.trained: assert torch.equal(m.param.detach(), m.held.detach().half())

@@ -55,7 +55,7 @@ def test_fp16_optimizer_over_fsdp2_takes_its_fp32_params_as_masters_and_refuses_
     from mixedprec.fp16_optimizer import FP16_Optimizer
     model = sharded(mlp())
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
-    assert opt.masters.fsdp2 and not opt.masters.trained, "no second copy of the weights"
+    assert opt.engine.masters.fsdp2 and not opt.engine.masters.trained, "no second copy of the weights"
     assert all(m is p for m, p in zip(opt.param_groups[0]['params'], model.parameters()))
     for kw, match in [(dict(shard=True), r"shard=True .* is removed.*fully_shard"),
                       (dict(masters='split'), "pass masters='fp32'")]:
@@ -300,9 +300,9 @@ def test_fastai_on_fsdp2_casts_nothing_its_fp32_shards_are_the_masters_and_opt_s
     learn.fit(3, 1e-2)
     mp = learn.mixed_precision
     assert [p.dtype for p in learn.model.parameters()] == [torch.float32] * 4, "FSDP2's policy casts, not mixedprec"
-    assert mp.masters.fsdp2 and not mp.masters.trained, "no second copy of the weights"
+    assert mp.engine.masters.fsdp2 and not mp.engine.masters.trained, "no second copy of the weights"
     assert max((a - p.detach().full_tensor()).abs().max().item() for a, p in zip(      # (the clip's sums: 1 ulp)
-        unsharded.mixed_precision.masters.master_params, learn.model.parameters())) < 1e-6, "as without FSDP2"
+        unsharded.mixed_precision.engine.masters.master_params, learn.model.parameters())) < 1e-6, "as without FSDP2"
     assert [(r.skipped, r.scale, r.grad_norm) for r in mp.history] == [
         (r.skipped, r.scale, r.grad_norm) for r in unsharded.mixed_precision.history], "the same skips and clip norms"
     assert learn.validate()[0] == pytest.approx(fp32.validate()[0], rel=0.1) and learn.validate()[0] < 0.6 * start

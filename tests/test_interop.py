@@ -159,7 +159,7 @@ def test_channels_last_with_bf16_trains_like_nchw(order, flat):
     learn.fit(2)
     conv = learn.model[0].weight
     assert conv.is_contiguous(memory_format=torch.channels_last)
-    for m in learn.mixed_precision.masters.masters:
+    for m in learn.mixed_precision.engine.masters.masters:
         assert m.value().stride() == m.param.stride() and torch.equal(m.param.detach(), m.value().to(m.param.dtype))
     for a, b in zip(master_values(ref), master_values(learn)):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)

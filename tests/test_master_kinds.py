@@ -8,7 +8,7 @@ from mixedprec import amp
 from mixedprec.master import StandInMaster
 from mixedprec.fp16_optimizer import FP16_Optimizer
 from fastai.optimizer import Adam
-from helpers import synth_learner, master_values
+from helpers import synth_learner, master_values, values_of
 
 class PairMaster(StandInMaster):
     "The master of an fp16 param as the param and an fp32 remainder `low`: value = param + low, exactly"
@@ -48,15 +48,15 @@ def train_fp16_optimizer(masters, steps=30, clip=None, inf_at=None):
 
 def test_a_kind_written_outside_the_package_trains_clips_and_skips_as_fp32_masters():
     (m1, o1, n1), (m2, o2, n2) = (train_fp16_optimizer(k, clip=0.5, inf_at=10) for k in ('fp32', PairMaster))
-    assert all(type(m) is PairMaster for m in o2.masters.trained)
+    assert all(type(m) is PairMaster for m in o2.engine.masters.trained)
     assert o2.engine.runner.plan is None                         # the fused kernels do not know it: its own step
     assert [r.skipped for r in o1.history] == [r.skipped for r in o2.history] and o2.history[10].skipped
     torch.testing.assert_close(torch.tensor(n1), torch.tensor(n2), rtol=1e-3, atol=1e-4)
-    for a, b in zip(o1.masters.weights.values(), o2.masters.weights.values()): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    for a, b in zip(values_of(o1.engine), values_of(o2.engine)): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 def test_its_values_survive_every_door():
     m, opt, _ = train_fp16_optimizer(PairMaster, steps=5)
-    values = [t.clone() for t in opt.masters.weights.values()]
+    values = [t.clone() for t in values_of(opt.engine)]
     assert not all(torch.equal(v, v.half().float()) for v in values)     # bits below fp16's: the remainder holds them
     # the model's state_dict and a submodule's
     sd = m.state_dict()
@@ -67,9 +67,9 @@ def test_its_values_survive_every_door():
     m2 = model(seed=5).half()
     o2 = FP16_Optimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2), masters=PairMaster, verbose=False)
     m2.load_state_dict(ck['model'])
-    assert all(torch.equal(a, b) for a, b in zip(o2.masters.weights.values(), values))
+    assert all(torch.equal(a, b) for a, b in zip(values_of(o2.engine), values))
     o2.load_state_dict(ck['opt'])
-    assert all(torch.equal(a, b) for a, b in zip(o2.masters.weights.values(), values))
+    assert all(torch.equal(a, b) for a, b in zip(values_of(o2.engine), values))
     # a copy of the model keeps fp32 masters of its own, with the values
     twin = copy.deepcopy(m)
     assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), sd.values()))
@@ -84,24 +84,24 @@ def test_through_amp_and_its_checkpoint():
             amp.clip_grad_norm_(o, 1.); o.step(); o.zero_grad()
         return m, o
     (_, o1), (m2, o2) = run('fp32'), run(PairMaster)
-    for a, b in zip(o1._mixedprec_engine.masters.weights.values(), o2._mixedprec_engine.masters.weights.values()):
+    for a, b in zip(values_of(o1._mixedprec_engine), values_of(o2._mixedprec_engine)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
     # amp.master_params reads as the values, and a write into one reaches the master
     held = list(amp.master_params(o2))
-    assert all(torch.equal(h, v) for h, v in zip(held, o2._mixedprec_engine.masters.weights.values()))
+    assert all(torch.equal(h, v) for h, v in zip(held, values_of(o2._mixedprec_engine)))
     sd = amp.state_dict()
     o2.param_groups[0]['lr'] = 0.
     with torch.no_grad(): held[0].fill_(0.25)
     with amp.scale_loss(m2(data()[0]).float().sum() * 0, o2) as s: s.backward()
     o2.step()
-    assert torch.equal(o2._mixedprec_engine.masters.weights.values()[0], torch.full_like(held[0], 0.25))
+    assert torch.equal(values_of(o2._mixedprec_engine)[0], torch.full_like(held[0], 0.25))
     amp.load_state_dict(sd)
-    assert all(torch.equal(a, b) for a, b in zip(o2._mixedprec_engine.masters.weights.values(), sd['masters'][0]))
+    assert all(torch.equal(a, b) for a, b in zip(values_of(o2._mixedprec_engine), sd['masters'][0]))
 
 def test_through_fastai_save_and_load(tmp_path):
     learn = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path).to_fp16(masters=PairMaster, loss_scale=2.**8)
     learn.fit(1)
-    assert all(type(m) is PairMaster for m in learn.mixed_precision.masters.trained)
+    assert all(type(m) is PairMaster for m in learn.mixed_precision.engine.masters.trained)
     values = [v.clone() for v in master_values(learn)]
     learn.save('pair')
     other = synth_learner(opt_func=Adam, lr=1e-2, path=tmp_path, seed=3).to_fp16(masters=PairMaster).load('pair')

@@ -549,7 +549,7 @@ def test_an_op_without_a_half_kernel_names_the_module_to_keep_in_fp32_and_that_f
     learn = synth_learner(orthogonal_mlp(), opt_func=Adam, lr=1e-2).to_bf16(keep_fp32=_Orthogonal)
     learn.fit(2)
     assert learn.model[
-        0].parametrizations.weight.original.dtype == torch.bfloat16 and learn.mixed_precision.masters is not None
+        0].parametrizations.weight.original.dtype == torch.bfloat16 and learn.mixed_precision.engine.masters is not None
     first, last = learn.recorder.values[0][0], learn.recorder.values[-1][0]
     assert last < first and torch.isfinite(torch.tensor(last))
     # the parametrization computed in fp32, on the half weight
