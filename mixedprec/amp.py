@@ -360,6 +360,6 @@ def load_state_dict(sd:dict):
                          "nothing was loaded")
     checked = [e.record.check_values(_params_of(e), ms, e.names, f"the state_dict (optimizer {i})")
                for i, (e, ms) in enumerate(zip(_state.engines, saved))]
-    for i, s in enumerate(_state.scalers): s.check_state(sd[f'loss_scaler{i}'])
-    for i, s in enumerate(_state.scalers): s.load_state_dict(sd[f'loss_scaler{i}'])
+    scalers = [s.check_state(sd[f'loss_scaler{i}']) for i, s in enumerate(_state.scalers)]
+    for s, values in zip(_state.scalers, scalers): s.restore(values)
     for e, values in zip(_state.engines, checked): e.record.load(values)

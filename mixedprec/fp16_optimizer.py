@@ -124,8 +124,8 @@ class FP16_Optimizer:
         e = self.engine
         values = e.record.check_values(self._params, sd['fp32_from_fp16'], e.names, 'the state_dict')
         self.engine.check_optimizer_state_dict(sd['optimizer_state_dict'], 'the state_dict')
-        self.scaler.check_state(sd['loss_scaler'])
-        self.scaler.load_state_dict(sd['loss_scaler'])
+        scaler = self.scaler.check_state(sd['loss_scaler'])
+        self.scaler.restore(scaler)
         self.engine.load_optimizer_state_dict(sd['optimizer_state_dict'])
         e.record.load(values)
 

@@ -323,9 +323,9 @@ class LossScaler:
 
     def state_dict(self) -> dict: "The state as plain numbers (books caught up)"; self.drain(); return {k: getattr(self, k) for k in _STATE}
     def check_state(self, sd:dict) -> dict: "What `load_state_dict(sd)` would set, or an error"; return check_scaler_state(self, sd)
-    def load_state_dict(self, sd:dict):
-        "Restore the state from `state_dict()`; the rule restarts from it"
-        values = self.check_state(sd)
+    def load_state_dict(self, sd:dict): "Restore the state from `state_dict()`"; return self.restore(self.check_state(sd))
+    def restore(self, values:dict):
+        "Set the values `check_state` gave; the rule restarts from them"
         self.drain()
         for k, v in values.items(): setattr(self.books if hasattr(self.books, k) else self, k, v)
         self.rule = None
