@@ -164,8 +164,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, sd:dict):
         "Checked against the masters first (torch checks the group sizes only)"
-        self.engine.check_optimizer_state_dict(sd, "optimizer.load_state_dict")
-        self.engine.load_optimizer_state_dict(sd)
+        self.engine.opt_state.check_dict(sd, "optimizer.load_state_dict")
+        self.engine.opt_state.load_dict(sd)
 
 # %% ../nbs/17_amp.ipynb #6a0513d8
 class AutocastForward:
@@ -265,7 +265,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         setup.optimizers.append(o)
         returned.append(AmpOptimizer(o, e))
         setup.engines.append(e)
-    held = [p for e in setup.engines for g in e.params for p in g]
+    held = [p for e in setup.engines for g in e.view.params for p in g]
     for r in records: r.keep_only(held)          # what no optimizer holds does not train: it keeps no master
     if verbosity:
         print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale "
@@ -306,7 +306,7 @@ def master_params(optimizer):
     ("The params `optimizer` owns, as an iterator: the fp32 masters at O2 (a master kept in its bf16 weight reads as "
      "its fp32 value until the next step), the model's params otherwise")
     e = _engines.get(optimizer)
-    return iter(e.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
+    return iter(e.view.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
 
 def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
     ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (summed over ranks on "
@@ -337,13 +337,13 @@ def loss_scale(loss_id:int=0) -> float:
 
 def _params_of(e) -> list:
     "The model params engine `e`'s optimizer holds whose values its checkpoint keeps (none at O3: no masters)"
-    return [p for g in e.params for p in g] if e.makes_masters else []
+    return [p for g in e.view.params for p in g] if e.view.makes_masters else []
 
 def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 values of every optimizer's half params (its masters' and frozen ones')"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
-    sd['masters'] = [e.record.values_of(_params_of(e)) for e in _state.engines]
+    sd['masters'] = [e.view.record.values_of(_params_of(e)) for e in _state.engines]
     return sd
 
 def load_state_dict(sd:dict):
@@ -358,8 +358,8 @@ def load_state_dict(sd:dict):
     if len(saved) != len(_state.engines):
         raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
                          "nothing was loaded")
-    checked = [e.record.check_values(_params_of(e), ms, e.names, f"the state_dict (optimizer {i})")
+    checked = [e.view.record.check_values(_params_of(e), ms, e.view.names, f"the state_dict (optimizer {i})")
                for i, (e, ms) in enumerate(zip(_state.engines, saved))]
     scalers = [s.check_state(sd[f'loss_scaler{i}']) for i, s in enumerate(_state.scalers)]
     for s, values in zip(_state.scalers, scalers): s.restore(values)
-    for e, values in zip(_state.engines, checked): e.record.load(values)
+    for e, values in zip(_state.engines, checked): e.view.record.load(values)

@@ -226,13 +226,13 @@ class FastaiMasters:
         e = self.engine
         if e is not None and not e.holds(opt): e.sync_training()     # a freeze on the old optimizer reaches the model
         held = {id(p) for g in opt.param_lists for p in g}
-        if not (e is not None and e.holds(opt) and held == {id(t) for g in e.held_groups for t in g}):
+        if not (e is not None and e.holds(opt) and held == {id(t) for g in e.view.held_groups for t in g}):
             names = {p: n for n, p in self.learn.model.named_parameters()}
             self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=cb.flat_master,
                                             store=cb.master_store, state=cb.state_store, scaler=cb.scaler,
                                             clip=cb.clip, decide=cb.decide, impl=cb.impl)
             # what the optimizer does not hold does not train: it keeps no master
-            self.conversion.masters.keep_only(p for g in self.engine.params for p in g)
+            self.conversion.masters.keep_only(p for g in self.engine.view.params for p in g)
         # `learn.opt` reads and writes the state in the model's layout (the same wrapper again when it was one)
         io = wrapped if isinstance(wrapped, MixedPrecisionOpt) and wrapped.opt is opt and wrapped.cb is cb else (
             MixedPrecisionOpt.wrapping(cb, opt))
@@ -343,7 +343,7 @@ def _check_trainable(held:FastaiMasters):
         raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
                          "(`learn.unfreeze()`), or use `get_preds` for inference")
     opt = _raw_opt(held.learn)
-    groups = held.engine.params if held.engine is not None else (
+    groups = held.engine.view.params if held.engine is not None else (
         opt.param_lists if opt is not None and not held.conversion.steps_masters else [])
     holds = {id(p) for g in groups for p in g}
     missing = [(n, p) for n, p in trained if id(p) not in holds]
@@ -408,8 +408,8 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
 
     conversion, engine = property(lambda self: self.held.conversion), property(lambda self: self.held.engine)
     state_io = property(lambda self: self.held.state_io)
-    model_pgs = property(lambda self: self.engine.params, doc="The model's params by optimizer group")
-    master_pgs = property(lambda self: self.engine.held_groups, doc="What the optimizer holds, by group")
+    model_pgs = property(lambda self: self.engine.view.params, doc="The model's params by optimizer group")
+    master_pgs = property(lambda self: self.engine.view.held_groups, doc="What the optimizer holds, by group")
     loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
     skipped = property(lambda self: self.scaler.drained().skipped, doc="True if the last step was skipped")
     history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per optimizer step")
@@ -492,7 +492,7 @@ class MixedPrecisionOpt(GetAttr):
         ("A copy (`copy.deepcopy(learn)`, pickle, `export`) is fastai's optimizer on the model's params, its state in "
          "their layout: the copy's callback swaps its masters in at its next fit")
         e = self.cb.engine
-        return (_in_model_layout, (self.opt, e.model_layout() if e is not None else None))
+        return (_in_model_layout, (self.opt, e.view.model_layout() if e is not None else None))
 
     def step(self, closure=None):
         ("The step engine's step: the fp32 masters stepped (or the step skipped), then written into the half model. "
@@ -509,10 +509,10 @@ class MixedPrecisionOpt(GetAttr):
     def state_dict(self) -> dict:
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
         cb = self._attached(); opt, e = self.opt, cb.engine
-        state = e.optimizer_state()                   # fastai's int step counts
-        if e.fsdp2 and e.state == '8bit':             # decoded: the scales cover blocks of this rank's shard
+        state = e.opt_state.by_param()                # fastai's int step counts
+        if e.view.fsdp2 and e.state == '8bit':             # decoded: the scales cover blocks of this rank's shard
             state = {p: fp32_state(s, keep_bf16=True) for p, s in state.items()}
-        params = [p for g in e.params for p in g]
+        params = [p for g in e.view.params for p in g]
         res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers),
                'mixedprec': {'scaler': cb.scaler.state_dict()}}
         # a wrapper (fastai's Lookahead, so ranger) keeps state of its own beside its optimizer's
@@ -523,7 +523,7 @@ class MixedPrecisionOpt(GetAttr):
     def check_state_dict(self, sd:dict, what:str='the optimizer state') -> tuple:
         ("Raise `CheckpointError`, saying what does not fit, unless `sd` loads: groups, params, each state tensor, the "
          "loss scaler (nothing changes); returns what `load_checked` takes")
-        cb = self._attached(); groups = cb.engine.params
+        cb = self._attached(); groups = cb.engine.view.params
         params = [p for g in groups for p in g]
         if not (isinstance(sd, dict) and isinstance(sd.get('state'), (list, tuple, L)) and isinstance(sd.get('hypers'), (list, tuple, L))):
             raise CheckpointError(f"{what} is not a fastai optimizer state_dict (it needs 'state' and 'hypers'); "
@@ -533,7 +533,7 @@ class MixedPrecisionOpt(GetAttr):
                                   "this model has "
                                   f"{len(params)} params in {len(groups)} groups: it comes from "
                                   "another model; nothing was loaded")
-        names = cb.engine.names
+        names = cb.engine.view.names
         for i, (p, s) in enumerate(zip(params, sd['state'])):
             if not isinstance(s, dict):
                 raise CheckpointError(f"{what}: the state of param {i} is a {type(s).__name__}, not a dict; nothing "
@@ -548,8 +548,8 @@ class MixedPrecisionOpt(GetAttr):
     def load_checked(self, checked:tuple):
         "Load what `check_state_dict` checked"
         (sd, scaler), cb, opt = checked, self.cb, self.opt
-        params = [p for g in cb.engine.params for p in g]
-        cb.engine.set_optimizer_state(dict(zip(params, sd['state'])), sd['hypers'])     # fp32, whatever the file holds
+        params = [p for g in cb.engine.view.params for p in g]
+        cb.engine.opt_state.set(dict(zip(params, sd['state'])), sd['hypers'])      # fp32, whatever the file holds
         for k, v in sd.items():                        # a wrapper's own state (Lookahead's count and slow weights)
             if k not in ('state', 'hypers', 'mixedprec'): setattr(opt, k, v)
         if scaler is not None: cb.scaler.restore(scaler)
@@ -571,14 +571,14 @@ class MixedPrecisionOptimWrapper(MixedPrecisionOpt):
     def check_state_dict(self, sd:dict, what:str='the optimizer state') -> tuple:
         "Raise `CheckpointError`, saying what does not fit, unless `sd` loads; returns what `load_checked` takes"
         cb = self._attached()
-        cb.engine.check_optimizer_state_dict(sd, what, self.opt.opt)
+        cb.engine.opt_state.check_dict(sd, what, self.opt.opt)
         return sd, _checked_scaler(cb, sd)
 
     def load_checked(self, checked:tuple):
         ("The wrapped torch optimizer's state and the loss scaler (torch ignores the scaler's key, so plain fastai "
          "loads the file too)")
         sd, scaler = checked
-        self.cb.engine.load_optimizer_state_dict({k: v for k, v in sd.items() if k != 'mixedprec'}, self.opt.opt)
+        self.cb.engine.opt_state.load_dict({k: v for k, v in sd.items() if k != 'mixedprec'}, self.opt.opt)
         if scaler is not None: self.cb.scaler.restore(scaler)
 
 def _fitting(learn) -> bool:

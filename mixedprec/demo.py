@@ -85,7 +85,7 @@ def summary(learn:Learner) -> str:
         sc, hist = mp.scaler, list(mp.history)
         lines.append(
             'masters:       ' + ', '.join(
-                sorted({str(m.dtype).replace('torch.', '') for m in mp.masters.master_params})))
+                sorted({str(m.dtype).replace('torch.', '') for g in mp.engine.view.held_groups for m in g})))
         lines.append(f"loss scale:    final {sc.scale:g}, min {min((r.scale for r in hist), default=sc.scale):g}")
         lines.append(f"skipped steps: {sc.n_skipped} of {sc.n_steps}")
         lines.append(f"implementation: {ops.backend(next(learn.model.parameters()))}")

@@ -6,9 +6,8 @@
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults', 'current_decide',
            'FusedPlan', 'torch_plan', 'fused_plan', 'fuses', 'OptimizerAdapter', 'adapter_for', 'make_state',
            'keeps_buffer', 'FusedStep', 'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'HeldOptimizer',
-           'StepRunner', 'StepEngine', 'state_by_model_param', 'state_onto_masters', 'check_optimizer_state',
-           'load_optimizer_state', 'write_atomically', 'save_checkpoint', 'clip_grads_', 'clip_norm', 'scale_into',
-           'OverflowNames', 'unscale_into', 'clip_pending']
+           'StepRunner', 'StepEngine', 'LayoutView', 'OptimizerState', 'write_atomically', 'save_checkpoint',
+           'clip_grads_', 'clip_norm', 'scale_into', 'OverflowNames', 'unscale_into', 'clip_pending']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars, functools, math
@@ -520,7 +519,6 @@ class StepEngine:
         self.held, self.scaler, self.clip, self.hint = held, scaler, clip, hint
         self.progress, self.stepping = Progress(), False   # stepping: the optimizer's own step runs for the engine
         self.choose()
-
     @classmethod
     def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, store='fp32', make:bool=True,
                state:str='fp32', impl:str=None, decide:str=None, **kwargs) -> 'StepEngine':
@@ -535,8 +533,7 @@ class StepEngine:
     device = property(lambda self: self.masters.device(), doc="Where the params live")
     stage = property(lambda self: self.progress.stage, doc="Where the step protocol stands")
     found = property(lambda self: self.progress.found, doc="The pending decision (0-dim bool tensor, True: skip)")
-    accumulating = property(lambda self: self.progress.found is not None,
-                            doc="True when the masters hold unscaled grads of a pending step: the next unscale adds")
+    accumulating = property(lambda self: self.progress.found is not None, doc="True while unscales add up (pending)")
     def choose(self):
         "Choose how the next step runs (see `StepRunner`), anew where the layout, the optimizer or the settings changed"
         key = (self.masters, getattr(fused_plan(self.optimizer), 'name', None), ops.current_impl(), current_decide())
@@ -551,26 +548,13 @@ class StepEngine:
         "Unscale into the masters, check, clip, agree and advance the scaler: the decision (0-dim bool), kept for `step`"
         return unscale_into([self], self.scaler, self.clip, input_finite, forward_overflow)
 
-    def scaled(self, finite):
-        "A loss was scaled for this engine's grads: note whether it was finite; unscaled fp32 grads are set aside"
-        self.masters.grads.drop_lent()                              # the half params' grads are the backward's again
-        if self.progress.scaled(finite): self.masters.grads.set_aside()
-
-    def unscaled(self, inv:torch.Tensor, scaler:LossScaler) -> tuple:
-        "Unscale the half grads by `inv` into the masters (added while accumulating): their flag, and the losses'"
-        if self.held.prepare(self.accumulating) or not self.accumulating: self.choose()   # (a layout made anew)
-        flag = self.masters.grads.unscale(inv, accumulate=self.accumulating)
-        return flag, self.progress.unscaled(scaler)
-
     def must_skip(self) -> bool: "The pending decision, read on the host"; return self.progress.must_skip()
     def settle_books(self):
         "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
         for s in self.progress.scalers: s.drain()
-
     def discard(self):
         "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
         self.settle_books(); self.masters.grads.zero(); self.progress.ended(Stage.READY)
-
     def step(self, closure=None):
         "Step or skip by the pending decision: the fused kernels (reading it on the device), or the own step and the copy"
         found, runner = self.progress.found, self.runner
@@ -594,7 +578,6 @@ class StepEngine:
             self.masters.grads.drop_lent()
             self.progress.ended(Stage.STEPPED)
             self.masters.weights.written()          # what the model holds now is ours: a change after this is the user's
-
     def zero_grad(self, set_to_none:bool=True):
         ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
          "(zeroed grads stay, and are stepped); a decision about grads that are gone goes with them")
@@ -602,14 +585,9 @@ class StepEngine:
         for s in self.progress.scalers: s.freeze_names()
         self.masters.grads.zero(set_to_none)
         self.progress.cleared()
-
-    # what the front ends ask of the engine besides the step; they reach nothing inside it
-    record = property(lambda self: self.masters.record, doc="The record of the values of the half params")
-    params = property(lambda self: self.masters.model_groups, doc="The model's params, by the optimizer's groups")
-    held_groups = property(lambda self: self.masters.groups, doc="What the optimizer holds, by group")
-    names = property(lambda self: self.masters.names, doc="{param: its name}, for messages")
-    fsdp2 = property(lambda self: self.masters.fsdp2, doc="True when it steps FSDP2's shards")
-    makes_masters = property(lambda self: self.masters.make, doc="False when half params are stepped in half (O3)")
+    # what the front ends ask besides the step: they reach nothing inside the engine
+    view = property(lambda self: LayoutView(self.masters), doc="What the front ends read of the masters' layout")
+    opt_state = property(lambda self: OptimizerState(self.held), doc="Its optimizer's state, as checkpoints see it")
     skipped = property(lambda self: self.progress.last_skipped(), doc="True if the last step was skipped")
     awaits_step = property(lambda self: self.stage == Stage.UNSCALED, doc="True while unscaled grads wait for `step`")
     def holds(self, optimizer) -> bool: "Whether it holds `optimizer`"; return self.optimizer is optimizer
@@ -628,64 +606,66 @@ class StepEngine:
         if self.found is None and self.masters.grads.raw(): unscale_into([self], LossScaler(1., dynamic=False))
     def own_layout(self): "Give the optimizer's state the layout its own step expects"; self.held.own_layout()
     def detach(self): "Give the optimizer back, on the model's params, its state in its own layout"; self.held.detach()
-    def readable(self) -> list: "What the optimizer holds, reading as fp32 values"; return self.masters.weights.readable()
-    def model_layout(self) -> list: "What it holds, with the params each stands for"; return self.masters.model_layout()
-    def optimizer_state(self) -> dict:
-        "The optimizer's state keyed by model param, in its own layout (fastai's int step counts), lean state as kept"
-        self.held.own_layout()
-        return state_by_model_param(self.held)
-    def set_optimizer_state(self, state:dict, hypers:list):
-        "Make `state` (keyed by model param, read from a file) and `hypers` a fastai optimizer's, onto the masters"
-        self.held.adapter.set_state(state_onto_masters(self.held, state), hypers)
-    def check_optimizer_state_dict(self, sd:dict, what:str, optimizer=None):
-        "Raise unless torch optimizer state dict `sd` fits the optimizer it holds (or `optimizer`, the torch one inside)"
-        check_optimizer_state(sd, [g['params'] for g in (optimizer or self.optimizer).param_groups], what)
-    def load_optimizer_state_dict(self, sd:dict, optimizer=None):
-        "Load a checked torch optimizer state dict into the optimizer it holds (or `optimizer`, the torch one inside)"
-        load_optimizer_state(optimizer or self.optimizer, sd, self.state)
 
+
+# %% ../nbs/14_engine.ipynb #lview14
+class LayoutView:
+    "What a front end reads of an engine's masters' layout (read only)"
+    def __init__(self, layout:MasterParams): self._layout = layout
+    record = property(lambda self: self._layout.record, doc="The record of the half params' values")
+    params = property(lambda self: self._layout.model_groups, doc="The model's params, by the optimizer's groups")
+    held_groups = property(lambda self: self._layout.groups, doc="What the optimizer holds, by group")
+    names = property(lambda self: self._layout.names, doc="{param: its name}, for messages")
+    fsdp2 = property(lambda self: self._layout.fsdp2, doc="True when it steps FSDP2's shards")
+    makes_masters = property(lambda self: self._layout.make, doc="False when half params are stepped in half (O3)")
+    def readable(self) -> list: "What the optimizer holds, reading as fp32 values"; return self._layout.weights.readable()
+    def model_layout(self) -> list: "What it holds, with the params each stands for"; return self._layout.model_layout()
 
 # %% ../nbs/14_engine.ipynb #ckpt14
-def state_by_model_param(held:HeldOptimizer) -> dict:
-    "The optimizer's state keyed by model param, a flat master's split into its params' (a new dict)"
-    state = dict(held.adapter.states()[0])
-    held.masters.state_out(state)
-    return state
-
-def state_onto_masters(held:HeldOptimizer, state:dict) -> dict:
-    "State keyed by model param (read from a file) as the optimizer over the masters holds it (lean state kept lean)"
-    keep = dict(keep_codes=held.state == '8bit', keep_bf16=held.state == 'bf16')
-    state = {p: fp32_state(s, **keep) for p, s in state.items()}
-    held.masters.state_in(state, keep_bf16=keep['keep_bf16'])
-    return state
-
-def check_optimizer_state(opt_sd:dict, groups:list, what:str):
-    "Raise, naming the first misfit, unless torch optimizer state dict `opt_sd` fits the param `groups`"
-    if not (isinstance(opt_sd, dict) and 'param_groups' in opt_sd and 'state' in opt_sd):
-        raise ValueError(f"{what} holds no torch optimizer state dict; nothing was loaded")
-    sizes = [len(g['params']) for g in opt_sd['param_groups']]
-    if sizes != [len(ps) for ps in groups]:
-        raise ValueError(f"{what} holds optimizer state for {sizes} params per group, this optimizer has "
-                         f"{[len(ps) for ps in groups]}: it comes from another model; nothing was loaded")
-    saved, params = [i for g in opt_sd['param_groups'] for i in g['params']], [p for ps in groups for p in ps]
-    for n, (i, p) in enumerate(zip(saved, params)):
-        check_param_state(opt_sd.get('state', {}).get(i, {}), p, f"param {n}", what)
-
-def load_optimizer_state(optimizer:torch.optim.Optimizer, opt_sd:dict, store:str):
-    ("Load a (checked) torch optimizer state dict into `optimizer`, 8-bit codes and their scales put back as saved "
-     "(decoded where the optimizer does not keep 8-bit state, `store`)")
-    optimizer.load_state_dict(opt_sd)
-    ids = [i for g in opt_sd['param_groups'] for i in g['params']]
-    for i, p in zip(ids, [p for g in optimizer.param_groups for p in g['params']]):
-        s = opt_sd['state'].get(i, {})
-        codes = {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
-        # a frozen half param is held as it is: torch cast its moments to half, which rounds them
-        whole = {k: v for k, v in s.items() if p.dtype in HALF and k not in codes and isinstance(v, torch.Tensor)
-                 and v.is_floating_point() and v.dim() > 0}
-        if not (codes or whole): continue
-        st, saved = optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in {**codes, **whole}.items()}
-        for k in codes: st.pop(k, None)
-        st.update(saved if store == '8bit' else fp32_state(saved))
+class OptimizerState:
+    ("An optimizer's state over masters as checkpoints see it: keyed by model param (fastai's layout), or torch's "
+     "positional state dict, checked whole before it loads")
+    def __init__(self, held:HeldOptimizer): self.held = held
+    def by_param(self) -> dict:
+        "The state keyed by model param, in the optimizer's own layout (fastai's int step counts), a flat master's split"
+        self.held.own_layout()
+        state = dict(self.held.adapter.states()[0])
+        self.held.masters.state_out(state)
+        return state
+    def set(self, state:dict, hypers:list):
+        "Make `state` (keyed by model param, read from a file) and `hypers` a fastai optimizer's, on the masters"
+        keep = dict(keep_codes=self.held.state == '8bit', keep_bf16=self.held.state == 'bf16')
+        state = {p: fp32_state(s, **keep) for p, s in state.items()}
+        self.held.masters.state_in(state, keep_bf16=keep['keep_bf16'])
+        self.held.adapter.set_state(state, hypers)
+    def check_dict(self, sd:dict, what:str, optimizer=None):
+        ("Raise, naming the first misfit, unless torch optimizer state dict `sd` fits the optimizer it holds (or "
+         "`optimizer`, the torch one inside it)")
+        groups = [g['params'] for g in (optimizer or self.held.optimizer).param_groups]
+        if not (isinstance(sd, dict) and 'param_groups' in sd and 'state' in sd):
+            raise ValueError(f"{what} holds no torch optimizer state dict; nothing was loaded")
+        sizes = [len(g['params']) for g in sd['param_groups']]
+        if sizes != [len(ps) for ps in groups]:
+            raise ValueError(f"{what} holds optimizer state for {sizes} params per group, this optimizer has "
+                             f"{[len(ps) for ps in groups]}: it comes from another model; nothing was loaded")
+        saved, params = [i for g in sd['param_groups'] for i in g['params']], [p for ps in groups for p in ps]
+        for n, (i, p) in enumerate(zip(saved, params)):
+            check_param_state(sd.get('state', {}).get(i, {}), p, f"param {n}", what)
+    def load_dict(self, sd:dict, optimizer=None):
+        ("Load a checked torch optimizer state dict, 8-bit codes and their scales as saved (decoded where the state "
+         "is kept otherwise), a frozen half param's moments unrounded (torch casts them to its dtype)")
+        optimizer = optimizer or self.held.optimizer
+        optimizer.load_state_dict(sd)
+        ids = [i for g in sd['param_groups'] for i in g['params']]
+        for i, p in zip(ids, [p for g in optimizer.param_groups for p in g['params']]):
+            s = sd['state'].get(i, {})
+            codes = {k: v for k, v in s.items() if Int8State.holds(s, k) or Int8State.is_scales(s, k)}
+            whole = {k: v for k, v in s.items() if p.dtype in HALF and k not in codes and isinstance(v, torch.Tensor)
+                     and v.is_floating_point() and v.dim() > 0}
+            if not (codes or whole): continue
+            st, saved = optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in {**codes, **whole}.items()}
+            for k in codes: st.pop(k, None)
+            st.update(saved if self.held.state == '8bit' else fp32_state(saved))
 
 def _decoded_8bit(optimizer, sd:dict) -> dict:
     ("The state dict of an optimizer over FSDP2's shards with its 8-bit moments decoded to fp32, sharded as their "
@@ -798,7 +778,9 @@ def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=Tr
     ("`loss.float()` times `scaler`'s scale (a tensor on the loss's device); each engine notes whether `loss` is "
      "finite and sets its fp32 params' grads aside")
     finite = torch.isfinite(loss.detach()).all() if check else None
-    for e in engines: e.scaled(finite)
+    for e in engines:
+        e.masters.grads.drop_lent()                                  # the half params' grads are the backward's again
+        if e.progress.scaled(finite): e.masters.grads.set_aside()   # unscaled grads were pending: the next adds to them
     scale = scaler.tensors(engines[0].device if engines else loss.device)[0]
     return loss.float() * (scale if scale.device == loss.device else scale.to(loss.device))
 
@@ -835,7 +817,10 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
     if any(e.stage == Stage.UNSCALED for e in engines):
         raise RuntimeError("unscaling needs a scaled backward since the last unscale, and the step protocol is at "
                            "stage UNSCALED: the grads were unscaled already; unscale once per backward, then step")
-    outcomes = [e.unscaled(inv, scaler) for e in engines]
+    outcomes = []               # each engine's grads' flag, and whether its losses were finite
+    for e in engines:
+        if e.held.prepare(e.accumulating) or not e.accumulating: e.choose()     # (a layout made anew)
+        outcomes.append((e.masters.grads.unscale(inv, accumulate=e.accumulating), e.progress.unscaled(scaler)))
     # on one CPU process the outcome is read on the host (free there, where each tensor op costs more than the rule)
     where, on_host = (host_where, True) if device.type == 'cpu' and world_size() == 1 else (torch.where, False)
     if on_host:

@@ -65,14 +65,14 @@ class FP16_Optimizer:
                                         hint=("call `optimizer.backward(loss)` in place of `loss.backward()` (and of "
                                               "accelerate's `accelerator.backward(loss)`)"))
         # the model's `state_dict()` (and a submodule's) saves the masters: their modules, found once
-        self.doors = MasterDoors(self.engine.record)
+        self.doors = MasterDoors(self.engine.view.record)
         self._hooks = self.doors.install(modules_holding(params))
         if verbose: print(_describe(self))
 
     param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's groups (masters)")
     state = property(lambda self: self.optimizer.state, doc="The wrapped optimizer's state (keyed by the masters)")
     skipped = property(lambda self: self.engine.skipped, doc="True if the last step was skipped")
-    _params = property(lambda self: [p for g in self.engine.params for p in g])
+    _params = property(lambda self: [p for g in self.engine.view.params for p in g])
     loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
     history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per step (books caught up)")
     @property
@@ -88,8 +88,8 @@ class FP16_Optimizer:
             raise ValueError("backward takes the scalar loss tensor")
         self.engine.scale(loss).backward(retain_graph=retain_graph)
         # FSDP2 keeps the grads of a backward without gradient sync itself (accumulation): none are here yet
-        if not any(p.grad is not None for g in self.engine.params for p in g) and not (
-            self.engine.fsdp2 and not update_master_grads):
+        if not any(p.grad is not None for g in self.engine.view.params for p in g) and not (
+            self.engine.view.fsdp2 and not update_master_grads):
             raise RuntimeError("FP16_Optimizer.backward: the loss reached none of the params this optimizer holds, so "
                                "this step would train nothing. Either every param it holds is frozen, or the model's "
                                "params were replaced after the optimizer was built (a re-created module, "
@@ -116,23 +116,22 @@ class FP16_Optimizer:
         "The scaler state, the overflow flag, the wrapped optimizer's state and every half param's fp32 value"
         return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
                 'optimizer_state_dict': self.optimizer.state_dict(),
-                'fp32_from_fp16': self.engine.record.values_of(self._params)}
+                'fp32_from_fp16': self.engine.view.record.values_of(self._params)}
     def load_state_dict(self, sd:dict):
         "Restore the scaler, the wrapped optimizer and the fp32 masters; everything is checked before anything changes"
         missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
         if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
         e = self.engine
-        values = e.record.check_values(self._params, sd['fp32_from_fp16'], e.names, 'the state_dict')
-        self.engine.check_optimizer_state_dict(sd['optimizer_state_dict'], 'the state_dict')
-        scaler = self.scaler.check_state(sd['loss_scaler'])
-        self.scaler.restore(scaler)
-        self.engine.load_optimizer_state_dict(sd['optimizer_state_dict'])
-        e.record.load(values)
+        values = e.view.record.check_values(self._params, sd['fp32_from_fp16'], e.view.names, 'the state_dict')
+        e.opt_state.check_dict(sd['optimizer_state_dict'], 'the state_dict')
+        self.scaler.restore(self.scaler.check_state(sd['loss_scaler']))       # (the last check: now everything loads)
+        e.opt_state.load_dict(sd['optimizer_state_dict'])
+        e.view.record.load(values)
 
     def add_param_group(self, param_group:dict):
         "Add a param group (its half params that train get fp32 masters), keeping the state of the existing ones"
         self.engine.add_param_group(param_group)
-        self._hooks += self.doors.install(modules_holding(self.engine.params[-1]))
+        self._hooks += self.doors.install(modules_holding(self.engine.view.params[-1]))
 
 # %% ../nbs/16_fp16_optimizer.ipynb #fp16desc
 def _describe(opt:FP16_Optimizer) -> str:
@@ -140,10 +139,10 @@ def _describe(opt:FP16_Optimizer) -> str:
     lines = [f"FP16_Optimizer wrapping {type(opt.optimizer).__name__}, loss scale {opt.scaler.scale:g} "
              f"({'dynamic' if opt.scaler.dynamic else 'static'}):"]
     e = opt.engine
-    for i, g in enumerate(e.params):
-        if e.fsdp2: lines.append(f"  group {i}: {len(g)} params sharded by FSDP2, fp32: their own masters"); continue
+    for i, g in enumerate(e.view.params):
+        if e.view.fsdp2: lines.append(f"  group {i}: {len(g)} params sharded by FSDP2, fp32: their own masters"); continue
         half = [p for p in g if p.dtype != torch.float32]
-        trained = sum(p in e.record for p in half)
+        trained = sum(p in e.view.record for p in half)
         lines.append(f"  group {i}: {trained} half params with fp32 masters, {len(half) - trained} frozen (no master), "
                      f"{len(g) - len(half)} fp32 params")
     return '\n'.join(lines)

@@ -823,6 +823,14 @@ def step_grads(grads:list) -> tuple:
     return [g.made() if type(g) is PendingGrad else g for g in grads], 1.
 
 # %% ../nbs/13_master.ipynb #mroom0
+def _refuse_frozen_grads(frozen:list, names:dict):
+    "Say what to do about a frozen half param among `frozen` given a grad (by hand: no backward reaches it)"
+    given = [str(names.get(p, tuple(p.shape))) for p in frozen if p.grad is not None]
+    raise RuntimeError(f"{', '.join(given[:3])} is frozen (requires_grad=False) and has a grad, which torch's optimizer "
+                       "would step: mixedprec keeps no master for a half param that does not train, only its exact "
+                       f"value. To train it, call `{given[0]}.requires_grad_(True)` before the backward (its master is "
+                       "made then, from that value); to leave it as it is, set its `.grad` to None")
+
 def _refuse_sparse(masters:list, names:dict):
     "Say what to do when a param got a sparse grad, which the unscale cannot take"
     sparse = [names.get(m.param, tuple(m.param.shape)) for m in masters
@@ -856,7 +864,8 @@ class MasterGrads:
 
     def unscale(self, inv_scale, accumulate:bool=False) -> torch.Tensor:
         "Unscale the half grads into the master grads (added to them with `accumulate`): the overflow flag (0-dim bool)"
-        if self._frozen and not all(map(is_, map(_grad, self._frozen), repeat(None))): self._refuse_frozen_grads()
+        if self._frozen and not all(map(is_, map(_grad, self._frozen), repeat(None))):
+            _refuse_frozen_grads(self._frozen, self.names)
         lists = GradLists(inv_scale, self.impl)
         for kind, hs in self._kinds.items(): kind.take_all(hs, lists, accumulate, self.keep_zero)
         try: found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
@@ -864,15 +873,6 @@ class MasterGrads:
         if lists.add_src: found |= scale_add_check_(lists.add_src, lists.add_dst, inv_scale, impl=self.impl)
         if lists.deferred: found |= scale_check_(lists.deferred, lists.deferred, 1., impl=self.impl)   # a check
         return found
-
-    def _refuse_frozen_grads(self):
-        "Say what to do about a frozen half param given a grad (by hand: no backward reaches it)"
-        names = [str(self.names.get(p, tuple(p.shape))) for p in self._frozen if p.grad is not None]
-        raise RuntimeError(f"{', '.join(names[:3])} is frozen (requires_grad=False) and has a grad, which torch's "
-                           "optimizer would step: mixedprec keeps no master for a half param that does not train, "
-                           f"only its exact value. To train it, call `{names[0]}.requires_grad_(True)` before the "
-                           "backward (its master is made then, from that value); to leave it as it is, set its "
-                           "`.grad` to None")
 
     def set_aside(self):
         "Keep the fp32 params' unscaled grads aside, so a scaled backward can be unscaled and added to them"

@@ -73,4 +73,4 @@ class Record(Callback):
 
 def values_of(engine):
     "The fp32 value of each half param a step engine's optimizer holds, trained or frozen (what its checkpoints save)"
-    return engine.record.values_of([p for g in engine.params for p in g])
+    return engine.view.record.values_of([p for g in engine.view.params for p in g])

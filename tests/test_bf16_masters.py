@@ -182,7 +182,7 @@ def test_split_masters_equal_fp32_masters_given_the_same_grads_over_300_steps(op
         loss = nn.functional.cross_entropy(m_split(x[idx].bfloat16()).float(), y[idx])
         e_split.scale(loss).backward()
         for p, q in zip(m_split.parameters(), m_fp32.parameters()): q.grad = p.grad.clone()
-        e_fp32.scaled(None)                                      # its grads were set by hand, not by a scaled backward
+        e_fp32.scale(torch.zeros(()))                            # its grads were set by hand, not by a scaled backward
         for e in (e_split, e_fp32): e.unscale(); e.step(); e.zero_grad()
         if i % 50 == 49 or i == 299:
             for a, b in zip(values_of(e_split), values_of(e_fp32)):

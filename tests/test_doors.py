@@ -85,7 +85,10 @@ def test_amp_master_params_of_split_masters_read_as_their_values():
 def test_a_frozen_param_keeps_no_master(front):
     m, opt = fp16_optimizer(freeze_first=True) if front == 'fp16_optimizer' else amp_model(freeze_first=True)
     masters = opt.state_dict()['fp32_from_fp16'] if front == 'fp16_optimizer' else amp.state_dict()['masters'][0]
-    assert [tuple(t.shape) for t in masters] == [(1, 16), (1,)]             # the second layer's only
+    # a value per half param (issue 59), the frozen layer's too: its exact value, which it holds no master for
+    assert [tuple(t.shape) for t in masters] == [(16, 8), (16,), (1, 16), (1,)]
+    e = opt.engine if front == 'fp16_optimizer' else opt._mixedprec_engine
+    assert e.view.record.get(m[0].weight) is None and e.view.record.get(m[2].weight) is not None
     held = [p for g in opt.param_groups for p in g['params']]
     assert held[0] is m[0].weight and held[0].dtype == torch.float16      # the frozen layer: held as it is
     opt_sd = opt.state_dict()['optimizer_state_dict'] if front == 'fp16_optimizer' else opt.state_dict()

@@ -21,7 +21,7 @@ from fastai.data.load import DataLoader
 from torch.utils.data import TensorDataset
 from mixedprec.callback import MixedPrecision
 from mixedprec import convert, ops
-from helpers import synth_learner, masters_of, Record, mlp, group_learner
+from helpers import synth_learner, masters_of, master_values, Record, mlp, group_learner
 
 def params(learn): return [p.detach().clone() for p in learn.model.parameters()]
 def same(a, b): return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -148,13 +148,13 @@ def test_lr_find_restores_scale_masters_model_and_state():
 def test_freeze_fine_tune_unfreeze_and_discriminative_lrs(flat):
     learn = group_learner(opt_func=Adam, lr=1e-2).to_fp16(loss_scale=2.**8, flat_master=flat)
     learn.freeze()
-    body = [m.detach().clone() for m in masters_of(learn)[:2]]
+    body = [v.clone() for v in master_values(learn)[:2]]
     learn.fit(1)
-    assert same([m.detach() for m in masters_of(learn)[:2]], body)                    # frozen masters stayed put
+    assert same(master_values(learn)[:2], body)           # frozen values stayed put, exactly (no master)
     assert learn.model[0][0].weight.grad is None and not learn.model[0][0].weight.requires_grad
     learn.unfreeze()
     learn.fit(1, lr=slice(1e-3, 1e-2))
-    assert not same([m.detach() for m in masters_of(learn)[:2]], body)               # newly unfrozen params train
+    assert not same(master_values(learn)[:2], body)       # newly unfrozen params train
     assert [h['lr'] for h in learn.opt.hypers] == [1e-3, 1e-2]
     learn = group_learner(opt_func=Adam, lr=1e-2).to_fp16(flat_master=flat)
     with learn.no_bar(), learn.no_logging(): learn.fine_tune(1, 1e-2)
