@@ -70,7 +70,7 @@ def persistent_bytes(model, opt) -> dict:
     masters, grads = [], [p.grad for p in params if p.grad is not None]
     if e is not None:
         for p, m, g in e.masters.pairs:
-            kind = master_kind(m).store         # fp32: the master; split: its int16 low half; none: nothing of its own
+            kind = master_kind(m).name         # fp32: the master; split: its int16 low half; none: nothing of its own
             masters.append(m if kind == 'fp32' else master_kind(m).low if kind == 'split' else torch.empty(0))
             if g is not None: grads.append(g)
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]

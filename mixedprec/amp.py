@@ -16,7 +16,7 @@ from .scaler import LossScaler
 from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
-from .master import check_store, Masters
+from .master import check_kind, Masters
 from .engine import clip_pending
 from .state import check_state_store
 from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2, unwrap_accelerated
@@ -224,7 +224,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         raise ValueError(f"amp.initialize: opt_level={opt_level!r} with an FSDP2 model: use opt_level='O2', whose "
                          "fp32 masters are FSDP2's sharded fp32 params (the compute dtype is the one its "
                          "`MixedPrecisionPolicy(param_dtype=...)` names)")
-    check_store(masters, props['dtype'])
+    check_kind(masters, props['dtype'])
     check_state_store(state)
     if decide is not None: _check_decide(decide)
     for m in model_list:
@@ -260,7 +260,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     for o in opt_list:
         # the masters of the models' conversions; masters of its own for half params no conversion cast
         e = StepEngine.attach(o, Masters(parents=records), names=names, decide=decide, impl=impl, hint=_HINT,
-                              store=masters, state=state, make=props['master_weights'])
+                              kind=masters, state=state, make=props['master_weights'])
         _setups[e] = setup
         setup.optimizers.append(o)
         returned.append(AmpOptimizer(o, e))

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['fastai_to_fp16', 'fastai_to_bf16', 'fastai_to_fp32', 'FASTAI_STATE', 'OPTIMIZERS', 'fastai_export', 'fastai_save',
            'fastai_load', 'fastai_freeze_to', 'steps_to_ints', 'fastai_plan', 'wrapped_torch_plan', 'FastaiAdapter',
-           'FitReport', 'FastaiMasters', 'MixedPrecision', 'MixedPrecisionOpt', 'MixedPrecisionOptimWrapper']
+           'FitReport', 'LearnerLink', 'MixedPrecision', 'MixedPrecisionOpt', 'MixedPrecisionOptimWrapper']
 
 # %% ../nbs/15_callback.ipynb #f6ab0a82
 import warnings
@@ -29,7 +29,7 @@ from fastai.optimizer import (Optimizer, OptimWrapper, weight_decay, l2_reg, ave
                               adam_step, sgd_step, momentum_step)
 from .scaler import LossScaler, plot_history
 from .convert import check_half_dtype, to_fp32, convert_model, speed_note, watch_overflow, ShardedConversion
-from .master import check_store, CheckpointError, check_param_state, flat_like, HALF
+from .master import check_kind, CheckpointError, check_param_state, flat_like, HALF
 from .state import check_state_store, fp32_state
 from .engine import (StepEngine, write_atomically, adapter_for, FusedPlan, torch_plan, OptimizerAdapter,
                               OPTIMIZERS, ADAPTERS)
@@ -196,7 +196,7 @@ class FitReport:
             learn.metrics = [m for m in learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
 
 # %% ../nbs/15_callback.ipynb #fmasters1
-class FastaiMasters:
+class LearnerLink:
     ("A Learner's model and optimizer in mixed precision: the model converted once, fastai's optimizer swapped onto the "
      "masters at each fit and off when the callback leaves, the masters following the model's device")
     def __init__(self, cb): self.cb, self.conversion, self.engine, self.state_io = cb, None, None, None
@@ -209,7 +209,7 @@ class FastaiMasters:
         cb, model = self.cb, self.learn.model
         if self.conversion is not None: return
         if fsdp2_sharded(model):
-            check_fsdp2(list(model.parameters()), "MixedPrecision", cb.master_store)
+            check_fsdp2(list(model.parameters()), "MixedPrecision", cb.master_kind)
             check_fsdp2_policy(model, cb.dtype, "MixedPrecision")
             self.conversion = ShardedConversion(model, cb.dtype); return
         self.conversion = convert_model(model, cb.dtype, cb.keep_fp32, cast_io=True, entries=_called_alone(model))
@@ -225,11 +225,11 @@ class FastaiMasters:
         cb, wrapped, opt = self.cb, self.learn.opt, _raw_opt(self.learn)
         e = self.engine
         if e is not None and not e.holds(opt): e.sync_training()     # a freeze on the old optimizer reaches the model
-        held = {id(p) for g in opt.param_lists for p in g}
-        if not (e is not None and e.holds(opt) and held == {id(t) for g in e.view.held_groups for t in g}):
+        held_ids = {id(p) for g in opt.param_lists for p in g}
+        if not (e is not None and e.holds(opt) and held_ids == {id(t) for g in e.view.held_groups for t in g}):
             names = {p: n for n, p in self.learn.model.named_parameters()}
             self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=cb.flat_master,
-                                            store=cb.master_store, state=cb.state_store, scaler=cb.scaler,
+                                            kind=cb.master_kind, state=cb.state_store, scaler=cb.scaler,
                                             clip=cb.clip, decide=cb.decide, impl=cb.impl)
             # what the optimizer does not hold does not train: it keeps no master
             self.conversion.masters.keep_only(p for g in self.engine.view.params for p in g)
@@ -334,22 +334,22 @@ def _refuse_distrib_on_fsdp(learn):
                     "reduce_dtype=torch.float32))` before building the Learner, and give each rank its share of the "
                     "data with fastai's DistributedDL (`DistributedDL(dl)` for each of `learn.dls.loaders`)")
 
-def _check_trainable(held:FastaiMasters):
+def _check_trainable(link:LearnerLink):
     ("At a fit's first backward: something trains, the optimizer holds every param the model trains, and a change made "
      "through `.data` since the last step is taken (each step takes them too)")
-    held.conversion.take_data_edits()
-    trained = [(n, p) for n, p in held.learn.model.named_parameters() if p.requires_grad]
+    link.conversion.take_data_edits()
+    trained = [(n, p) for n, p in link.learn.model.named_parameters() if p.requires_grad]
     if not trained:
         raise ValueError("every param of the model is frozen, so there is nothing to train: unfreeze some "
                          "(`learn.unfreeze()`), or use `get_preds` for inference")
-    opt = _raw_opt(held.learn)
-    groups = held.engine.view.params if held.engine is not None else (
-        opt.param_lists if opt is not None and not held.conversion.steps_masters else [])
+    opt = _raw_opt(link.learn)
+    groups = link.engine.view.params if link.engine is not None else (
+        opt.param_lists if opt is not None and not link.conversion.steps_masters else [])
     holds = {id(p) for g in groups for p in g}
     missing = [(n, p) for n, p in trained if id(p) not in holds]
     if not missing: return
-    refuse_fsdp2(held.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
-    converted = {id(p) for p in held.conversion.params}
+    refuse_fsdp2(link.learn.model, "fit: the model was wrapped by `fully_shard` after to_fp16()/to_bf16()")
+    converted = {id(p) for p in link.conversion.params}
     left_out = [n for n, p in missing if id(p) in converted]
     if left_out:
         raise ValueError(f"the model trains params the optimizer was built without them ({', '.join(left_out[:5])}): "
@@ -389,33 +389,33 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         state:str='fp32',             # the optimizer's moments: 'fp32', 'bf16' or '8bit' (fused SGD and Adam)
         **kwargs):                    # `LossScaler` settings (min_scale, factor, ...; GradScaler's names too)
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
-        check_store(masters, dtype, flat_master); refuse_shard(shard, "MixedPrecision")
-        self.master_store, self.state_store = masters, check_state_store(state, flat_master)
+        check_kind(masters, dtype, flat_master); refuse_shard(shard, "MixedPrecision")
+        self.master_kind, self.state_store = masters, check_state_store(state, flat_master)
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
         self.dtype, self.keep_fp32 = check_half_dtype(dtype), keep
         self.clip, self.flat_master, self.check_loss, self.decide, self.impl = clip, flat_master, check_loss, decide, impl
         self.scaler = _scaler(loss_scale, dynamic, max_noskip, max_scale, verbose, kwargs)
-        self.held, self.report, self._checked = FastaiMasters(self), FitReport(self.scaler, table), False
+        self.link, self.report, self._checked = LearnerLink(self), FitReport(self.scaler, table), False
 
     @property
     def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
     @learn.setter
     def learn(self, learn):
         "fastai sets None when it removes the callback (`remove_cb`, the end of `fit(cbs=...)`): fp32 again then"
-        self.held.moved(self.__dict__.get('_learn'), learn)
+        self.link.moved(self.__dict__.get('_learn'), learn)
         self.__dict__['_learn'] = learn
 
-    conversion, engine = property(lambda self: self.held.conversion), property(lambda self: self.held.engine)
-    state_io = property(lambda self: self.held.state_io)
+    conversion, engine = property(lambda self: self.link.conversion), property(lambda self: self.link.engine)
+    state_io = property(lambda self: self.link.state_io)
     model_pgs = property(lambda self: self.engine.view.params, doc="The model's params by optimizer group")
     master_pgs = property(lambda self: self.engine.view.held_groups, doc="What the optimizer holds, by group")
     loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
     skipped = property(lambda self: self.scaler.drained().skipped, doc="True if the last step was skipped")
     history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per optimizer step")
     def plot(self, ax=None): "Plot the loss scale and the skipped steps"; return plot_history(self.history, ax)
-    def prepare(self): "Convert the model (once)"; self.held.prepare(); return self
-    def after_create(self): self.held.prepare()
+    def prepare(self): "Convert the model (once)"; self.link.prepare(); return self
+    def after_create(self): self.link.prepare()
 
     def before_fit(self):
         "Prepare the half model and the masters, and swap the masters into the optimizer, whose `step` is the engine's"
@@ -424,8 +424,8 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self.report.begin(self.learn)
         if getattr(self.learn, 'opt', None) is None or not self.conversion.steps_masters: return
         if any(m.held.device != m.param.device for m in self.conversion.masters.values()):
-            self.held.follow_model_device()
-        self.held.attach_opt()
+            self.link.follow_model_device()
+        self.link.attach_opt()
         self.engine.prepare_fit()               # ChannelsLast (order -1) lays the model out anew; a freeze since
         for p in self.learn.model.parameters(): p.grad = None
     on_train_begin = before_fit                 # fastai v1's names, for readers of the seed
@@ -435,7 +435,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
 
     def before_backward(self):
         "Scale the loss (noting, on the device, whether it is finite)"
-        if not self._checked: self._checked = True; _check_trainable(self.held)
+        if not self._checked: self._checked = True; _check_trainable(self.link)
         if self.engine is not None: self.learn.loss_grad = self.engine.scale(self.learn.loss_grad, check=self.check_loss)
     on_backward_begin = before_backward
 
@@ -456,8 +456,8 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     on_train_end = after_fit
     def before_train(self): self.report.start_epoch()
 
-    def state_dict(self) -> dict: "The scaler state and the fp32 masters"; return self.held.state_dict()
-    def load_state_dict(self, sd:dict): "Restore `state_dict()`"; self.held.load_state_dict(sd); return self
+    def state_dict(self) -> dict: "The scaler state and the fp32 masters"; return self.link.state_dict()
+    def load_state_dict(self, sd:dict): "Restore `state_dict()`"; self.link.load_state_dict(sd); return self
 
 # %% ../nbs/15_callback.ipynb #ae1c62a9
 def _plain(o):
@@ -485,7 +485,7 @@ class MixedPrecisionOpt(GetAttr):
         if cb.learn is None or _raw_opt(cb.learn) is not self.opt:
             raise RuntimeError("this optimizer has left mixed precision (`to_fp32()`, or a new `create_opt()`): use "
                                "`learn.opt`")
-        if cb.state_io is not self: cb.held.attach_opt()
+        if cb.state_io is not self: cb.link.attach_opt()
         return cb
 
     def __reduce_ex__(self, protocol):
@@ -630,12 +630,12 @@ def _attach(learn, cb):
         cb.prepare()
         if not cb.conversion.steps_masters: return learn    # nothing converted: the callback only casts inputs, outputs
         old = learn.opt
-        held = {id(p) for g in old.param_lists for p in g} if old is not None else set()
-        if old is None or any(id(p) not in held for p in learn.model.parameters()):
+        held_ids = {id(p) for g in old.param_lists for p in g} if old is not None else set()
+        if old is None or any(id(p) not in held_ids for p in learn.model.parameters()):
             # none yet (so `learn.load(with_opt=True)` finds our layout), or the model changed
             learn.create_opt()
             if old is not None: adapter_for(learn.opt).take_state(adapter_for(old), list(learn.model.parameters()))
-        cb.held.attach_opt()
+        cb.link.attach_opt()
     except BaseException:
         # refused (an optimizer lean state cannot use, ...): the Learner is fp32 again, as it came
         learn.to_fp32()

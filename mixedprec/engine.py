@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'OPTIMIZERS', 'ADAPTERS', 'settings', 'set_defaults', 'current_decide',
            'FusedPlan', 'torch_plan', 'fused_plan', 'fuses', 'OptimizerAdapter', 'adapter_for', 'make_state',
-           'keeps_buffer', 'FusedStep', 'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'HeldOptimizer',
+           'keeps_buffer', 'FusedStep', 'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'SwappedOptimizer',
            'StepRunner', 'StepEngine', 'LayoutView', 'OptimizerState', 'write_atomically', 'save_checkpoint',
            'clip_grads_', 'clip_norm', 'scale_into', 'OverflowNames', 'unscale_into', 'clip_pending']
 
@@ -19,7 +19,7 @@ import torch
 from . import ops
 from .ops import sgd_step_, adam_step_, backend
 from .scaler import LossScaler, host_where
-from .master import (MasterParams, Masters, CheckpointError, _mix, check_param_state, check_store, step_grads,
+from .master import (MasterParams, Masters, CheckpointError, _mix, check_param_state, check_kind, step_grads,
                               make_held_fp32, HALF)
 from .state import SCALES, Int8State, fp32_state, check_state_store, state_store
 from .distributed import agree, sum_over_ranks, rank0s, world_size
@@ -293,22 +293,22 @@ def fused_opt_step(opt, plan:FusedPlan, layout:MasterParams, found_inf:torch.Ten
     "One fused step of `opt` (recognised as `plan`) over `layout`, nothing prepared ahead (`torch.compile` traces it)"
     FusedStep(plan, layout, store, impl)(opt, found_inf)
 
-def make_lean_state(held):
-    ("Make the whole lean state of the Adam or SGD `held` holds now, as its first fused step would (zeros, and each "
+def make_lean_state(swapped):
+    ("Make the whole lean state of the Adam or SGD `swapped` holds now, as its first fused step would (zeros, and each "
      "master's rounding stream): so a freshly built optimizer holds every key its checkpoint holds, and DCP, which "
      "loads only the keys it finds, brings the stream back")
-    plan = fused_plan(held.optimizer)
-    state = plan.state(held.optimizer) if plan is not None else None
+    plan = fused_plan(swapped.optimizer)
+    state = plan.state(swapped.optimizer) if plan is not None else None
     if not isinstance(state, dict): return
-    for params, kw in plan.groups(held.optimizer):
+    for params, kw in plan.groups(swapped.optimizer):
         # SGD: a zero buffer; with dampening, its first step (buffer = grad) is known by the stream's count, still 0
         keep_buffer = keeps_buffer(kw.get('keep_buffer'), kw.get('momentum', 0))
         if plan.kind == 'sgd' and not keep_buffer: continue
         # (a buffer the optimizer already holds, from its own steps, is converted at the first fused step, its stream
         # started there: a count of 0 would take it for a first step)
         if plan.kind == 'sgd': params = [p for p in params if state[p].get(plan.names['buf']) is None]
-        for p in params: make_state(state[p], p, plan.kind, plan.names, held.state, keep_buffer)
-        held.masters.rounding.start(params, state)
+        for p in params: make_state(state[p], p, plan.kind, plan.names, swapped.state, keep_buffer)
+        swapped.masters.rounding.start(params, state)
 
 # %% ../nbs/14_engine.ipynb #fb293c04
 class Stage(Enum):
@@ -379,28 +379,28 @@ def _swap_in(adapter, record:Masters, kind:type, names:dict, impl:str, flat:bool
     return layout
 
 # %% ../nbs/14_engine.ipynb #c4b82992
-class HeldOptimizer:
+class SwappedOptimizer:
     ("An optimizer whose groups hold masters in place of the model's params: the swap in and out, the layout made anew "
      "when which params train changes, and how its next step runs (the fused kernels, or its own step)")
-    def __init__(self, optimizer, record:Masters, names:dict=None, flat:bool=False, store='fp32', make:bool=True,
+    def __init__(self, optimizer, record:Masters, names:dict=None, flat:bool=False, kind='fp32', make:bool=True,
                  state:str='fp32', impl:str=None, decide:str=None):
         self.optimizer, self.adapter, self.impl = optimizer, adapter_for(optimizer), impl
         self.state = _check_lean(optimizer, state, flat)                    # before anything changes
         self.decide = _check_decide(decide) if decide is not None else None
-        kind = check_store(store, flat=flat)
+        kind = check_kind(kind, flat=flat)
         if state != 'fp32' and make and not kind.fused:
             raise ValueError(f"state={state!r} is kept by the fused steps, which do not step masters of kind "
                              f"{kind.__name__}: use state='fp32' with it")
         self.masters = _swap_in(self.adapter, record, kind, names, impl, flat, make, keep_bf16=state == 'bf16')
         # stochastic rounding: every rank draws the same bits, whatever its torch seed
         if state != 'fp32' or kind.needs_seed: self.masters.rounding.seed = rank0s(self.masters.rounding.seed)
-        self.own = optimizer.step                # what `step()` meant before a front end handed it to the engine
+        self.original_step = optimizer.step                # what `step()` meant before a front end handed it to the engine
         self._followed, self.own_layout_due = False, True
         if state == 'fp32': self.decode_state()     # lean state is read by the fused steps only, as it is
         if self.masters.fsdp2 and state != 'fp32': make_lean_state(self)      # for DCP: every key, from the start
         if self.masters.fsdp2 and state == '8bit' and isinstance(optimizer, torch.optim.Optimizer):
             optimizer.register_state_dict_post_hook(_decoded_8bit)     # (fastai's: `learn.opt.state_dict()` decodes)
-    def __repr__(self): return f"HeldOptimizer({type(self.optimizer).__name__}, {self.masters})"
+    def __repr__(self): return f"SwappedOptimizer({type(self.optimizer).__name__}, {self.masters})"
 
     def relayout(self):
         ("Lay the masters out anew over the optimizer's groups (which params train changed; a group was added): the "
@@ -464,16 +464,16 @@ class HeldOptimizer:
 class StepRunner:
     ("How an optimizer's next step runs over its masters: the fused kernels (which read the decision on the device, "
      "where they may), or the optimizer's own step and then the master copy")
-    def __init__(self, held:HeldOptimizer, previous:'StepRunner'=None):
-        self.held, opt, ms = held, held.optimizer, held.masters
+    def __init__(self, swapped:SwappedOptimizer, previous:'StepRunner'=None):
+        self.swapped, opt, ms = swapped, swapped.optimizer, swapped.masters
         recognised = fused_plan(opt)
-        lean = held.state != 'fp32' and ms.steppable     # the references keep lean state where no kernels run
-        self.plan = recognised if recognised is not None and (fuses(ms, held.impl) or lean) else None
+        lean = swapped.state != 'fp32' and ms.steppable     # the references keep lean state where no kernels run
+        self.plan = recognised if recognised is not None and (fuses(ms, swapped.impl) or lean) else None
         same = previous is not None and previous.plan is not None and self.plan is not None and (
             previous.plan.name == self.plan.name and previous.fused.layout is ms)
         # the launches prepared for the same layout and optimizer are kept
-        self.fused = previous.fused if same else FusedStep(self.plan, ms, held.state, held.impl) if self.plan else None
-        when = held.decide or current_decide()
+        self.fused = previous.fused if same else FusedStep(self.plan, ms, swapped.state, swapped.impl) if self.plan else None
+        when = swapped.decide or current_decide()
         self.on_device = self.plan is not None and self.plan.device_ok and when != 'never' and (
             when == 'always' or ms.device().type == 'cuda')
     def __repr__(self):
@@ -482,22 +482,22 @@ class StepRunner:
     def fused_step(self, found:torch.Tensor):
         ("The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper "
          "(`Optimizer.profile_hook_step`), so its step hooks run as for its own step")
-        opt = self.held.optimizer
-        if self.held.own_layout_due is False: self.fused.reset()      # the state left the kernels' layout since
+        opt = self.swapped.optimizer
+        if self.swapped.own_layout_due is False: self.fused.reset()      # the state left the kernels' layout since
         run = lambda o: self.fused(o, found)
         if isinstance(opt, torch.optim.Optimizer):
             opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
             torch.optim.Optimizer.profile_hook_step(run)(opt)
         else: run(opt)
-        self.held.own_layout_due = True           # the kernels keep the state in their layout (fastai's counts as tensors)
+        self.swapped.own_layout_due = True           # the kernels keep the state in their layout (fastai's counts as tensors)
 
     def own_step(self, closure=None):
         "The optimizer's own step (as it was before a front end took it), then the master copy, also after an exception"
-        held, opt = self.held, self.held.optimizer
-        if held.own_layout_due: held.own_layout()
-        own = held.own
+        swapped, opt = self.swapped, self.swapped.optimizer
+        if swapped.own_layout_due: swapped.own_layout()
+        own = swapped.original_step
         if isinstance(opt, torch.optim.Optimizer): opt._opt_called = True
-        ms = held.masters
+        ms = swapped.masters
         make_held_fp32(ms.grads.holders)
         def evaluate():
             "The closure, run on the model as the optimizer has just moved the masters (LBFGS evaluates several points)"
@@ -511,25 +511,25 @@ class StepEngine:
     ("The step protocol under every front end: scale the loss; unscale, check and agree into one decision; step or "
      "skip; clear grads")
     def __init__(self,
-        held:HeldOptimizer,       # the optimizer, its groups holding the masters
+        swapped:SwappedOptimizer,       # the optimizer, its groups holding the masters
         scaler:LossScaler=None,   # the loss scale (amp passes one per loss to `scale_into`/`unscale_into` instead)
         clip:float=None,          # global L2 clip of the unscaled master grads
         hint:str='',              # what to call, in this front end's words, when a backward skipped the scaling
     ):
-        self.held, self.scaler, self.clip, self.hint = held, scaler, clip, hint
+        self.swapped, self.scaler, self.clip, self.hint = swapped, scaler, clip, hint
         self.progress, self.stepping = Progress(), False   # stepping: the optimizer's own step runs for the engine
         self.choose()
     @classmethod
-    def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, store='fp32', make:bool=True,
+    def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, kind='fp32', make:bool=True,
                state:str='fp32', impl:str=None, decide:str=None, **kwargs) -> 'StepEngine':
         ("The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its groups "
-         "laid out over masters from `record` (of the kind `store` names; flat with `flat`), its state on them")
-        return cls(HeldOptimizer(optimizer, record, names, flat, store, make, state, impl, decide), **kwargs)
+         "laid out over masters from `record` (of `kind`, a kind or its name; flat with `flat`), its state on them")
+        return cls(SwappedOptimizer(optimizer, record, names, flat, kind, make, state, impl, decide), **kwargs)
     def __repr__(self): return f"StepEngine({type(self.optimizer).__name__}: {self.runner}, {self.masters})"
 
-    optimizer = property(lambda self: self.held.optimizer)
-    masters = property(lambda self: self.held.masters, doc="The layout of the masters in the optimizer")
-    state = property(lambda self: self.held.state, doc="How the optimizer's moments are kept")
+    optimizer = property(lambda self: self.swapped.optimizer)
+    masters = property(lambda self: self.swapped.masters, doc="The layout of the masters in the optimizer")
+    state = property(lambda self: self.swapped.state, doc="How the optimizer's moments are kept")
     device = property(lambda self: self.masters.device(), doc="Where the params live")
     stage = property(lambda self: self.progress.stage, doc="Where the step protocol stands")
     found = property(lambda self: self.progress.found, doc="The pending decision (0-dim bool tensor, True: skip)")
@@ -537,9 +537,9 @@ class StepEngine:
     def choose(self):
         "Choose how the next step runs (see `StepRunner`), anew where the layout, the optimizer or the settings changed"
         key = (self.masters, getattr(fused_plan(self.optimizer), 'name', None), ops.current_impl(), current_decide())
-        if getattr(self, '_chosen', None) != key: self.runner, self._chosen = StepRunner(self.held, getattr(self, 'runner', None)), key
+        if getattr(self, '_chosen', None) != key: self.runner, self._chosen = StepRunner(self.swapped, getattr(self, 'runner', None)), key
     def add_param_group(self, group:dict):
-        "Add a param group: its half params that train get masters"; self.held.add_param_group(group); self.choose()
+        "Add a param group: its half params that train get masters"; self.swapped.add_param_group(group); self.choose()
 
     def scale(self, loss:torch.Tensor, check:bool=True) -> torch.Tensor:
         "`loss.float()` times the loss scale, a tensor; notes whether `loss` is finite unless `check=False`"
@@ -587,14 +587,14 @@ class StepEngine:
         self.progress.cleared()
     # what the front ends ask besides the step: they reach nothing inside the engine
     view = property(lambda self: LayoutView(self.masters), doc="What the front ends read of the masters' layout")
-    opt_state = property(lambda self: OptimizerState(self.held), doc="Its optimizer's state, as checkpoints see it")
+    opt_state = property(lambda self: OptimizerState(self.swapped), doc="Its optimizer's state, as checkpoints see it")
     skipped = property(lambda self: self.progress.last_skipped(), doc="True if the last step was skipped")
     awaits_step = property(lambda self: self.stage == Stage.UNSCALED, doc="True while unscaled grads wait for `step`")
     def holds(self, optimizer) -> bool: "Whether it holds `optimizer`"; return self.optimizer is optimizer
     def sync_training(self): "Agree on which params train, the model's `requires_grad` first"; self.masters.training.sync()
     def prepare_fit(self):
         "Before a fit: the masters laid out as the params, and anew for which of them train; how the step runs"
-        self.held.prepare(follow=True)
+        self.swapped.prepare(follow=True)
         self.choose()
     def skip_on_host(self) -> bool:
         "Where the pending decision is read on the host and says skip: the step is dropped, and True"
@@ -604,8 +604,8 @@ class StepEngine:
     def unscale_unscaled(self):
         "Take grads no scaled backward made (a plain `loss.backward()` after a fit) as they are: a unit, static scale"
         if self.found is None and self.masters.grads.raw(): unscale_into([self], LossScaler(1., dynamic=False))
-    def own_layout(self): "Give the optimizer's state the layout its own step expects"; self.held.own_layout()
-    def detach(self): "Give the optimizer back, on the model's params, its state in its own layout"; self.held.detach()
+    def own_layout(self): "Give the optimizer's state the layout its own step expects"; self.swapped.own_layout()
+    def detach(self): "Give the optimizer back, on the model's params, its state in its own layout"; self.swapped.detach()
 
 
 # %% ../nbs/14_engine.ipynb #lview14
@@ -625,23 +625,23 @@ class LayoutView:
 class OptimizerState:
     ("An optimizer's state over masters as checkpoints see it: keyed by model param (fastai's layout), or torch's "
      "positional state dict, checked whole before it loads")
-    def __init__(self, held:HeldOptimizer): self.held = held
+    def __init__(self, swapped:SwappedOptimizer): self.swapped = swapped
     def by_param(self) -> dict:
         "The state keyed by model param, in the optimizer's own layout (fastai's int step counts), a flat master's split"
-        self.held.own_layout()
-        state = dict(self.held.adapter.states()[0])
-        self.held.masters.state_out(state)
+        self.swapped.own_layout()
+        state = dict(self.swapped.adapter.states()[0])
+        self.swapped.masters.state_out(state)
         return state
     def set(self, state:dict, hypers:list):
         "Make `state` (keyed by model param, read from a file) and `hypers` a fastai optimizer's, on the masters"
-        keep = dict(keep_codes=self.held.state == '8bit', keep_bf16=self.held.state == 'bf16')
+        keep = dict(keep_codes=self.swapped.state == '8bit', keep_bf16=self.swapped.state == 'bf16')
         state = {p: fp32_state(s, **keep) for p, s in state.items()}
-        self.held.masters.state_in(state, keep_bf16=keep['keep_bf16'])
-        self.held.adapter.set_state(state, hypers)
+        self.swapped.masters.state_in(state, keep_bf16=keep['keep_bf16'])
+        self.swapped.adapter.set_state(state, hypers)
     def check_dict(self, sd:dict, what:str, optimizer=None):
         ("Raise, naming the first misfit, unless torch optimizer state dict `sd` fits the optimizer it holds (or "
          "`optimizer`, the torch one inside it)")
-        groups = [g['params'] for g in (optimizer or self.held.optimizer).param_groups]
+        groups = [g['params'] for g in (optimizer or self.swapped.optimizer).param_groups]
         if not (isinstance(sd, dict) and 'param_groups' in sd and 'state' in sd):
             raise ValueError(f"{what} holds no torch optimizer state dict; nothing was loaded")
         sizes = [len(g['params']) for g in sd['param_groups']]
@@ -654,7 +654,7 @@ class OptimizerState:
     def load_dict(self, sd:dict, optimizer=None):
         ("Load a checked torch optimizer state dict, 8-bit codes and their scales as saved (decoded where the state "
          "is kept otherwise), a frozen half param's moments unrounded (torch casts them to its dtype)")
-        optimizer = optimizer or self.held.optimizer
+        optimizer = optimizer or self.swapped.optimizer
         optimizer.load_state_dict(sd)
         ids = [i for g in sd['param_groups'] for i in g['params']]
         for i, p in zip(ids, [p for g in optimizer.param_groups for p in g['params']]):
@@ -665,7 +665,7 @@ class OptimizerState:
             if not (codes or whole): continue
             st, saved = optimizer.state[p], {k: v.to(p.device, copy=True) for k, v in {**codes, **whole}.items()}
             for k in codes: st.pop(k, None)
-            st.update(saved if self.held.state == '8bit' else fp32_state(saved))
+            st.update(saved if self.swapped.state == '8bit' else fp32_state(saved))
 
 def _decoded_8bit(optimizer, sd:dict) -> dict:
     ("The state dict of an optimizer over FSDP2's shards with its 8-bit moments decoded to fp32, sharded as their "
@@ -819,7 +819,7 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
                            "stage UNSCALED: the grads were unscaled already; unscale once per backward, then step")
     outcomes = []               # each engine's grads' flag, and whether its losses were finite
     for e in engines:
-        if e.held.prepare(e.accumulating) or not e.accumulating: e.choose()     # (a layout made anew)
+        if e.swapped.prepare(e.accumulating) or not e.accumulating: e.choose()     # (a layout made anew)
         outcomes.append((e.masters.grads.unscale(inv, accumulate=e.accumulating), e.progress.unscaled(scaler)))
     # on one CPU process the outcome is read on the host (free there, where each tensor op costs more than the rule)
     where, on_host = (host_where, True) if device.type == 'cpu' and world_size() == 1 else (torch.where, False)

@@ -8,7 +8,7 @@ __all__ = ['FP16_Optimizer']
 # %% ../nbs/16_fp16_optimizer.ipynb #afa52880
 import torch
 from .scaler import LossScaler, ScalingError
-from .master import Masters, check_store
+from .master import Masters, check_kind
 from .convert import MasterDoors, modules_holding
 from .engine import StepEngine, clip_pending
 from .ops import require_impl
@@ -58,9 +58,9 @@ class FP16_Optimizer:
         self.scaler.verbose, self.scaler.advice = verbose, ("With FP16_Optimizer: a bf16 model (`model.bfloat16()`), or "
                                                             "the modules that overflow kept in fp32.")
         halves = {p.dtype for p in params if p.dtype != torch.float32}
-        check_store(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
+        check_kind(masters, torch.bfloat16 if halves <= {torch.bfloat16} else (halves - {torch.bfloat16}).pop())
         require_impl(impl, params[0].device if params else 'cpu')   # before the masters are swapped in
-        self.engine = StepEngine.attach(init_optimizer, Masters(), store=masters, state=state, decide=decide,
+        self.engine = StepEngine.attach(init_optimizer, Masters(), kind=masters, state=state, decide=decide,
                                         impl=impl, scaler=self.scaler,
                                         hint=("call `optimizer.backward(loss)` in place of `loss.backward()` (and of "
                                               "accelerate's `accelerator.backward(loss)`)"))

@@ -5,7 +5,7 @@ import pytest, torch
 from torch import nn
 from mixedprec import ops, amp
 from mixedprec.ops import split_bf16_ref, join_bf16_ref, round_stochastic_ref, rounding_bits_ref, sgd_step_, adam_step_
-from mixedprec.master import check_store, SplitMaster, RoundedMaster, Fp32Master
+from mixedprec.master import check_kind, SplitMaster, RoundedMaster, Fp32Master
 from mixedprec.convert import convert_model
 from mixedprec.engine import StepEngine, settings
 from mixedprec.scaler import LossScaler
@@ -163,7 +163,7 @@ def _engine(store, opt_cls=torch.optim.AdamW, seed=0, impl=None, **opt_kw):
     model = digits_mlp(seed)
     conv = convert_model(model, torch.bfloat16)
     opt = opt_cls(model.parameters(), lr=opt_kw.pop('lr', 3e-3), **opt_kw)
-    return model, StepEngine.attach(opt, conv.masters, store=store, scaler=LossScaler(1., dynamic=False),
+    return model, StepEngine.attach(opt, conv.masters, kind=store, scaler=LossScaler(1., dynamic=False),
                                     impl=impl), conv
 
 @pytest.mark.parametrize("opt_cls,kw", [(torch.optim.AdamW, dict(weight_decay=0.01)),
@@ -227,7 +227,7 @@ def test_tiny_updates_on_large_weights_stall_in_plain_bf16_and_keep_going_with_s
                 w.grad = 2 * (w.detach() - 250); opt.step()
             return w.detach().float().mean().item()
         conv = convert_model(model, torch.bfloat16)
-        e = StepEngine.attach(torch.optim.SGD([w], lr=1e-3), conv.masters, store=store,
+        e = StepEngine.attach(torch.optim.SGD([w], lr=1e-3), conv.masters, kind=store,
                               scaler=LossScaler(1., dynamic=False))
         for _ in range(steps):
             e.scale((w.float() - 250).pow(2).sum()).backward(); e.unscale(); e.step(); e.zero_grad()
@@ -256,9 +256,9 @@ def test_bf16_masters_keep_no_fp32_copy_of_the_weights():
             e.masters.trained[0].held.add_(1)      # writing the stand-in raises instead of training nothing
 
 def test_wrong_settings_say_what_to_do():
-    with pytest.raises(ValueError, match="one of"): check_store('bf16', torch.bfloat16)
-    with pytest.raises(ValueError, match="fp16 needs fp32 masters"): check_store('split', torch.float16)
-    with pytest.raises(ValueError, match="flat_master=False"): check_store('none', torch.bfloat16, flat=True)
+    with pytest.raises(ValueError, match="one of"): check_kind('bf16', torch.bfloat16)
+    with pytest.raises(ValueError, match="fp16 needs fp32 masters"): check_kind('split', torch.float16)
+    with pytest.raises(ValueError, match="flat_master=False"): check_kind('none', torch.bfloat16, flat=True)
     model = nn.Linear(3, 3).half()
     with pytest.raises(ValueError, match="fp16 needs fp32 masters"):
         FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), masters='split', verbose=False)
@@ -275,7 +275,7 @@ def test_fastai_to_bf16_with_bf16_masters_trains_like_fp32_masters(store):
     ref = synth_learner(); ref.to_bf16(); ref.fit(3, 1e-2)
     learn = synth_learner(); learn.to_bf16(masters=store); learn.fit(3, 1e-2)
     assert ref.mixed_precision.engine.masters.kind.__name__ == 'Fp32Master'
-    assert learn.mixed_precision.engine.masters.kind.store == store
+    assert learn.mixed_precision.engine.masters.kind.name == store
     assert learn.mixed_precision.engine.runner.plan is not None           # fastai's Adam, fused
     if store == 'split':
         for a, b in zip(master_values(ref), master_values(learn)):
@@ -309,11 +309,11 @@ def test_a_copy_of_a_bf16_master_model_holds_fp32_masters_and_the_learner_copy_t
     assert all(type(m) is Fp32Master and m.held.dtype == torch.float32 and torch.equal(a, m.held.detach())
                for a, m in zip(saved, clone.masters.values()))
     # the original keeps its bf16 masters
-    assert all(m.store == store for m in conv.masters.values())
+    assert all(m.name == store for m in conv.masters.values())
     twin = copy.deepcopy(learn)
     # the copied Learner keeps its masters in bf16 again at its fit
     twin.fit(1, 1e-2); learn.fit(1, 1e-2)
-    assert all(getattr(m, 'store', None) == store for m in twin.mixed_precision.conversion.masters.values())
+    assert all(getattr(m, 'name', None) == store for m in twin.mixed_precision.conversion.masters.values())
     for a, b in zip(master_values(twin), master_values(learn)): assert torch.equal(a, b)
 
 @pytest.mark.parametrize("store", ['split', 'none'])
@@ -374,7 +374,7 @@ def test_amp_o2_bf16_with_bf16_masters(store):
             # without a low half, a loaded master is its nearest bf16
             assert torch.equal(a.bfloat16().float(), b)
 
-def opt_masters_store(opt): return opt._mixedprec_engine.masters.kind.store
+def opt_masters_store(opt): return opt._mixedprec_engine.masters.kind.name
 
 @pytest.mark.parametrize("store", ['split', 'none'])
 def test_fp16_optimizer_with_bf16_masters_round_trips_its_state_dict(store):

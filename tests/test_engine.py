@@ -364,7 +364,7 @@ def test_attach_then_detach_gives_the_optimizer_back_its_params_and_state(make_o
         p is q for p in held for q in params
             if q.dtype == torch.float16), "the optimizer holds masters, not the half params"
     assert any(p in state for state in adapter.states() for p in held), "the state moved onto the masters"
-    e.held.detach()
+    e.detach()
     assert [p for g in adapter.groups() for p in g] == params
     after = {id(p): st for state in adapter.states() for p, st in state.items()}
     for i, st in before.items():

@@ -4,6 +4,7 @@ front end's own checkpoint), on fastai, amp O2 and FP16_Optimizer, in bf16 and f
 master starts from that value, so a run resumed with its body frozen at the load equals the uninterrupted one bit for
 bit; an optimizer state saved under another freeze state loads as torch's does"""
 import pytest, torch
+from functools import partial
 from torch import nn
 from fastai.optimizer import Adam
 from fastai.callback.core import Callback
@@ -309,3 +310,26 @@ def test_a_param_the_optimizer_was_built_without_is_named_as_such_not_as_replace
     learn.model[0].requires_grad_(True)
     with pytest.raises(ValueError, match="built without them") as e: learn.fit(1)
     assert 'replaced' not in str(e.value)
+
+def test_a_relayout_keeps_stepping_fastais_zeroed_grads_as_fastai_does():
+    ("fastai zeroes grads in place, and goes on stepping a param whose grad is zero (momentum, weight decay): a layout "
+     "made anew mid-fit (a body that never trained starts to, as a GAN's generator does) must not stop that")
+    from fastai.optimizer import SGD
+    from fastai.callback.core import Callback
+    class Swap(Callback):                     # after 3 batches: the head stops training, the body starts
+        order = 100
+        def after_batch(self):
+            if self.iter == 2: self.learn.model[1].requires_grad_(False); self.learn.model[0].requires_grad_(True)
+    def run(dtype):
+        model = body_head()
+        model[0].requires_grad_(False)
+        learn = synth_learner(model=model, splitter=two_groups, opt_func=partial(SGD, mom=0.9), lr=1e-2, wd=0.1)
+        if dtype != 'fp32': getattr(learn, f'to_{dtype}')()
+        learn.fit(1, cbs=Swap())
+        return learn.model[1].weight.detach().float().clone(), learn
+    ref, _ = run('fp32')
+    start = body_head()[1].weight.detach()
+    got, learn = run('bf16')
+    # the head moved on after it froze (momentum and weight decay), as in fp32
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)
+    assert (ref - start).abs().max() > 2e-2
