@@ -122,11 +122,12 @@ def accuracy_table(seeds=(0, 1, 2)):
     res = {}
     for seed in seeds:
         pre = _learner(_body(seed), x0, y0, seed); pre.fit_one_cycle(5, 1e-2)      # the pretrained body, in fp32
-        for name in ('fp32', 'bf16, body masters at unfreeze', 'bf16, body masters exact', 'fp16, body masters at '
-                     'unfreeze'):
+        # the body keeps no master while frozen, only its exact values, however it was frozen; masters at the unfreeze
+        for name in ('fp32', 'bf16, body frozen before to_bf16', 'bf16, body frozen after to_bf16',
+                     'fp16, body frozen before to_fp16'):
             learn = _learner(copy.deepcopy(pre.model[0]), x1, y1, seed)
             dtype = name.split(',')[0]
-            if name.endswith('exact'): getattr(learn, f'to_{dtype}')(); learn.freeze()   # masters made while trainable
+            if name.endswith('after to_bf16'): getattr(learn, f'to_{dtype}')(); learn.freeze()
             elif dtype != 'fp32': learn.freeze(); getattr(learn, f'to_{dtype}')()
             learn.fine_tune(8, 3e-2, freeze_epochs=1)
             res.setdefault(name, []).append(learn.validate()[1])

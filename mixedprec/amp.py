@@ -16,7 +16,7 @@ from .scaler import LossScaler
 from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
 from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
 from .ops import require_impl
-from .master import check_kind, Masters
+from .master import check_kind, Masters, saved_values, check_saved_values
 from .engine import clip_pending
 from .state import check_state_store
 from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2, unwrap_accelerated
@@ -343,7 +343,7 @@ def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 values of every optimizer's half params (its masters' and frozen ones')"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
-    sd['masters'] = [e.view.record.values_of(_params_of(e)) for e in _state.engines]
+    sd['masters'] = [saved_values(e.view.record, _params_of(e)) for e in _state.engines]
     return sd
 
 def load_state_dict(sd:dict):
@@ -358,7 +358,7 @@ def load_state_dict(sd:dict):
     if len(saved) != len(_state.engines):
         raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
                          "nothing was loaded")
-    checked = [e.view.record.check_values(_params_of(e), ms, e.view.names, f"the state_dict (optimizer {i})")
+    checked = [check_saved_values(e.view.record, _params_of(e), ms, e.view.names, f"the state_dict (optimizer {i})")
                for i, (e, ms) in enumerate(zip(_state.engines, saved))]
     scalers = [s.check_state(sd[f'loss_scaler{i}']) for i, s in enumerate(_state.scalers)]
     for s, values in zip(_state.scalers, scalers): s.restore(values)

@@ -8,7 +8,7 @@ __all__ = ['FP16_Optimizer']
 # %% ../nbs/16_fp16_optimizer.ipynb #afa52880
 import torch
 from .scaler import LossScaler, ScalingError
-from .master import Masters, check_kind
+from .master import Masters, check_kind, saved_values, check_saved_values
 from .convert import MasterDoors, modules_holding
 from .engine import StepEngine, clip_pending
 from .ops import require_impl
@@ -116,13 +116,13 @@ class FP16_Optimizer:
         "The scaler state, the overflow flag, the wrapped optimizer's state and every half param's fp32 value"
         return {'loss_scaler': self.scaler.state_dict(), 'overflow': self.overflow,
                 'optimizer_state_dict': self.optimizer.state_dict(),
-                'fp32_from_fp16': self.engine.view.record.values_of(self._params)}
+                'fp32_from_fp16': saved_values(self.engine.view.record, self._params)}
     def load_state_dict(self, sd:dict):
         "Restore the scaler, the wrapped optimizer and the fp32 masters; everything is checked before anything changes"
         missing = [k for k in ('loss_scaler', 'optimizer_state_dict', 'fp32_from_fp16') if k not in sd]
         if missing: raise ValueError(f"not an FP16_Optimizer state_dict: missing {missing}")
         e = self.engine
-        values = e.view.record.check_values(self._params, sd['fp32_from_fp16'], e.view.names, 'the state_dict')
+        values = check_saved_values(e.view.record, self._params, sd['fp32_from_fp16'], e.view.names, 'the state_dict')
         e.opt_state.check_dict(sd['optimizer_state_dict'], 'the state_dict')
         self.scaler.restore(self.scaler.check_state(sd['loss_scaler']))       # (the last check: now everything loads)
         e.opt_state.load_dict(sd['optimizer_state_dict'])

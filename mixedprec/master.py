@@ -6,9 +6,9 @@
 __all__ = ['HALF', 'KINDS', 'IN_BACKWARD', 'CheckpointError', 'check_master_value', 'check_param_state', 'check_state_value',
            'GradLists', 'Holder', 'Master', 'defers', 'Fp32Master', 'InPlaceParam', 'Frozen', 'StandInMaster',
            'SplitMaster', 'RoundedMaster', 'check_kind', 'flat_like', 'flat_slice', 'FlatSlice', 'FlatMaster',
-           'Remainder', 'fingerprint', 'exact_remainder', 'join_remainder', 'Masters', 'MasterGrad', 'PendingGrad',
-           'make_pending', 'make_held_fp32', 'step_grads', 'MasterGrads', 'nonfinite_names', 'MasterParams',
-           'TrainingSync', 'MasterWeights', 'RoundingStreams']
+           'Remainder', 'fingerprint', 'exact_remainder', 'join_remainder', 'Masters', 'saved_values',
+           'check_saved_values', 'MasterGrad', 'PendingGrad', 'make_pending', 'make_held_fp32', 'step_grads',
+           'MasterGrads', 'nonfinite_names', 'MasterParams', 'TrainingSync', 'MasterWeights', 'RoundingStreams']
 
 # %% ../nbs/13_master.ipynb #1944725e
 import math
@@ -712,21 +712,6 @@ class Masters:
     def check(self, saved:dict, names:dict, what:str):
         "Raise `CheckpointError`, naming the param, before anything changes, unless each value in `saved` can be its"
         for p, v in saved.items(): check_master_value(v, p, names.get(p, 'a param'), what)
-    def values_of(self, params) -> list:
-        "A copy of the fp32 value of each half param among `params`, trained or frozen (a front end's checkpoint)"
-        return [self.value(p).clone() for p in params if p.dtype in HALF]
-    def check_values(self, params, saved:list, names:dict, what:str) -> dict:
-        ("`saved`, a value per half param among `params` (or, as saved before 2026-12-07, per half param that trains), "
-         "checked whole: {param: value}, for `load`")
-        halves = [p for p in params if p.dtype in HALF]
-        trained = [p for p in halves if p in self]
-        n = len(saved) if isinstance(saved, (list, tuple)) else None
-        if n != len(halves) and n != len(trained):
-            raise CheckpointError(f"{what} holds {'no' if n is None else n} fp32 values, this optimizer holds "
-                                  f"{len(halves)} half params: it comes from another model; nothing was loaded")
-        values = dict(zip(halves if n == len(halves) else trained, saved))
-        self.check(values, {p: f"value {i} ({names.get(p, 'param')})" for i, p in enumerate(values)}, what)
-        return values
     def load(self, saved:dict):
         "Make each (checked) value in `saved` its param's: its master's, or a frozen param's half weight and remainder"
         for p, v in saved.items():
@@ -736,6 +721,24 @@ class Masters:
             half = v.to(p.dtype)
             self.keep_exact(p, v, half)
             with torch.no_grad(): p.copy_(half)
+
+# %% ../nbs/13_master.ipynb #saved13
+def saved_values(record:Masters, params) -> list:
+    "A copy of the fp32 value of each half param among `params`, trained or frozen (what a front end's checkpoint keeps)"
+    return [record.value(p).clone() for p in params if p.dtype in HALF]
+
+def check_saved_values(record:Masters, params, saved:list, names:dict, what:str) -> dict:
+    ("`saved`, a value per half param among `params` (or, as saved before 2026-12-07, per half param that trains), "
+     "checked whole: {param: value}, for `record.load`")
+    halves = [p for p in params if p.dtype in HALF]
+    trained = [p for p in halves if p in record]
+    n = len(saved) if isinstance(saved, (list, tuple)) else None
+    if n != len(halves) and n != len(trained):
+        raise CheckpointError(f"{what} holds {'no' if n is None else n} fp32 values, this optimizer holds "
+                              f"{len(halves)} half params: it comes from another model; nothing was loaded")
+    values = dict(zip(halves if n == len(halves) else trained, saved))
+    record.check(values, {p: f"value {i} ({names.get(p, 'param')})" for i, p in enumerate(values)}, what)
+    return values
 
 # %% ../nbs/13_master.ipynb #f33a4ad4
 IN_BACKWARD = ("a backward reached half params whose grads were already unscaled into their fp32 masters and not yet "
@@ -869,8 +872,7 @@ class MasterGrads:
 
     def unscale(self, inv_scale, accumulate:bool=False) -> torch.Tensor:
         "Unscale the half grads into the master grads (added to them with `accumulate`): the overflow flag (0-dim bool)"
-        if self._frozen and not all(map(is_, map(_grad, self._frozen), repeat(None))):
-            _refuse_frozen_grads(self._frozen, self.names)
+        if self._frozen and not all(map(is_, map(_grad, self._frozen), repeat(None))): self._refuse_frozen_grads()
         lists = GradLists(inv_scale, self.impl)
         for kind, hs in self._kinds.items(): kind.take_all(hs, lists, accumulate, self.keep_zero)
         try: found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
@@ -879,6 +881,7 @@ class MasterGrads:
         if lists.deferred: found |= scale_check_(lists.deferred, lists.deferred, 1., impl=self.impl)   # a check
         return found
 
+    def _refuse_frozen_grads(self): _refuse_frozen_grads(self._frozen, self.names)
     def set_aside(self):
         "Keep the fp32 params' unscaled grads aside, so a scaled backward can be unscaled and added to them"
         for m in self._in_place: m.set_aside()
@@ -932,7 +935,6 @@ class MasterGrads:
         if not own: return raw
         nonzero = agree(torch.stack([local_shard(p.grad).ne(0).any() for p in own]).to(torch.int32))
         return raw + [p for p, f in zip(own, nonzero.tolist()) if f]
-
     def unscaled(self) -> list:
         "(param, its unscaled fp32 grad) for each param the backward reached, after `unscale`"
         return [(m.param, m.grad) for m in self.masters if m.param.grad is not None and m.grad is not None]
@@ -946,7 +948,6 @@ class MasterGrads:
         "Names of the params whose grads (default: the model's; or `(param, grad)` pairs) hold inf or NaN"
         if grads is None: grads = [(m.param, m.param.grad) for m in self.masters if m.param.grad is not None]
         return nonfinite_names(grads, self.names, self.impl, self.fsdp2, limit, peaks)
-
 
 # %% ../nbs/13_master.ipynb #nonfin13
 def nonfinite_names(grads:list, names:dict, impl:str=None, fsdp2:bool=False, limit:int=10, peaks:list=None) -> list:

@@ -8,6 +8,7 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback
 from fastai.callback.progress import ProgressCallback
 from mixedprec.callback import MixedPrecision
+from mixedprec.master import saved_values
 from mixedprec.state import reachable_bytes     # noqa: F401 (the tests count bytes as the docs do)
 
 def bf16_adamw(front, model, lr, masters='fp32', state='fp32', loss_scale=None, opt=torch.optim.AdamW, **opt_kw):
@@ -73,4 +74,4 @@ class Record(Callback):
 
 def values_of(engine):
     "The fp32 value of each half param a step engine's optimizer holds, trained or frozen (what its checkpoints save)"
-    return engine.view.record.values_of([p for g in engine.view.params for p in g])
+    return saved_values(engine.view.record, [p for g in engine.view.params for p in g])
