@@ -11,7 +11,7 @@ __all__ = ['HALF', 'KINDS', 'IN_BACKWARD', 'CheckpointError', 'check_master_valu
            'MasterGrads', 'nonfinite_names', 'MasterParams', 'TrainingSync', 'MasterWeights', 'RoundingStreams']
 
 # %% ../nbs/13_master.ipynb #1944725e
-import math
+import functools, math
 from itertools import repeat
 from operator import attrgetter, is_
 import torch
@@ -587,44 +587,44 @@ class Remainder(NamedTuple):
         return half.shape == self.code.shape and fingerprint(half) == self.sealed
 
 def fingerprint(half:torch.Tensor, chunk:int=1 << 20) -> int:
-    "A 64-bit fingerprint of a half tensor's bits (in chunks: the temporaries stay small)"
+    "A 64-bit fingerprint of a half tensor's bits: their dot with fixed pseudo-random weights (in chunks)"
     bits, res = half.detach().reshape(-1).view(torch.int16), 0
+    weights = _fingerprint_weights(chunk, bits.device)
     for start in range(0, bits.numel(), chunk):
-        b = bits[start:start + chunk].to(torch.int64) + 40503
-        i = torch.arange(start, start + b.numel(), dtype=torch.int64, device=b.device)
-        res = (res + int((b * (i * 2654435761 % 4294967291 + 1)).sum())) % 2**64
-    return res
+        b = bits[start:start + chunk]
+        res += int((b.to(torch.int32) * weights[:b.numel()]).sum(dtype=torch.int64))   # (products wrap: a hash)
+    return res % 2**64
 
-def _unit(h:torch.Tensor) -> torch.Tensor:
-    "The weight of an fp16 code's unit beside fp32 `h` (an fp16 value): 2^-25 of its exponent's, or of fp16's smallest normal"
-    e = torch.where(h.abs() >= 2.**-14, torch.frexp(h).exponent - 1, -14)
-    return torch.ldexp(torch.ones_like(h), e - 25)
+@functools.lru_cache(maxsize=4)
+def _fingerprint_weights(n:int, device) -> torch.Tensor:
+    return torch.randint(1, 2**31 - 1, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(59)).to(device)
 
-def _codes(v:torch.Tensor, half:torch.Tensor) -> torch.Tensor:
-    ("What `v` (fp32) is beyond `half`, as int64: for bf16 the low 16 bits of its fp32 pattern; for fp16 the "
-     "difference in units of `_unit`")
-    if half.dtype == torch.bfloat16:
-        return v.view(torch.int32).to(torch.int64) - (half.view(torch.int16).to(torch.int64) << 16)
-    h = half.float()
-    q = torch.nan_to_num((v - h) / _unit(h), nan=2.**20, posinf=2.**20, neginf=2.**20)
-    return q.clamp(-2.**20, 2.**20).round().to(torch.int64)
+def _fp16_unit(half:torch.Tensor) -> torch.Tensor:
+    "The weight of an fp16 code's unit beside `half`: 2^-25 of its exponent's (subnormals: of fp16's smallest normal)"
+    e = ((half.view(torch.int16).to(torch.int32) >> 10) & 0x1F).clamp_(min=1)
+    return ((e + 87) << 23).view(torch.float32)            # 2^(e - 15 - 25), built from its fp32 exponent field
 
 def _joined(half:torch.Tensor, code:torch.Tensor) -> torch.Tensor:
     "The fp32 value a 16-bit `code` completes `half` to"
     if half.dtype == torch.bfloat16:
-        bits = (half.view(torch.int16).to(torch.int64) << 16) + code.to(torch.int64)
-        return ((bits + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+        return ((half.view(torch.int16).to(torch.int32) << 16) + code.to(torch.int32)).view(torch.float32)
     h = half.float()
-    return torch.where(code == 0, h, h + code.float() * _unit(h))
+    return torch.where(code == 0, h, h + code.float() * _fp16_unit(half))
 
 def exact_remainder(v:torch.Tensor, half:torch.Tensor) -> Remainder:
     "What half tensor `half` lacks of fp32 `v` (the same shape), kept exactly; None where `half` holds `v` exactly"
-    v, half = v.detach().float(), half.detach()
-    codes = _codes(v, half)
-    fits = (codes >= -2**15) & (codes < 2**15)
-    code = torch.where(fits, codes, 0).to(torch.int16)
-    where = (_joined(half, code).view(torch.int32) != v.view(torch.int32)).reshape(-1).nonzero().squeeze(1)
+    v, half = v.detach().float().contiguous(), half.detach().contiguous()
+    if half.dtype == torch.bfloat16:        # the low half of v's fp32 pattern, as a difference from half's
+        diff = v.view(torch.int32) - (half.view(torch.int16).to(torch.int32) << 16)
+        code = diff.to(torch.int16)
+        bad = diff != code                  # (what int16 cannot hold: a tie rounded down, an overflow to inf)
+    else:                                   # v - half in units of `_fp16_unit`
+        q = torch.nan_to_num((v - half.float()) / _fp16_unit(half), nan=1e6, posinf=1e6, neginf=-1e6)
+        code = q.round_().clamp_(-2**15, 2**15 - 1).to(torch.int16)
+        bad = _joined(half, code).view(torch.int32) != v.view(torch.int32)
+    where = bad.reshape(-1).nonzero().squeeze(1)
     if where.numel() == 0 and not bool(code.any()): return None
+    if where.numel(): code.view(-1)[where] = 0
     return Remainder(code, where.to(torch.int32), v.reshape(-1)[where].clone(), fingerprint(half))
 
 def join_remainder(half:torch.Tensor, rem:Remainder) -> torch.Tensor:
