@@ -423,8 +423,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         self._checked = False
         self.report.begin(self.learn)
         if getattr(self.learn, 'opt', None) is None or not self.conversion.steps_masters: return
-        if any(m.held.device != m.param.device for m in self.conversion.masters.values()):
-            self.link.follow_model_device()
+        if self.conversion.masters.off_device(): self.link.follow_model_device()
         self.link.attach_opt()
         self.engine.prepare_fit()               # ChannelsLast (order -1) lays the model out anew; a freeze since
         for p in self.learn.model.parameters(): p.grad = None

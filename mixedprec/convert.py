@@ -108,9 +108,9 @@ class ModelConversion:
         return self.model
 
     def follow_devices(self):
-        "Move each master to its param's device, when the model moved after conversion (fastai moves it at `fit`)"
-        with torch.no_grad():
-            for m in self.masters.values(): m.to_device()
+        ("Move each master and remainder to its param's device, when the model moved after conversion (fastai moves it "
+         "at `fit`)")
+        self.masters.follow_devices()
 
     def take_edits(self):
         "Take what was changed in place since mixedprec last wrote the model, in a param or in a master's value"

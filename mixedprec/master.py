@@ -6,7 +6,7 @@
 __all__ = ['HALF', 'KINDS', 'IN_BACKWARD', 'CheckpointError', 'check_master_value', 'check_param_state', 'check_state_value',
            'GradLists', 'Holder', 'Master', 'defers', 'Fp32Master', 'InPlaceParam', 'Frozen', 'StandInMaster',
            'SplitMaster', 'RoundedMaster', 'check_kind', 'flat_like', 'flat_slice', 'FlatSlice', 'FlatMaster',
-           'Remainder', 'fingerprint', 'exact_remainder', 'join_remainder', 'Masters', 'saved_values',
+           'Remainder', 'remainder_to', 'fingerprint', 'exact_remainder', 'join_remainder', 'Masters', 'saved_values',
            'check_saved_values', 'MasterGrad', 'PendingGrad', 'make_pending', 'make_held_fp32', 'step_grads',
            'MasterGrads', 'nonfinite_names', 'MasterParams', 'TrainingSync', 'MasterWeights', 'RoundingStreams']
 
@@ -586,6 +586,10 @@ class Remainder(NamedTuple):
         "Whether `half` is the half weight this completes (not written since, in place or through `.data`)"
         return half.shape == self.code.shape and fingerprint(half) == self.sealed
 
+def remainder_to(rem:Remainder, device) -> Remainder:
+    "`rem` on `device` (the model moved)"
+    return Remainder(rem.code.to(device), rem.where.to(device), rem.whole.to(device), rem.sealed)
+
 def fingerprint(half:torch.Tensor, chunk:int=1 << 20) -> int:
     "A 64-bit fingerprint of a half tensor's bits: their dot with fixed pseudo-random weights (in chunks)"
     bits, res = half.detach().reshape(-1).view(torch.int16), 0
@@ -628,7 +632,8 @@ def exact_remainder(v:torch.Tensor, half:torch.Tensor) -> Remainder:
     return Remainder(code, where.to(torch.int32), v.reshape(-1)[where].clone(), fingerprint(half))
 
 def join_remainder(half:torch.Tensor, rem:Remainder) -> torch.Tensor:
-    "The exact fp32 value that `rem` completes `half` to"
+    "The exact fp32 value that `rem` completes `half` to (on `half`'s device)"
+    if rem.code.device != half.device: rem = remainder_to(rem, half.device)
     res = _joined(half.detach(), rem.code)
     if rem.outliers: res = res.contiguous(); res.view(-1)[rem.where.long()] = rem.whole
     return res
@@ -689,6 +694,16 @@ class Masters:
         "Keep fp32 `v` as the value of `p`, which keeps no master, beside the half weight `half` it has (default: its own)"
         v = v.detach().reshape(p.shape).to(p.device, torch.float32)
         self.keep(p, exact_remainder(v, p.detach() if half is None else half))
+    def off_device(self) -> bool:
+        "Whether a master or a remainder here is not on its param's device (the model moved: fastai moves it at `fit`)"
+        return (any(m.held.device != m.param.device for m in self.of.values()) or
+                any(r.code.device != p.device for p, r in self.exact.items()))
+    def follow_devices(self):
+        "Move each master and remainder here to its param's device"
+        with torch.no_grad():
+            for m in self.of.values(): m.to_device()
+            for p, r in list(self.exact.items()):
+                if r.code.device != p.device: self.exact[p] = remainder_to(r, p.device)
     def remainder(self, p) -> Remainder:
         "What `p`'s half weight lacks of its value (a param without a master), or None: the half weight is the value"
         rem = self._owner(p).exact.get(p)

@@ -333,3 +333,15 @@ def test_a_relayout_keeps_stepping_fastais_zeroed_grads_as_fastai_does():
     # the head moved on after it froze (momentum and weight decay), as in fp32
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)
     assert (ref - start).abs().max() > 2e-2
+
+def test_remainders_follow_the_model_to_its_device():
+    "fastai moves the model at `fit`, after `to_bf16()` made the frozen body's remainders: they follow it, as masters do"
+    learn = fastai_learner('bf16')
+    record = learn.mixed_precision.conversion.masters
+    w = learn.model[0][0].weight
+    value = record.value(w).clone()
+    rem = record.remainder(w)
+    record.exact[w] = rem._replace(code=rem.code.to('meta'))             # as if it stayed behind on another device
+    assert record.off_device()
+    record.exact[w] = rem
+    assert not record.off_device() and same_bits(record.value(w), value)
