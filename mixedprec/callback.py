@@ -123,7 +123,8 @@ class FastaiAdapter(OptimizerAdapter):
 
 # fastai's optimizers join the engine's tables (before torch's: an `OptimWrapper` is no `torch.optim.Optimizer`)
 OPTIMIZERS += [p for p in (fastai_plan, wrapped_torch_plan) if p not in OPTIMIZERS]
-if not any(a is FastaiAdapter for _, a in ADAPTERS): ADAPTERS.insert(0, (lambda opt: hasattr(opt, 'param_lists'), FastaiAdapter))
+if not any(a is FastaiAdapter for _, a in ADAPTERS):
+    ADAPTERS.insert(0, (lambda opt: hasattr(opt, 'param_lists'), FastaiAdapter))
 
 # %% ../nbs/15_callback.ipynb #a0883456
 _SCALER_KWARGS = ('min_scale', 'factor', 'max_overflow_at_min', 'max_bad_loss', 'history_size', 'skip_window',
@@ -352,8 +353,8 @@ def _check_trainable(link:LearnerLink):
     converted = {id(p) for p in link.conversion.params}
     left_out = [n for n, p in missing if id(p) in converted]
     if left_out:
-        raise ValueError(f"the model trains params the optimizer was built without them ({', '.join(left_out[:5])}): "
-                         "they were frozen when it was built, and it took only the params that trained then. Build "
+        raise ValueError(f"the optimizer was built without them: the model trains {', '.join(left_out[:5])}, which "
+                         "were frozen when it was built, and it took only the params that trained then. Build "
                          "it anew after unfreezing (`learn.create_opt()`), or build it on every param (fastai's own "
                          "optimizers hold frozen params, and step them once they train)")
     raise ValueError(f"the model trains params the optimizer does not hold ({', '.join(n for n, _ in missing[:5])}): "

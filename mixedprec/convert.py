@@ -343,9 +343,7 @@ class MasterDoors:
                 m.set_(v)
                 state_dict[prefix + name] = m.param.detach().clone()     # torch copies this into the param next
             elif p.dtype in HALF and self.record.owns(p):   # a param that does not train: its rounding and remainder
-                v = v.detach().reshape(p.shape).to(p.device, torch.float32)
-                state_dict[prefix + name] = half = v.to(p.dtype)
-                self.record.keep_exact(p, v, half)
+                state_dict[prefix + name] = self.record.rounded(p, v)
 
     def loaded(self, module, incompatible_keys):
         "`load_state_dict` post-hook: the params hold what their masters say, not an edit to take"

@@ -394,7 +394,7 @@ class SwappedOptimizer:
         self.masters = _swap_in(self.adapter, record, kind, names, impl, flat, make, keep_bf16=state == 'bf16')
         # stochastic rounding: every rank draws the same bits, whatever its torch seed
         if state != 'fp32' or kind.needs_seed: self.masters.rounding.seed = rank0s(self.masters.rounding.seed)
-        self.original_step = optimizer.step                # what `step()` meant before a front end handed it to the engine
+        self.original_step = optimizer.step      # what `step()` meant before a front end handed it to the engine
         self._followed, self.own_layout_due = False, True
         if state == 'fp32': self.decode_state()     # lean state is read by the fused steps only, as it is
         if self.masters.fsdp2 and state != 'fp32': make_lean_state(self)      # for DCP: every key, from the start
@@ -467,12 +467,13 @@ class StepRunner:
     def __init__(self, swapped:SwappedOptimizer, previous:'StepRunner'=None):
         self.swapped, opt, ms = swapped, swapped.optimizer, swapped.masters
         recognised = fused_plan(opt)
-        lean = swapped.state != 'fp32' and ms.steppable     # the references keep lean state where no kernels run
+        lean = swapped.state != 'fp32' and ms.steppable   # the references keep lean state where no kernels run
         self.plan = recognised if recognised is not None and (fuses(ms, swapped.impl) or lean) else None
         same = previous is not None and previous.plan is not None and self.plan is not None and (
             previous.plan.name == self.plan.name and previous.fused.layout is ms)
         # the launches prepared for the same layout and optimizer are kept
-        self.fused = previous.fused if same else FusedStep(self.plan, ms, swapped.state, swapped.impl) if self.plan else None
+        self.fused = (previous.fused if same else
+                      FusedStep(self.plan, ms, swapped.state, swapped.impl) if self.plan else None)
         when = swapped.decide or current_decide()
         self.on_device = self.plan is not None and self.plan.device_ok and when != 'never' and (
             when == 'always' or ms.device().type == 'cuda')
@@ -483,13 +484,13 @@ class StepRunner:
         ("The fused kernels' step; a torch optimizer's runs inside torch's own step wrapper "
          "(`Optimizer.profile_hook_step`), so its step hooks run as for its own step")
         opt = self.swapped.optimizer
-        if self.swapped.own_layout_due is False: self.fused.reset()      # the state left the kernels' layout since
+        if self.swapped.own_layout_due is False: self.fused.reset()    # the state left the kernels' layout since
         run = lambda o: self.fused(o, found)
         if isinstance(opt, torch.optim.Optimizer):
             opt._opt_called = True                # what torch's LR schedulers check (its own step is not called)
             torch.optim.Optimizer.profile_hook_step(run)(opt)
         else: run(opt)
-        self.swapped.own_layout_due = True           # the kernels keep the state in their layout (fastai's counts as tensors)
+        self.swapped.own_layout_due = True     # the kernels keep the state in their layout (fastai's counts as tensors)
 
     def own_step(self, closure=None):
         "The optimizer's own step (as it was before a front end took it), then the master copy, also after an exception"
@@ -510,8 +511,9 @@ class StepRunner:
 class StepEngine:
     ("The step protocol under every front end: scale the loss; unscale, check and agree into one decision; step or "
      "skip; clear grads")
+    runner = _chosen = None       # how the next step runs (a `StepRunner`), and the settings it was chosen for
     def __init__(self,
-        swapped:SwappedOptimizer,       # the optimizer, its groups holding the masters
+        swapped:SwappedOptimizer, # the optimizer, its groups holding the masters
         scaler:LossScaler=None,   # the loss scale (amp passes one per loss to `scale_into`/`unscale_into` instead)
         clip:float=None,          # global L2 clip of the unscaled master grads
         hint:str='',              # what to call, in this front end's words, when a backward skipped the scaling
@@ -537,7 +539,7 @@ class StepEngine:
     def choose(self):
         "Choose how the next step runs (see `StepRunner`), anew where the layout, the optimizer or the settings changed"
         key = (self.masters, getattr(fused_plan(self.optimizer), 'name', None), ops.current_impl(), current_decide())
-        if getattr(self, '_chosen', None) != key: self.runner, self._chosen = StepRunner(self.swapped, getattr(self, 'runner', None)), key
+        if self._chosen != key: self.runner, self._chosen = StepRunner(self.swapped, self.runner), key
     def add_param_group(self, group:dict):
         "Add a param group: its half params that train get masters"; self.swapped.add_param_group(group); self.choose()
 
@@ -585,7 +587,6 @@ class StepEngine:
         for s in self.progress.scalers: s.freeze_names()
         self.masters.grads.zero(set_to_none)
         self.progress.cleared()
-    # what the front ends ask besides the step: they reach nothing inside the engine
     view = property(lambda self: LayoutView(self.masters), doc="What the front ends read of the masters' layout")
     opt_state = property(lambda self: OptimizerState(self.swapped), doc="Its optimizer's state, as checkpoints see it")
     skipped = property(lambda self: self.progress.last_skipped(), doc="True if the last step was skipped")

@@ -690,10 +690,15 @@ class Masters:
         owner = self._owner(p)
         if rem is None: owner.exact.pop(p, None)
         else: owner.exact[p] = rem
-    def keep_exact(self, p, v:torch.Tensor, half:torch.Tensor=None):
-        "Keep fp32 `v` as the value of `p`, which keeps no master, beside the half weight `half` it has (default: its own)"
+    def keep_exact(self, p, v:torch.Tensor):
+        "Keep fp32 `v` as the value of `p`, which keeps no master, beside the half weight it has"
+        self.keep(p, exact_remainder(v.detach().reshape(p.shape).to(p.device, torch.float32), p.detach()))
+    def rounded(self, p, v:torch.Tensor) -> torch.Tensor:
+        "`v`'s rounding, the half weight to write into `p` (which keeps no master), its remainder kept for `p`"
         v = v.detach().reshape(p.shape).to(p.device, torch.float32)
-        self.keep(p, exact_remainder(v, p.detach() if half is None else half))
+        half = v.to(p.dtype)
+        self.keep(p, exact_remainder(v, half))
+        return half
     def off_device(self) -> bool:
         "Whether a master or a remainder here is not on its param's device (the model moved: fastai moves it at `fit`)"
         return (any(m.held.device != m.param.device for m in self.of.values()) or
@@ -732,10 +737,7 @@ class Masters:
         for p, v in saved.items():
             m = self.get(p)
             if m is not None: m.set_(v); continue
-            v = v.detach().reshape(p.shape).to(p.device, torch.float32)
-            half = v.to(p.dtype)
-            self.keep_exact(p, v, half)
-            with torch.no_grad(): p.copy_(half)
+            with torch.no_grad(): p.copy_(self.rounded(p, v))
 
 # %% ../nbs/13_master.ipynb #saved13
 def saved_values(record:Masters, params) -> list:
@@ -847,7 +849,8 @@ def step_grads(grads:list) -> tuple:
 
 # %% ../nbs/13_master.ipynb #mroom0
 def _refuse_frozen_grads(frozen:list, names:dict):
-    "Say what to do about a frozen half param among `frozen` given a grad (by hand: no backward reaches it)"
+    "Raise, saying what to do, when a frozen half param among `frozen` has a grad (by hand: no backward reaches it)"
+    if all(map(is_, map(_grad, frozen), repeat(None))): return        # (one pass in C: every step)
     given = [str(names.get(p, tuple(p.shape))) for p in frozen if p.grad is not None]
     raise RuntimeError(f"{', '.join(given[:3])} is frozen (requires_grad=False) and has a grad, which torch's optimizer "
                        "would step: mixedprec keeps no master for a half param that does not train, only its exact "
@@ -887,7 +890,7 @@ class MasterGrads:
 
     def unscale(self, inv_scale, accumulate:bool=False) -> torch.Tensor:
         "Unscale the half grads into the master grads (added to them with `accumulate`): the overflow flag (0-dim bool)"
-        if self._frozen and not all(map(is_, map(_grad, self._frozen), repeat(None))): self._refuse_frozen_grads()
+        if self._frozen: _refuse_frozen_grads(self._frozen, self.names)
         lists = GradLists(inv_scale, self.impl)
         for kind, hs in self._kinds.items(): kind.take_all(hs, lists, accumulate, self.keep_zero)
         try: found = scale_check_(lists.src, lists.dst, inv_scale, impl=self.impl)
@@ -896,7 +899,6 @@ class MasterGrads:
         if lists.deferred: found |= scale_check_(lists.deferred, lists.deferred, 1., impl=self.impl)   # a check
         return found
 
-    def _refuse_frozen_grads(self): _refuse_frozen_grads(self._frozen, self.names)
     def set_aside(self):
         "Keep the fp32 params' unscaled grads aside, so a scaled backward can be unscaled and added to them"
         for m in self._in_place: m.set_aside()
@@ -1022,7 +1024,7 @@ class MasterParams:
          "or none (an fp32 param; a half param that does not train, its value kept in its remainder)")
         if p.dtype not in HALF or not self.make: return self._in_place_before.get(id(p)) or InPlaceParam(p)
         m = self.record.get(p)
-        if m is not None and not p.requires_grad and self.idle(m, p):
+        if m is not None and self.idle(m, p):
             self.record.drop(p)
             m = None
         if m is None and not p.requires_grad: return Frozen(p)
@@ -1031,9 +1033,9 @@ class MasterParams:
             self.record.register(m)
         return m
     def idle(self, m:Master, key) -> bool:
-        ("Whether master `m` of a frozen param would not be stepped: no grad, no optimizer state (keyed by `key`); it "
-         "goes then (a GAN's critic, frozen after it stepped, keeps its master, as torch keeps its state)")
-        return m.param.grad is None and not m.has_grad() and not self.has_state(key)
+        ("Whether master `m`'s param is frozen and would not be stepped: no grad, no optimizer state (keyed by `key`); "
+         "it goes then (a GAN's critic, frozen after it stepped, keeps its master, as torch keeps its state)")
+        return not m.param.requires_grad and m.param.grad is None and not m.has_grad() and not self.has_state(key)
 
     def _flats(self, ms:list, key) -> list:
         "What the optimizer holds for one group: a flat master per key over its masters, the rest as they are"
@@ -1084,7 +1086,7 @@ class TrainingSync:
     "Which params train, agreed between the model and what the optimizer holds, and whether the layout still fits it"
     def __init__(self, masters:list, holders:list, make:bool=True, idle=None):
         # idle(master, held): a frozen param's master would not be stepped (it goes at the next layout)
-        self.masters, self.holders, self.make, self.idle = masters, holders, make, idle or (lambda p, held: False)
+        self.masters, self.holders, self.make, self.idle = masters, holders, make, idle or (lambda m, held: False)
         self._params, self._held = [m.param for m in masters], [h.held for h in holders]
         self._seen, self.changed = self._requires_grads(), False
     def _requires_grads(self) -> tuple:
@@ -1105,8 +1107,7 @@ class TrainingSync:
         self._seen = self._requires_grads()
         self.changed = self.make and (any(not m.trains and m.param.requires_grad for m in self.masters) or
                                       any(len({p.requires_grad for p in h.params}) > 1 for h in self.holders) or
-                                      any(m.trains and not m.in_place and not m.param.requires_grad and
-                                          self.idle(m, m.held) for m in self.masters))
+                                      any(m.trains and not m.in_place and self.idle(m, m.held) for m in self.masters))
         return self.changed
 
 # %% ../nbs/13_master.ipynb #mweights13
