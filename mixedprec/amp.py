@@ -13,13 +13,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from .scaler import LossScaler
-from .convert import convert_model, to_fp32, check_half_dtype, HALF_DTYPES
-from .engine import StepEngine, scale_into, unscale_into, _check_decide, _check_lean
+from .convert import convert_model, to_fp32, check_half_dtype
+from .engine import StepEngine, SwappedOptimizer, _check_decide, _check_lean
 from .ops import require_impl
-from .master import check_kind, Masters, saved_values, check_saved_values
-from .engine import clip_pending
+from .master import check_kind, Masters, saved_values, check_saved_values, HALF
 from .state import check_state_store
-from .distributed import refuse_fsdp2, refuse_shard, check_fsdp2, unwrap_accelerated
+from .distributed import refuse_fsdp2, check_fsdp2, unwrap_accelerated
 
 # %% ../nbs/17_amp.ipynb #0004312e
 OPT_LEVELS = {
@@ -52,8 +51,8 @@ def resolve_opt_level(opt_level='O1', cast_model_type=None, keep_batchnorm_fp32=
                 raise ValueError(f"cast_model_type={cast_model_type} contradicts half_dtype={dtype}")
             dtype = cast_model_type
     dtype = dtype or torch.float16
-    if props['cast_model_type'] in HALF_DTYPES: props['cast_model_type'] = dtype
-    half_model = props['cast_model_type'] in HALF_DTYPES
+    if props['cast_model_type'] in HALF: props['cast_model_type'] = dtype
+    half_model = props['cast_model_type'] in HALF
     if keep_batchnorm_fp32 is not None:
         if not half_model:
             raise ValueError("keep_batchnorm_fp32 applies only when the model is cast to half (O2, O3), not to "
@@ -73,10 +72,10 @@ def resolve_opt_level(opt_level='O1', cast_model_type=None, keep_batchnorm_fp32=
 
 # %% ../nbs/17_amp.ipynb #a7292e4f
 class AmpState:
-    "What one `initialize` set up: the opt level's properties, a loss scaler per loss, and a step engine per optimizer"
+    "What one `initialize` set up: the opt level's properties, a loss scaler per loss, and a step engine over its optimizers"
     def __init__(self, props, scalers, enabled=True, verbosity=1):
         self.props, self.scalers, self.enabled, self.verbosity = props, scalers, enabled, verbosity
-        self.engines, self.optimizers = [], []        # an engine per optimizer, in the order `initialize` got them
+        self.engine, self.optimizers = None, []      # the optimizers in the order `initialize` got them, and their engine
 
     def scaler(self, loss_id:int) -> LossScaler:
         "The scaler of `loss_id`"
@@ -117,7 +116,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     ("What `amp.initialize` returns for each optimizer: the one passed in (its groups, state, hooks and "
      "hyper-parameters, shared), stepped through its step engine")
     def __init__(self, optimizer:torch.optim.Optimizer, engine:StepEngine):
-        self.__dict__.update(optimizer=optimizer, _mixedprec_engine=engine)
+        self.__dict__.update(optimizer=optimizer, _mixedprec_engine=engine)      # (the engine holds the others too)
         _engines[optimizer] = _engines[self] = engine
         optimizer.register_step_pre_hook(_refuse_own_step(weakref.ref(engine)))
 
@@ -148,15 +147,15 @@ class AmpOptimizer(torch.optim.Optimizer):
             raise NotImplementedError("amp does not support optimizer closures: call optimizer.step() after the "
                                       "scale_loss block")
         self._opt_called = True                       # what torch's LR schedulers look for
-        return self.engine.step()
+        return self.engine.step(optimizer=self.optimizer)
 
     def zero_grad(self, set_to_none:bool=True):
         "Clear the model's grads and the masters'"
-        self.engine.zero_grad(set_to_none)
+        self.engine.zero_grad(set_to_none, optimizer=self.optimizer)
 
     def add_param_group(self, param_group:dict):
         "Add a group; its half params get fp32 masters at O2"
-        self.engine.add_param_group(param_group)
+        self.engine.view_of(self.optimizer).add_param_group(param_group)
 
     def state_dict(self) -> dict:
         "The optimizer's `state_dict`, keyed by the masters"
@@ -164,8 +163,9 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, sd:dict):
         "Checked against the masters first (torch checks the group sizes only)"
-        self.engine.opt_state.check_dict(sd, "optimizer.load_state_dict")
-        self.engine.opt_state.load_dict(sd)
+        state = self.engine.opt_state_of(self.optimizer)
+        state.check_dict(sd, "optimizer.load_state_dict")
+        state.load_dict(sd)
 
 # %% ../nbs/17_amp.ipynb #6a0513d8
 class AutocastForward:
@@ -187,12 +187,10 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
                master_weights=None, loss_scale=None, num_losses:int=1, min_loss_scale:float=None,
                    max_loss_scale:float=2.**24,
                verbosity:int=1, half_dtype=None, max_noskip:int=1000, decide:str=None, impl:str=None,
-                   masters:str='fp32', shard:bool=False,
+                   masters:str='fp32',
                state:str='fp32'):
-    # shard: removed (mixedprec's own ZeRO-1); refused by name, pointing to torch's FSDP2
     "Prepare `models` and `optimizers` for mixed precision at `opt_level`; returns them in the shapes they came in"
     global _state
-    refuse_shard(shard, "amp.initialize")
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
     opt_list = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     # accelerate's AcceleratedOptimizer: the torch optimizer inside it is what amp patches and returns
@@ -220,7 +218,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     if not (isinstance(num_losses, int) and num_losses >= 1):
         raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = resolve_opt_level(opt_level, cast_model_type, keep_batchnorm_fp32, master_weights, loss_scale, half_dtype)
-    if len(fsdp2) and not (props['cast_model_type'] in HALF_DTYPES and props['master_weights']):
+    if len(fsdp2) and not (props['cast_model_type'] in HALF and props['master_weights']):
         raise ValueError(f"amp.initialize: opt_level={opt_level!r} with an FSDP2 model: use opt_level='O2', whose "
                          "fp32 masters are FSDP2's sharded fp32 params (the compute dtype is the one its "
                          "`MixedPrecisionPolicy(param_dtype=...)` names)")
@@ -231,7 +229,7 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
         require_impl(impl, next(m.parameters(), torch.empty(0)).device)   # before anything is converted or recorded
     # bf16 masters in place of O2's fp32 ones (or of O3's none)
     if masters != 'fp32':
-        if props['cast_model_type'] not in HALF_DTYPES:
+        if props['cast_model_type'] not in HALF:
             raise ValueError(f"masters={masters!r} keeps the masters in the bf16 weights: it needs a bf16 model, "
                              "opt_level 'O2' or 'O3' with half_dtype='bf16'")
         props['master_weights'] = True
@@ -250,22 +248,19 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     records = []
     for m in model_list:
         if m in fsdp2: pass                  # FSDP2 casts it at each gather, by its policy
-        elif props['cast_model_type'] in HALF_DTYPES:
+        elif props['cast_model_type'] in HALF:
             keep = (_BatchNorm,) if props['keep_batchnorm_fp32'] else ()
             records.append(convert_model(m, props['cast_model_type'], keep_fp32=keep, cast_io=True,
                                          masters=props['master_weights']).masters)
         elif props['autocast']: _autocast_forward(m, props['dtype'])
         _initialized.add(m)
-    names, returned = {p: n for m in model_list for n, p in m.named_parameters()}, []
-    for o in opt_list:
-        # the masters of the models' conversions; masters of its own for half params no conversion cast
-        e = StepEngine.attach(o, Masters(parents=records), names=names, decide=decide, impl=impl, hint=_HINT,
-                              kind=masters, state=state, make=props['master_weights'])
-        _setups[e] = setup
-        setup.optimizers.append(o)
-        returned.append(AmpOptimizer(o, e))
-        setup.engines.append(e)
-    held = [p for e in setup.engines for g in e.view.params for p in g]
+    names = {p: n for m in model_list for n, p in m.named_parameters()}
+    # each optimizer on the masters of the models' conversions, with masters of its own for half params none cast
+    e = setup.engine = StepEngine([SwappedOptimizer(o, Masters(parents=records), names, kind=masters, state=state,
+                                                    make=props['master_weights'], impl=impl, decide=decide)
+                                   for o in opt_list], hint=_HINT)
+    _setups[e], setup.optimizers, returned = setup, opt_list, [AmpOptimizer(o, e) for o in opt_list]
+    held = [p for o in opt_list for g in e.view_of(o).params for p in g]
     for r in records: r.keep_only(held)          # what no optimizer holds does not train: it keeps no master
     if verbosity:
         print(f"mixedprec.amp: {opt_level}, {str(props['dtype']).replace('torch.', '')}, loss scale "
@@ -274,12 +269,15 @@ def initialize(models, optimizers=None, enabled:bool=True, opt_level:str="O1", c
     return models, (returned if isinstance(optimizers, (list, tuple)) else returned[0])
 
 # %% ../nbs/17_amp.ipynb #4a050826
-def _engines_of(optimizers) -> list:
-    "The step engine of each optimizer"
+def _engine_of(optimizers) -> tuple:
+    "The step engine of `optimizers` (one `initialize`'s), and the torch optimizers it holds for them"
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     missing = [type(o).__name__ for o in opts if o not in _engines]
     if missing: raise ValueError(f"these optimizers were not passed to amp.initialize: {missing}")
-    return [_engines[o] for o in opts]
+    if len({id(_engines[o]) for o in opts}) > 1:
+        raise ValueError("these optimizers were passed to different amp.initialize calls: one loss steps the "
+                         "optimizers of one call (pass every model and optimizer to one amp.initialize)")
+    return _engines[opts[0]], [o.optimizer if isinstance(o, AmpOptimizer) else o for o in opts]
 
 @contextlib.contextmanager
 def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_unscale:bool=False,
@@ -289,42 +287,44 @@ def scale_loss(loss:torch.Tensor, optimizers, loss_id:int=0, model=None, delay_u
     if not _state.enabled and not any(
         o in _engines for o in (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])):
         yield loss; return
-    engines = _engines_of(optimizers)
+    engine, opts = _engine_of(optimizers)
     # a model wrapped by `fully_shard` after initialize would run, and never train
-    setup = _setups[engines[0]]
+    setup = _setups[engine]
     for ref in getattr(setup, 'models', []):
         if (m := ref()) is not None and m not in getattr(setup, 'fsdp2', ()):
             refuse_fsdp2(m, "amp.scale_loss: the model was wrapped by `fully_shard` after amp.initialize")
     scaler = setup.scaler(loss_id)
-    yield scale_into(engines, loss, scaler)
+    yield engine.scale(loss, scaler, only=opts)
     if delay_unscale:
-        return                   # the engines stay at stage 'scaled': the next unscale takes these grads too
-    unscale_into(engines, scaler)
+        return                   # the optimizers stay at stage 'scaled': the next unscale takes these grads too
+    engine.unscale(scaler, only=opts)
 
 # %% ../nbs/17_amp.ipynb #939c780f
 def master_params(optimizer):
     ("The params `optimizer` owns, as an iterator: the fp32 masters at O2 (a master kept in its bf16 weight reads as "
      "its fp32 value until the next step), the model's params otherwise")
-    e = _engines.get(optimizer)
-    return iter(e.view.readable()) if e is not None else (p for g in optimizer.param_groups for p in g['params'])
+    if optimizer not in _engines: return (p for g in optimizer.param_groups for p in g['params'])
+    e, (opt,) = _engine_of(optimizer)
+    return iter(e.view_of(opt).readable())
 
 def clip_grad_norm_(optimizer, max_norm:float, norm_type:float=2.) -> float:
     ("Clip the unscaled master grads of `optimizer`'s pending step by their global norm (summed over ranks on "
      "FSDP2), as `torch.nn.utils.clip_grad_norm_` would over all of them: after the `scale_loss` block, "
      "before `step()`. Returns the norm; a non-finite one skips the step")
-    return clip_pending(_engines_of(optimizer)[0], max_norm, norm_type)
+    e, (opt,) = _engine_of(optimizer)
+    return e.clip_grads(max_norm, norm_type, opt)
 
 def skipped(optimizer) -> bool:
     ("True if the last `step()` of `optimizer` was skipped because its grads overflowed (a host read when it was "
      "decided on the device)")
-    return _engines_of(optimizer)[0].skipped
+    e, (opt,) = _engine_of(optimizer)
+    return e.skipped(opt)
 
 def _drained(loss_id:int, what:str) -> LossScaler:
     "The scaler of `loss_id`, its books caught up (a host read on a GPU)"
     if _state is None: raise RuntimeError(f"call amp.initialize before amp.{what}")
     sc = _state.scaler(loss_id)
-    sc.drain()
-    return sc
+    return _state.engine.books(sc) if _state.engine is not None else sc.drained()     # each step explained
 
 def history(loss_id:int=0):
     "The `StepRecord`s of the scaler of `loss_id` (its books catch up first)"
@@ -335,15 +335,19 @@ def loss_scale(loss_id:int=0) -> float:
      "amp.loss_scale(), params, create_graph=True)`, each grad divided by it, as with torch's `GradScaler`")
     return _drained(loss_id, 'loss_scale').scale
 
-def _params_of(e) -> list:
-    "The model params engine `e`'s optimizer holds whose values its checkpoint keeps (none at O3: no masters)"
-    return [p for g in e.view.params for p in g] if e.view.makes_masters else []
+def _views() -> list:
+    "What the last `initialize`'s engine shows of each of its optimizers"
+    return [_state.engine.view_of(o) for o in _state.optimizers] if _state.engine is not None else []
+
+def _params_of(view) -> list:
+    "The model params an optimizer holds whose values its checkpoint keeps (none at O3: no masters)"
+    return [p for g in view.params for p in g] if view.makes_masters else []
 
 def state_dict() -> dict:
     "Every loss scaler's state, and the fp32 values of every optimizer's half params (its masters' and frozen ones')"
     if _state is None: raise RuntimeError("call amp.initialize before amp.state_dict")
     sd = {f'loss_scaler{i}': s.state_dict() for i, s in enumerate(_state.scalers)}
-    sd['masters'] = [saved_values(e.view.record, _params_of(e)) for e in _state.engines]
+    sd['masters'] = [saved_values(v.record, _params_of(v)) for v in _views()]
     return sd
 
 def load_state_dict(sd:dict):
@@ -354,12 +358,12 @@ def load_state_dict(sd:dict):
     if n != len(_state.scalers):
         raise ValueError(f"the state_dict holds {n} loss scalers but amp.initialize was called with "
                          f"num_losses={len(_state.scalers)}; nothing was loaded")
-    saved = sd.get('masters', [])
-    if len(saved) != len(_state.engines):
-        raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(_state.engines)}; "
+    saved, views = sd.get('masters', []), _views()
+    if len(saved) != len(views):
+        raise ValueError(f"the state_dict holds masters for {len(saved)} optimizers, amp has {len(views)}; "
                          "nothing was loaded")
-    checked = [check_saved_values(e.view.record, _params_of(e), ms, e.view.names, f"the state_dict (optimizer {i})")
-               for i, (e, ms) in enumerate(zip(_state.engines, saved))]
+    checked = [check_saved_values(v.record, _params_of(v), ms, v.names, f"the state_dict (optimizer {i})")
+               for i, (v, ms) in enumerate(zip(views, saved))]
     scalers = [s.check_state(sd[f'loss_scaler{i}']) for i, s in enumerate(_state.scalers)]
     for s, values in zip(_state.scalers, scalers): s.restore(values)
-    for e, values in zip(_state.engines, checked): e.view.record.load(values)
+    for v, values in zip(views, checked): v.record.load(values)

@@ -33,7 +33,7 @@ from .master import check_kind, CheckpointError, check_param_state, flat_like, H
 from .state import check_state_store, fp32_state
 from .engine import (StepEngine, write_atomically, adapter_for, FusedPlan, torch_plan, OptimizerAdapter,
                               OPTIMIZERS, ADAPTERS)
-from .distributed import (rank, refuse_shard, refuse_fsdp2, fsdp2_sharded, check_fsdp2, check_fsdp2_policy,
+from .distributed import (rank, refuse_fsdp2, fsdp2_sharded, check_fsdp2, check_fsdp2_policy,
                                    dcp_save, dcp_load)
 from fastcore.xtras import join_path_file
 from .ops import warn_once, require_impl
@@ -175,23 +175,23 @@ def _forward_overflow(model, xb) -> str:
 class FitReport:
     ("What a fit shows of the scaler: with `table`, two columns of fastai's epoch table (the loss scale at the epoch's "
      "end, the steps it skipped); and `lr_find`'s steps left out of the history")
-    def __init__(self, scaler:LossScaler, table:bool=False):
-        self.scaler, self.table, self.start, self.kept = scaler, table, 0, None
-    def start_epoch(self): self.start = self.scaler.n_skipped
+    def __init__(self, books, table:bool=False):      # books(): the scaler, its books caught up
+        self.books, self.table, self.start, self.kept = books, table, 0, None
+    def start_epoch(self): self.start = self.books().n_skipped
     def scale(self):
         "The scale: an int when it is one (fastai prints floats with 6 decimals, wider than the column)"
-        s = self.scaler.drained().scale
+        s = self.books().scale
         return int(s) if s >= 1 and s == int(s) else s
-    def skipped(self): return self.scaler.drained().n_skipped - self.start
+    def skipped(self): return self.books().n_skipped - self.start
     def begin(self, learn):
-        if any(type(cb).__name__ == 'LRFinder' for cb in learn.cbs): self.kept = len(self.scaler.history)
+        if any(type(cb).__name__ == 'LRFinder' for cb in learn.cbs): self.kept = len(self.books().history)
         if self.table and 'loss_scale' not in [getattr(m, 'name', None) for m in learn.metrics]:
             learn.metrics = list(learn.metrics) + [ValueMetric(self.scale, 'loss_scale'),
                                                    ValueMetric(self.skipped, 'skipped')]
     def end(self, learn):
         if self.kept is not None:
-            self.scaler.drain()
-            while len(self.scaler.history) > self.kept: self.scaler.history.pop()
+            history = self.books().history
+            while len(history) > self.kept: history.pop()
             self.kept = None
         if self.table:          # (the columns hold bound methods, which `export` need not pickle)
             learn.metrics = [m for m in learn.metrics if getattr(m, 'name', None) not in ('loss_scale', 'skipped')]
@@ -225,9 +225,9 @@ class LearnerLink:
         "Swap the masters into `learn.opt` in place of the half params, carrying the state across; an engine over them"
         cb, wrapped, opt = self.cb, self.learn.opt, _raw_opt(self.learn)
         e = self.engine
-        if e is not None and not e.holds(opt): e.sync_training()     # a freeze on the old optimizer reaches the model
+        if e is not None and not e.view.holds(opt): e.view.sync_training()     # a freeze on the old optimizer reaches the model
         held_ids = {id(p) for g in opt.param_lists for p in g}
-        if not (e is not None and e.holds(opt) and held_ids == {id(t) for g in e.view.held_groups for t in g}):
+        if not (e is not None and e.view.holds(opt) and held_ids == {id(t) for g in e.view.held_groups for t in g}):
             names = {p: n for n, p in self.learn.model.named_parameters()}
             self.engine = StepEngine.attach(opt, self.conversion.masters, names=names, flat=cb.flat_master,
                                             kind=cb.master_kind, state=cb.state_store, scaler=cb.scaler,
@@ -243,7 +243,7 @@ class LearnerLink:
         "Put the model params back into fastai's optimizer, its state in its own layout; it is `learn.opt` again"
         opt, e = _raw_opt(self.learn), self.engine
         if isinstance(getattr(self.learn, 'opt', None), MixedPrecisionOpt): self.learn.opt = opt
-        if opt is not None and e is not None and e.holds(opt): e.detach()
+        if opt is not None and e is not None and e.view.holds(opt): e.view.detach()
         elif opt is not None and e is None and self.cb.state_store != 'fp32':    # a copy's: lean moments as fp32
             for state in adapter_for(opt).states():
                 for p, st in list(state.items()): state[p] = fp32_state(st)
@@ -386,18 +386,17 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         decide:str=None,              # where the skip is decided: 'cuda', 'always' or 'never' (default: `settings`)
         impl:str=None,                # the ops: 'auto', 'fused' or 'ref' (default: `mixedprec.engine.settings`)
         masters='fp32',               # bf16 only: 'split' (exact: the weight and an int16 half), 'none'; or a kind
-        shard:bool=False,             # removed (mixedprec's own ZeRO-1): refused, naming FSDP2's `fully_shard`
         state:str='fp32',             # the optimizer's moments: 'fp32', 'bf16' or '8bit' (fused SGD and Adam)
         **kwargs):                    # `LossScaler` settings (min_scale, factor, ...; GradScaler's names too)
         if clip is not None and not clip > 0: raise ValueError(f"clip must be a positive max norm or None, got {clip!r}")
-        check_kind(masters, dtype, flat_master); refuse_shard(shard, "MixedPrecision")
+        check_kind(masters, dtype, flat_master)
         self.master_kind, self.state_store = masters, check_state_store(state, flat_master)
         keep = (keep_fp32,) if isinstance(keep_fp32, type) else tuple(keep_fp32 or ())
         if keep_batchnorm and _BatchNorm not in keep: keep = (_BatchNorm, *keep)
         self.dtype, self.keep_fp32 = check_half_dtype(dtype), keep
         self.clip, self.flat_master, self.check_loss, self.decide, self.impl = clip, flat_master, check_loss, decide, impl
         self.scaler = _scaler(loss_scale, dynamic, max_noskip, max_scale, verbose, kwargs)
-        self.link, self.report, self._checked = LearnerLink(self), FitReport(self.scaler, table), False
+        self.link, self.report, self._checked = LearnerLink(self), FitReport(self.books, table), False
 
     @property
     def learn(self): "The Learner this callback is attached to"; return self.__dict__.get('_learn')
@@ -411,9 +410,12 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     state_io = property(lambda self: self.link.state_io)
     model_pgs = property(lambda self: self.engine.view.params, doc="The model's params by optimizer group")
     master_pgs = property(lambda self: self.engine.view.held_groups, doc="What the optimizer holds, by group")
-    loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
-    skipped = property(lambda self: self.scaler.drained().skipped, doc="True if the last step was skipped")
-    history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per optimizer step")
+    loss_scale = property(lambda self: self.books().scale, doc="The current loss scale (books caught up)")
+    skipped = property(lambda self: self.books().skipped, doc="True if the last step was skipped")
+    history = property(lambda self: self.books().history, doc="A `StepRecord` per optimizer step")
+    def books(self) -> LossScaler:
+        "The scaler, its books caught up (a host read on a GPU), each step explained by the engine"
+        return self.engine.books(self.scaler) if self.engine is not None else self.scaler.drained()
     def plot(self, ax=None): "Plot the loss scale and the skipped steps"; return plot_history(self.history, ax)
     def prepare(self): "Convert the model (once)"; self.link.prepare(); return self
     def after_create(self): self.link.prepare()
@@ -426,7 +428,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
         if getattr(self.learn, 'opt', None) is None or not self.conversion.steps_masters: return
         if self.conversion.masters.off_device(): self.link.follow_model_device()
         self.link.attach_opt()
-        self.engine.prepare_fit()               # ChannelsLast (order -1) lays the model out anew; a freeze since
+        self.engine.view.prepare_fit()          # ChannelsLast (order -1) lays the model out anew; a freeze since
         for p in self.learn.model.parameters(): p.grad = None
     on_train_begin = before_fit                 # fastai v1's names, for readers of the seed
 
@@ -451,7 +453,7 @@ class MixedPrecision(fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPreci
     def after_fit(self):
         "Give the optimizer's state its own layout (fastai's int step counts); the table's columns go"
         if self.engine is not None and getattr(self.learn, 'opt', None) is not None:
-            self.scaler.drain(); self.engine.own_layout()
+            self.engine.books(); self.engine.view.own_layout()
         self.report.end(self.learn)
     on_train_end = after_fit
     def before_train(self): self.report.start_epoch()
@@ -510,7 +512,7 @@ class MixedPrecisionOpt(GetAttr):
         "The optimizer's state per model param (fastai's layout), its hypers, and the loss scaler"
         cb = self._attached(); opt, e = self.opt, cb.engine
         state = e.opt_state.by_param()                # fastai's int step counts
-        if e.view.fsdp2 and e.state == '8bit':             # decoded: the scales cover blocks of this rank's shard
+        if e.view.fsdp2 and e.view.state == '8bit':           # decoded: the scales cover blocks of this rank's shard
             state = {p: fp32_state(s, keep_bf16=True) for p, s in state.items()}
         params = [p for g in e.view.params for p in g]
         res = {'state': [_plain(state.get(p, {})) for p in params], 'hypers': _plain(opt.hypers),
@@ -770,7 +772,7 @@ def freeze_to(self:Learner, n:int):
      "`requires_grad` at once")
     fastai_freeze_to(self, n)
     cb = getattr(self, 'mixed_precision', None)
-    if isinstance(cb, MixedPrecision) and cb.engine is not None: cb.engine.sync_training()
+    if isinstance(cb, MixedPrecision) and cb.engine is not None: cb.engine.view.sync_training()
 
 @patch
 def to_fp32(self:Learner):

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ENABLED', 'TIMEOUT', 'FSDP2_ADVICE', 'set_process_group', 'world_size', 'agree', 'rank0s', 'fsdp2_sharded',
            'refuse_fsdp2', 'check_fsdp2', 'fsdp2_compute_dtypes', 'check_fsdp2_policy', 'unwrap_accelerated',
-           'dcp_save', 'dcp_load', 'refuse_shard', 'rank', 'barrier', 'sum_over_ranks']
+           'dcp_save', 'dcp_load', 'rank', 'barrier', 'sum_over_ranks']
 
 # %% ../nbs/18_distributed.ipynb #b1c37fa5
 import datetime, sys
@@ -197,13 +197,6 @@ def dcp_load(state:dict, params:list, path) -> dict:
     return _keyed(state, lambda k: int(k) if isinstance(k, str) and k.isdigit() else k)
 
 # %% ../nbs/18_distributed.ipynb #2e754560
-def refuse_shard(shard:bool, where:str):
-    "Raise, saying how to shard with FSDP2 instead, when `shard=True` (mixedprec's removed ZeRO-1) is asked for"
-    if shard:
-        raise ValueError(f"{where}: shard=True (mixedprec's own ZeRO-1 over DDP) is removed: torch's FSDP2 "
-                         "shards the weights, grads and optimizer state, and holds fewer bytes a rank at every world "
-                         f"size. {FSDP2_ADVICE}")
-
 def rank() -> int:
     ("This process's rank in the default group (0 when torch.distributed is not initialised): rank 0 writes the "
      "checkpoints")

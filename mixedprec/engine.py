@@ -7,7 +7,7 @@ __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'OPTIMIZERS', 'ADAPTERS', 'se
            'FusedPlan', 'torch_plan', 'fused_plan', 'fuses', 'OptimizerAdapter', 'adapter_for', 'make_state',
            'keeps_buffer', 'FusedStep', 'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'SwappedOptimizer',
            'StepRunner', 'StepEngine', 'LayoutView', 'OptimizerState', 'write_atomically', 'save_checkpoint',
-           'clip_grads_', 'clip_norm', 'scale_into', 'OverflowNames', 'unscale_into', 'clip_pending']
+           'clip_grads_', 'clip_norm', 'OverflowNames', 'StepReasons', 'decide']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars, functools, math
@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 from . import ops
 from .ops import sgd_step_, adam_step_, backend
-from .scaler import LossScaler, host_where
+from .scaler import LossScaler, host_where, CODES
 from .master import (MasterParams, Masters, CheckpointError, _mix, check_param_state, check_kind, step_grads,
                               make_held_fp32, HALF)
 from .state import SCALES, Int8State, fp32_state, check_state_store, state_store
@@ -333,8 +333,8 @@ class Progress:
         "An unscale's decision (True: skip), or-ed into the pending one while accumulating"
         self.found, self.skip = (skip if self.found is None else self.found | skip), None
     def must_skip(self) -> bool:
-        "The pending decision, read on the host: True if the step will be skipped. The one place a host read decides"
-        if self.found is None: return False
+        "The pending decision, read on the host: True if the step will be skipped (None: none pending). The one read"
+        if self.found is None: return None
         if self.skip is None: self.skip = bool(self.found.item())
         return self.skip
     def skip_anyway(self, device):
@@ -356,6 +356,12 @@ class Progress:
         finite, self.loss_finite, self.stage = self.loss_finite, None, Stage.UNSCALED
         self.scalers.add(scaler)
         return finite
+    def expect_unscaled(self, what:str):
+        "Raise unless unscaled grads wait for a step, saying when `what` (a verb's -ing) is in place"
+        if self.stage != Stage.UNSCALED:
+            raise RuntimeError(f"{what} needs the unscaled grads of a pending step, and the step protocol is at stage "
+                               f"{self.stage.name}: call it after the backward's unscale (FP16_Optimizer: after "
+                               "`optimizer.backward(loss)`; amp: after the `scale_loss` block) and before `step()`")
     def last_skipped(self) -> bool:
         "True if the last step was skipped (a host read when it was decided on the device)"
         return bool(self.last_found) if self.last_found is not None else False
@@ -396,12 +402,30 @@ class SwappedOptimizer:
         if state != 'fp32' or kind.needs_seed: self.masters.rounding.seed = rank0s(self.masters.rounding.seed)
         self.original_step = optimizer.step      # what `step()` meant before a front end handed it to the engine
         self._followed, self.own_layout_due = False, True
+        self.progress, self.runner, self._chosen = Progress(), None, None   # where its step stands; how it runs
         if state == 'fp32': self.decode_state()     # lean state is read by the fused steps only, as it is
         if self.masters.fsdp2 and state != 'fp32': make_lean_state(self)      # for DCP: every key, from the start
         if self.masters.fsdp2 and state == '8bit' and isinstance(optimizer, torch.optim.Optimizer):
             optimizer.register_state_dict_post_hook(_decoded_8bit)     # (fastai's: `learn.opt.state_dict()` decodes)
     def __repr__(self): return f"SwappedOptimizer({type(self.optimizer).__name__}, {self.masters})"
 
+    def choose(self):
+        "Choose how the next step runs (a `StepRunner`), anew where the layout, the optimizer or the settings changed"
+        key = (self.masters, getattr(fused_plan(self.optimizer), 'name', None), ops.current_impl(), current_decide())
+        if self._chosen != key: self.runner, self._chosen = StepRunner(self, self.runner), key
+    def scaled(self, finite):
+        "A loss was scaled (`finite`: whether it was): the grads are the backward's; unscaled ones pending are kept"
+        self.masters.grads.drop_lent()
+        if self.progress.scaled(finite): self.masters.grads.set_aside()
+    def unscale(self, inv:torch.Tensor, scaler) -> tuple:
+        "Unscale the model's grads into the masters (laid out anew where due): their flag, and if the losses were finite"
+        accumulating = self.progress.found is not None
+        self.prepare(accumulating); self.choose()
+        return self.masters.grads.unscale(inv, accumulate=accumulating), self.progress.unscaled(scaler)
+    def stepped(self):
+        "A step was taken or skipped: the reads end, the grads are the backward's, the model's weights are ours"
+        ms = self.masters
+        ms.weights.end_reads(); ms.grads.drop_lent(); self.progress.ended(Stage.STEPPED); ms.weights.written()
     def relayout(self):
         ("Lay the masters out anew over the optimizer's groups (which params train changed; a group was added): the "
          "masters of the params that still train are kept, with their state as the engine keeps it")
@@ -409,6 +433,7 @@ class SwappedOptimizer:
         self.leave()
         self.masters = _swap_in(self.adapter, ms.record, ms.kind, ms.names, ms.impl, ms.flat, ms.make,
                                 keep_bf16=self.state == 'bf16', previous=ms)
+        self.choose()
 
     def prepare(self, accumulating:bool=False, follow:bool=False) -> bool:
         ("Before an unscale (or a fit, `follow`): the masters laid out as the params (a model laid out anew after the "
@@ -492,6 +517,10 @@ class StepRunner:
         else: run(opt)
         self.swapped.own_layout_due = True     # the kernels keep the state in their layout (fastai's counts as tensors)
 
+    def host_step(self, closure=None):
+        "A step the host decided to take: the fused kernels' (without a closure), or the own step and the master copy"
+        if self.plan is None or closure is not None: return self.own_step(closure)
+        return self.fused_step(torch.zeros((), dtype=torch.bool, device=self.swapped.masters.device()))
     def own_step(self, closure=None):
         "The optimizer's own step (as it was before a front end took it), then the master copy, also after an exception"
         swapped, opt = self.swapped, self.swapped.optimizer
@@ -509,118 +538,128 @@ class StepRunner:
 
 # %% ../nbs/14_engine.ipynb #d19c8a81
 class StepEngine:
-    ("The step protocol under every front end: scale the loss; unscale, check and agree into one decision; step or "
-     "skip; clear grads")
-    runner = _chosen = None       # how the next step runs (a `StepRunner`), and the settings it was chosen for
+    ("The step protocol under every front end, over one or more optimizers: scale the loss; unscale, check and agree "
+     "into one decision; step or skip; clear grads")
     def __init__(self,
-        swapped:SwappedOptimizer, # the optimizer, its groups holding the masters
-        scaler:LossScaler=None,   # the loss scale (amp passes one per loss to `scale_into`/`unscale_into` instead)
+        held:list,                # the optimizers (`SwappedOptimizer`s), their groups holding the masters
+        scaler:LossScaler=None,   # the loss scale (amp names one per loss at `scale` and `unscale` instead)
         clip:float=None,          # global L2 clip of the unscaled master grads
         hint:str='',              # what to call, in this front end's words, when a backward skipped the scaling
     ):
-        self.swapped, self.scaler, self.clip, self.hint = swapped, scaler, clip, hint
-        self.progress, self.stepping = Progress(), False   # stepping: the optimizer's own step runs for the engine
-        self.choose()
+        self.held, self.scaler, self.clip, self.hint = list(held), scaler, clip, hint
+        self.reasons, self.stepping = {}, False  # why steps went as they did, by scaler; an own step runs for the engine
+        for s in self.held: s.choose()
     @classmethod
     def attach(cls, optimizer, record:Masters, names:dict=None, flat:bool=False, kind='fp32', make:bool=True,
                state:str='fp32', impl:str=None, decide:str=None, **kwargs) -> 'StepEngine':
         ("The one door to the masters: an engine for `optimizer` (torch or fastai, built on model params), its groups "
          "laid out over masters from `record` (of `kind`, a kind or its name; flat with `flat`), its state on them")
-        return cls(SwappedOptimizer(optimizer, record, names, flat, kind, make, state, impl, decide), **kwargs)
-    def __repr__(self): return f"StepEngine({type(self.optimizer).__name__}: {self.runner}, {self.masters})"
+        return cls([SwappedOptimizer(optimizer, record, names, flat, kind, make, state, impl, decide)], **kwargs)
+    def __repr__(self): return f"StepEngine({', '.join(f'{s.runner}: {s.masters}' for s in self.held)})"
+    def one(self, optimizer=None) -> SwappedOptimizer:
+        "The held optimizer that is (or holds) `optimizer`; with None, the one there is"
+        found = [s for s in self.held if optimizer is None or optimizer in (s, s.optimizer)]
+        if len(found) == 1: return found[0]
+        raise ValueError(f"this engine does not hold this {type(optimizer).__name__}" if optimizer is not None else
+                         "this engine holds several optimizers: name the one")
+    optimizer, masters, runner, progress = (property(lambda self, k=k: getattr(self.one(), k)) for k in (
+        'optimizer', 'masters', 'runner', 'progress'))
 
-    optimizer = property(lambda self: self.swapped.optimizer)
-    masters = property(lambda self: self.swapped.masters, doc="The layout of the masters in the optimizer")
-    state = property(lambda self: self.swapped.state, doc="How the optimizer's moments are kept")
-    device = property(lambda self: self.masters.device(), doc="Where the params live")
-    stage = property(lambda self: self.progress.stage, doc="Where the step protocol stands")
-    found = property(lambda self: self.progress.found, doc="The pending decision (0-dim bool tensor, True: skip)")
-    accumulating = property(lambda self: self.progress.found is not None, doc="True while unscales add up (pending)")
-    def choose(self):
-        "Choose how the next step runs (see `StepRunner`), anew where the layout, the optimizer or the settings changed"
-        key = (self.masters, getattr(fused_plan(self.optimizer), 'name', None), ops.current_impl(), current_decide())
-        if self._chosen != key: self.runner, self._chosen = StepRunner(self.swapped, self.runner), key
-    def add_param_group(self, group:dict):
-        "Add a param group: its half params that train get masters"; self.swapped.add_param_group(group); self.choose()
-
-    def scale(self, loss:torch.Tensor, check:bool=True) -> torch.Tensor:
-        "`loss.float()` times the loss scale, a tensor; notes whether `loss` is finite unless `check=False`"
-        return scale_into([self], loss, self.scaler, check)
-    def unscale(self, input_finite=True, forward_overflow=None) -> torch.Tensor:
-        "Unscale into the masters, check, clip, agree and advance the scaler: the decision (0-dim bool), kept for `step`"
-        return unscale_into([self], self.scaler, self.clip, input_finite, forward_overflow)
-
-    def must_skip(self) -> bool: "The pending decision, read on the host"; return self.progress.must_skip()
-    def settle_books(self):
-        "Bring the scalers' books up to date before the grads they name are zeroed (on a GPU, a wait)"
-        for s in self.progress.scalers: s.drain()
-    def discard(self):
-        "Skip the pending step: zero the grads, drop the decision; the next unscale starts afresh"
-        self.settle_books(); self.masters.grads.zero(); self.progress.ended(Stage.READY)
-    def step(self, closure=None):
+    def scale(self, loss:torch.Tensor, scaler:LossScaler=None, only:list=None, check:bool=True) -> torch.Tensor:
+        "`loss.float()` times the scale, a tensor; the optimizers (`only` these) note if it is finite (unless told not)"
+        finite, held = torch.isfinite(loss.detach()).all() if check else None, [self.one(o) for o in only or [None]]
+        for s in held: s.scaled(finite)
+        scale = (scaler or self.scaler).tensors(held[0].masters.device())[0]
+        return loss.float() * (scale if scale.device == loss.device else scale.to(loss.device))
+    def unscale(self, scaler:LossScaler=None, only:list=None, input_finite=True, forward_overflow=None) -> torch.Tensor:
+        ("Unscale into the masters, check, clip, agree and advance the scaler: one decision (0-dim bool) for the "
+         "optimizers (`only` these), kept for `step`; `input_finite()` and `forward_overflow()` explain a skip")
+        scaler, held = self.books(scaler), [self.one(o) for o in only or [None]]
+        code, norm, unscaled = decide(held, scaler, self.clip)
+        reasons = self.reasons.setdefault(scaler, StepReasons())
+        reasons.note(scaler.next_step, held, unscaled, input_finite, forward_overflow)
+        skip = scaler.advance(code, norm, reasons)
+        for s in held: s.progress.decided(skip)
+        return skip
+    def clip_grads(self, max_norm:float, norm_type:float=2., optimizer=None) -> float:
+        "Clip the master grads of the pending step by their global norm (a non-finite one skips it); returns the norm"
+        s = self.one(optimizer)
+        s.progress.expect_unscaled("clipping")
+        norm = clip_norm([s.masters], max_norm, norm_type).item()
+        if not math.isfinite(norm): s.progress.skip_anyway(s.masters.device())
+        return norm
+    def step(self, closure=None, optimizer=None):
         "Step or skip by the pending decision: the fused kernels (reading it on the device), or the own step and the copy"
-        found, runner = self.progress.found, self.runner
-        if found is None and closure is None:    # nothing unscaled since the last step: a second `step()` is none
-            if self.masters.grads.raw():         # a backward without the scaling call would train nothing
+        s = self.one(optimizer)
+        if s.progress.found is None and closure is None:   # nothing unscaled since the last step: a second `step()` is none
+            if s.masters.grads.raw():                     # a backward without the scaling call would train nothing
                 raise RuntimeError("the half model has grads that were never unscaled into its fp32 masters, so this "
                                    "step would train nothing" + (f": {self.hint}" if self.hint else ''))
             return None
-        self.masters.weights.take_edits()   # the model is the user's handle: in-place edits (a clamp) are where it starts
+        s.masters.weights.take_edits()  # the model is the user's handle: in-place edits (a clamp) are where it starts
         self.stepping = True
         try:
-            if found is not None and runner.on_device: return runner.fused_step(found)
-            if self.must_skip():         # the books name the overflowed params before their grads are zeroed
-                self.settle_books(); self.masters.grads.zero(); return None
-            if runner.plan is not None and closure is None:
-                return runner.fused_step(torch.zeros((), dtype=torch.bool, device=self.device))
-            return runner.own_step(closure)
+            if s.runner.on_device and s.progress.skip is None and s.progress.found is not None:
+                return s.runner.fused_step(s.progress.found)
+            if s.progress.must_skip():         # the books name the overflowed params before their grads are zeroed
+                self.books(); s.masters.grads.zero(); return None
+            return s.runner.host_step(closure)
         finally:
             self.stepping = False
-            self.masters.weights.end_reads()
-            self.masters.grads.drop_lent()
-            self.progress.ended(Stage.STEPPED)
-            self.masters.weights.written()          # what the model holds now is ours: a change after this is the user's
-    def zero_grad(self, set_to_none:bool=True):
-        ("Drop (or zero) the grads of the model's params and of the masters, as the front end's optimizer would "
-         "(zeroed grads stay, and are stepped); a decision about grads that are gone goes with them")
-        # steps not yet in the books (decided on a GPU) keep which params overflowed, not the grads: zeroed or dropped
-        for s in self.progress.scalers: s.freeze_names()
-        self.masters.grads.zero(set_to_none)
-        self.progress.cleared()
-    view = property(lambda self: LayoutView(self.masters), doc="What the front ends read of the masters' layout")
-    opt_state = property(lambda self: OptimizerState(self.swapped), doc="Its optimizer's state, as checkpoints see it")
-    skipped = property(lambda self: self.progress.last_skipped(), doc="True if the last step was skipped")
-    awaits_step = property(lambda self: self.stage == Stage.UNSCALED, doc="True while unscaled grads wait for `step`")
-    def holds(self, optimizer) -> bool: "Whether it holds `optimizer`"; return self.optimizer is optimizer
-    def sync_training(self): "Agree on which params train, the model's `requires_grad` first"; self.masters.training.sync()
-    def prepare_fit(self):
-        "Before a fit: the masters laid out as the params, and anew for which of them train; how the step runs"
-        self.swapped.prepare(follow=True)
-        self.choose()
+            s.stepped()
+    def zero_grad(self, set_to_none:bool=True, optimizer=None):
+        "Drop (or zero: they are stepped) the model's and the masters' grads; a decision about them goes with them"
+        for reasons in self.reasons.values(): reasons.freeze()   # steps not yet in the books keep what overflowed
+        s = self.one(optimizer); s.masters.grads.zero(set_to_none); s.progress.cleared()
+    def books(self, scaler:LossScaler=None) -> LossScaler:
+        "`scaler` (else the engine's), every scaler's books caught up and each step explained (on a GPU, a wait)"
+        scaler = scaler or self.scaler
+        for sc in {scaler, *(sc for s in self.held for sc in s.progress.scalers)} - {None}:
+            reasons = self.reasons.setdefault(sc, StepReasons())
+            try: sc.drain(reasons)
+            finally: reasons.forget(sc.n_steps)
+        return scaler
+    def must_skip(self, optimizer=None) -> bool:
+        "The pending decision, read on the host (None: nothing pending)"; return self.one(optimizer).progress.must_skip()
+    def skipped(self, optimizer=None) -> bool: "True if the last step was skipped"; return self.one(optimizer).progress.last_skipped()
     def skip_on_host(self) -> bool:
-        "Where the pending decision is read on the host and says skip: the step is dropped, and True"
-        if self.runner.on_device or not self.must_skip(): return False
-        self.discard()
-        return True
+        "Where the pending decision is read on the host and says skip: the step is dropped (grads zeroed), and True"
+        s = self.one()
+        if s.runner.on_device or not s.progress.must_skip(): return False
+        self.books(); s.masters.grads.zero(); s.progress.ended(Stage.READY); return True
     def unscale_unscaled(self):
         "Take grads no scaled backward made (a plain `loss.backward()` after a fit) as they are: a unit, static scale"
-        if self.found is None and self.masters.grads.raw(): unscale_into([self], LossScaler(1., dynamic=False))
-    def own_layout(self): "Give the optimizer's state the layout its own step expects"; self.swapped.own_layout()
-    def detach(self): "Give the optimizer back, on the model's params, its state in its own layout"; self.swapped.detach()
-
+        s = self.one()
+        if s.progress.found is None and s.masters.grads.raw(): self.unscale(LossScaler(1., dynamic=False))
+    awaits_step = property(lambda self: self.one().progress.stage == Stage.UNSCALED, doc="Unscaled grads wait for `step`")
+    view = property(lambda self: LayoutView(self.one()), doc="What a front end reads and steers of the optimizer")
+    opt_state = property(lambda self: OptimizerState(self.one()), doc="Its optimizer's state, as checkpoints see it")
+    def view_of(self, optimizer) -> 'LayoutView': "`view` of the held `optimizer`"; return LayoutView(self.one(optimizer))
+    def opt_state_of(self, optimizer) -> 'OptimizerState': "`opt_state` of `optimizer`"; return OptimizerState(self.one(optimizer))
 
 # %% ../nbs/14_engine.ipynb #lview14
 class LayoutView:
-    "What a front end reads of an engine's masters' layout (read only)"
-    def __init__(self, layout:MasterParams): self._layout = layout
+    "What a front end reads of one held optimizer's layout, and how it steers it: which params train, the way out"
+    def __init__(self, swapped:SwappedOptimizer): self._swapped = swapped
+    _layout = property(lambda self: self._swapped.masters)
     record = property(lambda self: self._layout.record, doc="The record of the half params' values")
     params = property(lambda self: self._layout.model_groups, doc="The model's params, by the optimizer's groups")
     held_groups = property(lambda self: self._layout.groups, doc="What the optimizer holds, by group")
     names = property(lambda self: self._layout.names, doc="{param: its name}, for messages")
     fsdp2 = property(lambda self: self._layout.fsdp2, doc="True when it steps FSDP2's shards")
     makes_masters = property(lambda self: self._layout.make, doc="False when half params are stepped in half (O3)")
+    state = property(lambda self: self._swapped.state, doc="How the optimizer's moments are kept: 'fp32', 'bf16', '8bit'")
     def readable(self) -> list: "What the optimizer holds, reading as fp32 values"; return self._layout.weights.readable()
     def model_layout(self) -> list: "What it holds, with the params each stands for"; return self._layout.model_layout()
+    def holds(self, optimizer) -> bool: "Whether it is `optimizer`"; return self._swapped.optimizer is optimizer
+    def sync_training(self): "Agree on which params train, the model's `requires_grad` first"; self._layout.training.sync()
+    def prepare_fit(self):
+        "Before a fit: the masters laid out as the params, and anew for which of them train; how the step runs"
+        self._swapped.prepare(follow=True); self._swapped.choose()
+    def add_param_group(self, group:dict):
+        "Add a param group to the optimizer: its half params that train get masters"; self._swapped.add_param_group(group)
+    def own_layout(self): "Give the optimizer's state the layout its own step expects"; self._swapped.own_layout()
+    def detach(self): "Give the optimizer back, on the model's params, its state in its own layout"; self._swapped.detach()
 
 # %% ../nbs/14_engine.ipynb #ckpt14
 class OptimizerState:
@@ -758,11 +797,11 @@ def clip_norm(layouts:list, max_norm:float, norm_type:float=2.) -> torch.Tensor:
     return total
 
 # %% ../nbs/14_engine.ipynb #e0000011
-def _nonfinite_weights(engines:list, limit:int=5) -> str:
+def _nonfinite_weights(held:list, limit:int=5) -> str:
     "A sentence naming the params whose weights (masters) or optimizer state hold inf or NaN, or ''"
     bad = []
-    for e in engines:
-        ms, state = e.masters, e.optimizer.state
+    for s in held:
+        ms, state = s.masters, s.optimizer.state
         for m in ms.masters:
             what = (['weights'] if not torch.isfinite(m.value()).all() else []) + [
                 k for k, v in state.get(m.held, {}).items()
@@ -775,23 +814,13 @@ def _nonfinite_weights(engines:list, limit:int=5) -> str:
             "underflows), so the non-finite losses and grads that follow are its consequence, not the data's: keep "
             "fp32 masters, or train in bf16.")
 
-def scale_into(engines:list, loss:torch.Tensor, scaler:LossScaler, check:bool=True) -> torch.Tensor:
-    ("`loss.float()` times `scaler`'s scale (a tensor on the loss's device); each engine notes whether `loss` is "
-     "finite and sets its fp32 params' grads aside")
-    finite = torch.isfinite(loss.detach()).all() if check else None
-    for e in engines:
-        e.masters.grads.drop_lent()                                  # the half params' grads are the backward's again
-        if e.progress.scaled(finite): e.masters.grads.set_aside()   # unscaled grads were pending: the next adds to them
-    scale = scaler.tensors(engines[0].device if engines else loss.device)[0]
-    return loss.float() * (scale if scale.device == loss.device else scale.to(loss.device))
-
 class OverflowNames:
     "The params whose unscaled grads are not finite, named when the scaler's books catch up (or as at `freeze()`)"
-    def __init__(self, engines:list, grads:list=None): self.engines, self._grads, self.frozen = engines, grads, None
+    def __init__(self, held:list, grads:list=None): self.held, self._grads, self.frozen = held, grads, None
     @property
     def grads(self) -> list:
         "The (param, unscaled grad) pairs of each engine, taken at the first ask"
-        if self._grads is None: self._grads = [e.masters.grads.unscaled() for e in self.engines]
+        if self._grads is None: self._grads = [s.masters.grads.unscaled() for s in self.held]
         return self._grads
     def freeze(self):
         ("Each grad's largest magnitude (inf or NaN where it holds one), one foreach op on the device; the grads are "
@@ -803,25 +832,44 @@ class OverflowNames:
     def __call__(self) -> list:
         if self.frozen is None: peaks = [None] * len(self.grads)
         else: peaks = [torch.stack(p).tolist() if p else [] for p in self.frozen]
-        return [n for e, g, pk in zip(self.engines, self.grads, peaks)
-                for n in e.masters.grads.nonfinite(grads=g, peaks=pk)]
+        return [n for s, g, pk in zip(self.held, self.grads, peaks) for n in s.masters.grads.nonfinite(grads=g, peaks=pk)]
 
-def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=True,
-                 forward_overflow=None) -> torch.Tensor:
-    ("Unscale the model grads into the masters of `engines`, check them and the losses, clip, agree across ranks and "
-     "advance `scaler`: one decision, kept by each engine (`forward_overflow`: a sentence on where this batch's "
-     "forward overflowed, asked for only when training stops)")
-    for s in {scaler, *(s for e in engines for s in e.progress.scalers)}: s.drain()
-    device = engines[0].device
+class StepReasons:
+    ("Why an engine's steps went as they did, kept by the engine until the scaler's books take them in (`why`, `cause`: "
+     "as `GivenReasons`): the params whose grads overflowed, whether the batch was finite, what a diagnosis finds")
+    def __init__(self): self.steps = {}          # step number -> (held optimizers, OverflowNames, input_finite, forward)
+    def note(self, step:int, held:list, grads:list, input_finite, forward_overflow):
+        ("What explains `step` (`grads`: the unscaled grads of `held`, kept until named; None: on the CPU, where they "
+         "are named as the step is booked, read then)")
+        self.steps[step] = (held, grads and OverflowNames(held, grads), input_finite, forward_overflow)
+    def why(self, step:int, code:int) -> tuple:
+        "The reason and the params to name of `step`, whose outcome was `code` (the batch is read on a bad loss only)"
+        held, names, input_finite, _ = self.steps.get(step, (None, None, True, None))
+        reason = CODES[code] if code else None
+        if code == 2 and not (input_finite() if callable(input_finite) else bool(input_finite)): reason = 'nonfinite_input'
+        if code not in (1, 3) or held is None: return reason, ()
+        return reason, tuple((names or OverflowNames(held))() or ())
+    def cause(self, step:int) -> str:
+        "What made `step` hopeless beyond the scaler's view: weights already inf/NaN, or where the forward overflowed"
+        held, _, _, forward_overflow = self.steps.get(step, (None,) * 4)
+        if held is None: return ''
+        return _nonfinite_weights(held) or (forward_overflow() if forward_overflow else '')
+    def freeze(self):
+        "Each pending step's names keep each grad's peak, not the grads (about to be zeroed or dropped)"
+        for names in (v[1] for v in self.steps.values() if v[1] is not None): names.freeze()
+    def forget(self, upto:int): "Let go of the steps the books took in"; self.steps = {k: v for k, v in self.steps.items() if k > upto}
+
+def decide(held:list, scaler:LossScaler, clip:float=None) -> tuple:
+    ("Unscale the model grads into the masters of `held` (`SwappedOptimizer`s), check them and the losses, clip and "
+     "agree across ranks: the step's outcome (an index into `CODES`, on the host on one CPU process), its norm or "
+     "None, and the unscaled grads to name if it overflowed (None where they are named at once, on the CPU)")
+    device = held[0].masters.device()
     inv = scaler.tensors(device)[1]
     # (from READY or STEPPED an unscale finds no grads: a step that changes nothing, as in apex, for a GAN's idle one)
-    if any(e.stage == Stage.UNSCALED for e in engines):
+    if any(s.progress.stage == Stage.UNSCALED for s in held):
         raise RuntimeError("unscaling needs a scaled backward since the last unscale, and the step protocol is at "
                            "stage UNSCALED: the grads were unscaled already; unscale once per backward, then step")
-    outcomes = []               # each engine's grads' flag, and whether its losses were finite
-    for e in engines:
-        if e.swapped.prepare(e.accumulating) or not e.accumulating: e.choose()     # (a layout made anew)
-        outcomes.append((e.masters.grads.unscale(inv, accumulate=e.accumulating), e.progress.unscaled(scaler)))
+    outcomes = [s.unscale(inv, scaler) for s in held]    # each one's grads' flag, and whether its losses were finite
     # on one CPU process the outcome is read on the host (free there, where each tensor op costs more than the rule)
     where, on_host = (host_where, True) if device.type == 'cpu' and world_size() == 1 else (torch.where, False)
     if on_host:
@@ -833,23 +881,10 @@ def unscale_into(engines:list, scaler:LossScaler, clip:float=None, input_finite=
         for _, finite in outcomes:
             if finite is not None: loss_bad = loss_bad | ~finite.to(device)
         grads_bad, loss_bad = agree(torch.stack([grads_bad, loss_bad]).int()) > 0
-    norm = clip_norm([e.masters for e in engines], clip) if clip is not None else None
+    norm = clip_norm([s.masters for s in held], clip) if clip is not None else None
     code = 0 if norm is None else where(~torch.isfinite(norm) if not on_host else not math.isfinite(norm), 3, 0)
     code = where(loss_bad, 2, where(grads_bad, 1, code))                              # an index into CODES
     # kept until the books name the overflowed params (on the CPU they do at once: read then, if need be)
-    grads = [e.masters.grads.unscaled() for e in engines] if device.type != 'cpu' else None
-    for e in engines: e.masters.grads.lend()     # until the step, `p.grad` stands for the master's unscaled grad
-    diagnose = lambda: _nonfinite_weights(engines) or (forward_overflow() if forward_overflow else '')
-    skip = scaler.advance(code, norm, OverflowNames(engines, grads), input_finite, diagnose=diagnose)
-    for e in engines: e.progress.decided(skip)
-    return skip
-
-def clip_pending(e:StepEngine, max_norm:float, norm_type:float=2.) -> float:
-    "Clip the master grads of `e`'s pending step by their global norm (a non-finite one skips it); returns the norm"
-    if e.stage != Stage.UNSCALED:
-        raise RuntimeError("clipping needs the unscaled grads of a pending step, and the step protocol is at stage "
-                           f"{e.stage.name}: clip after the backward's unscale (FP16_Optimizer: after "
-                           "`optimizer.backward(loss)`; amp: after the `scale_loss` block) and before `step()`")
-    norm = clip_norm([e.masters], max_norm, norm_type).item()
-    if not math.isfinite(norm): e.progress.skip_anyway(e.device); e.runner.on_device = False
-    return norm
+    grads = [s.masters.grads.unscaled() for s in held] if device.type != 'cpu' else None
+    for s in held: s.masters.grads.lend()     # until the step, `p.grad` stands for the master's unscaled grad
+    return code, norm, grads

@@ -10,9 +10,9 @@ import torch
 from .scaler import LossScaler, ScalingError
 from .master import Masters, check_kind, saved_values, check_saved_values
 from .convert import MasterDoors, modules_holding
-from .engine import StepEngine, clip_pending
+from .engine import StepEngine
 from .ops import require_impl
-from .distributed import check_fsdp2, refuse_shard, unwrap_accelerated, FSDP2_ADVICE
+from .distributed import check_fsdp2, unwrap_accelerated, FSDP2_ADVICE
 
 # %% ../nbs/16_fp16_optimizer.ipynb #a1804b5f
 _APEX_NAMES = {'init_scale': 'loss_scale', 'scale_window': 'max_noskip', 'scale_factor': 'factor',
@@ -44,14 +44,12 @@ class FP16_Optimizer:
         decide:str=None,                      # where the skip is decided: 'cuda', 'always' or 'never'
         impl:str=None,                        # the ops: 'auto', 'fused' or 'ref' (default: `settings`)
         masters='fp32',                       # bf16 params: 'split' or 'none' keep the master in the weight
-        shard:bool=False,                     # removed (mixedprec's own ZeRO-1): refused, naming FSDP2
         state:str='fp32',                     # the optimizer's moments: 'fp32', 'bf16' or '8bit'
     ):
         init_optimizer = unwrap_accelerated(init_optimizer, "FP16_Optimizer")     # accelerate's wrapper
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         params = [p for g in init_optimizer.param_groups for p in g['params']]
-        refuse_shard(shard, "FP16_Optimizer")
         check_fsdp2(params, "FP16_Optimizer", masters)
         self.optimizer, self.verbose = init_optimizer, verbose
         self.scaler = _scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
@@ -71,15 +69,17 @@ class FP16_Optimizer:
 
     param_groups = property(lambda self: self.optimizer.param_groups, doc="The wrapped optimizer's groups (masters)")
     state = property(lambda self: self.optimizer.state, doc="The wrapped optimizer's state (keyed by the masters)")
-    skipped = property(lambda self: self.engine.skipped, doc="True if the last step was skipped")
+    skipped = property(lambda self: self.engine.skipped(), doc="True if the last step was skipped")
     _params = property(lambda self: [p for g in self.engine.view.params for p in g])
-    loss_scale = property(lambda self: self.scaler.drained().scale, doc="The current loss scale (books caught up)")
-    history = property(lambda self: self.scaler.drained().history, doc="A `StepRecord` per step (books caught up)")
+    loss_scale = property(lambda self: self.books().scale, doc="The current loss scale (books caught up)")
+    history = property(lambda self: self.books().history, doc="A `StepRecord` per step (books caught up)")
+    def books(self) -> LossScaler:
+        "The scaler, its books caught up (a host read on a GPU), each step explained"; return self.engine.books()
     @property
     def overflow(self) -> bool:
         "True if the grads overflowed: the pending step will be skipped (after `step()`: it was)"
-        e = self.engine
-        return e.must_skip() if e.found is not None else e.skipped
+        skip = self.engine.must_skip()
+        return self.engine.skipped() if skip is None else skip
     def __repr__(self): return f"FP16_Optimizer({type(self.optimizer).__name__}, {self.scaler})"
 
     def backward(self, loss:torch.Tensor, update_master_grads:bool=True, retain_graph:bool=False):
@@ -109,7 +109,7 @@ class FP16_Optimizer:
     def clip_master_grads(self, max_norm:float, norm_type:float=2) -> float:
         "Clip the fp32 master grads by their global norm; the norm, or -1 when the grads overflowed (skipped)"
         if self.overflow: return -1
-        norm = clip_pending(self.engine, max_norm, norm_type)
+        norm = self.engine.clip_grads(max_norm, norm_type)
         return -1 if self.engine.must_skip() else norm
 
     def state_dict(self) -> dict:
@@ -130,7 +130,7 @@ class FP16_Optimizer:
 
     def add_param_group(self, param_group:dict):
         "Add a param group (its half params that train get fp32 masters), keeping the state of the existing ones"
-        self.engine.add_param_group(param_group)
+        self.engine.view.add_param_group(param_group)
         self._hooks += self.doors.install(modules_holding(self.engine.view.params[-1]))
 
 # %% ../nbs/16_fp16_optimizer.ipynb #fp16desc
@@ -153,7 +153,7 @@ def _retrying(opt:FP16_Optimizer, closure, max_retries:int=64):
         loss = closure()
         for _ in range(max_retries):
             if not opt.engine.must_skip(): return loss
-            opt.engine.discard()
+            opt.engine.zero_grad(set_to_none=None)
             loss = closure()
         raise ScalingError(f"the closure still overflowed after {max_retries} retries at loss scale {opt.loss_scale:g}")
     return wrapped

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['StepRecord', 'CODES', 'REASONS', 'ScalingError', 'host_where', 'ScaleRule', 'check_scaler_settings', 'ScalerBooks',
-           'Pending', 'check_scaler_state', 'LossScaler', 'plot_history']
+           'Pending', 'GivenReasons', 'check_scaler_state', 'LossScaler', 'plot_history']
 
 # %% ../nbs/11_scaler.ipynb #d58a0fe9
 import math, warnings
@@ -197,22 +197,28 @@ class ScalerBooks:
 
 # %% ../nbs/11_scaler.ipynb #dbd3a531
 class Pending(NamedTuple):
-    "One step the rule took and the books have not: its values (on the host once `event` has passed), and how to explain it"
-    vals:torch.Tensor; event:object; has_norm:bool; name_params:object; input_finite:object; raises:bool; diagnose:object
+    "One step the rule took and the books have not: its values (on the host once `event` has passed)"
+    vals:torch.Tensor; event:object; has_norm:bool; judged:bool
 
-def _take(books:ScalerBooks, p:Pending):
+class GivenReasons:
+    ("Why steps went as they did, as the books ask when they take them in: the code's reason (or `reason`), and "
+     "`params` named on overflow; the step engine keeps its own, which names what overflowed")
+    def __init__(self, reason:str=None, params=()): self.reason, self.params = reason, tuple(params or ())
+    def why(self, step:int, code:int) -> tuple:
+        "The reason and the params to name of booked `step`, whose outcome was `code`"
+        return (self.reason or CODES[code]) if code else None, self.params if code in (1, 3) else ()
+    def cause(self, step:int) -> str: "What made `step` hopeless, beyond what the scaler saw"; return ''
+
+def _take(books:ScalerBooks, p:Pending, reasons:GivenReasons):
     "Book one pending step (its copy waited for), raising `ScalingError` when scaling cannot help"
     code, norm, before, after, noskip = p.vals.tolist() if isinstance(p.vals, torch.Tensor) else p.vals
-    code = int(code)
-    reason = CODES[code] if code else None
-    if code == 2 and not (p.input_finite() if callable(p.input_finite) else bool(p.input_finite)):
-        reason = 'nonfinite_input'
-    params = tuple(p.name_params() or ()) if code in (1, 3) and p.name_params is not None else ()
+    step, code = books.n_steps + 1, int(code)
+    reason, params = reasons.why(step, code)
     books.book(code, reason, before, after, int(noskip), norm if p.has_norm and code in (0, 3) else None, params or None)
-    msg = books.hopeless() if p.raises else None
+    msg = books.hopeless() if p.judged else None
     if not msg: return
     msg += f" Params with non-finite grads: {', '.join(params)}." if params else ''
-    cause = p.diagnose().strip() if p.diagnose else ''   # e.g. weights already inf/NaN: then that is the news
+    cause = reasons.cause(step).strip()      # e.g. weights already inf/NaN: then that is the news
     raise ScalingError(f"{cause} What the loss scaler saw: {msg}" if cause else msg)
 
 _STATE = ('scale', 'dynamic', 'max_noskip', 'max_scale', 'min_scale', 'factor', 'noskip', 'n_steps', 'n_skipped',
@@ -285,29 +291,26 @@ class LossScaler:
                                   self.max_scale, self.min_scale)
         return self.rule.scale, self.rule.inv
 
-    def advance(self, code:torch.Tensor, grad_norm:torch.Tensor=None, name_params=None, input_finite=True,
-                hopeless_raises:bool=True, diagnose=None) -> torch.Tensor:
+    next_step = property(lambda self: self.books.n_steps + len(self._pending) + 1, doc="The number `advance` gives next")
+    def advance(self, code:torch.Tensor, grad_norm:torch.Tensor=None, reasons:GivenReasons=None,
+                judged:bool=True) -> torch.Tensor:
         ("One step whose outcome `code` indexes `CODES`, through the rule on its device; returns the skip flag. The books "
-         "follow at `drain`, naming the params (`name_params()`) and what `diagnose()` finds when scaling cannot help")
+         "take it in at `drain` (at once where the rule runs on the host, asking `reasons` why), judged unless told")
         if self.rule is None or self.rule.device != getattr(code, 'device', torch.device('cpu')):   # an int: the CPU's
             raise RuntimeError("call tensors(device) first: advance needs the scale on the code's device")
         skip, vals, event = self.rule.advance(code, grad_norm)
-        self._pending.append(Pending(vals, event, grad_norm is not None, name_params, input_finite, hopeless_raises,
-                                     diagnose))
-        if event is None: self.drain()
+        self._pending.append(Pending(vals, event, grad_norm is not None, judged))
+        if event is None: self.drain(reasons)
         return skip
 
-    def drain(self):
-        "Catch the books up with every step `advance` took, in order (waiting for a copy that has not landed)"
+    def drain(self, reasons:GivenReasons=None):
+        ("Catch the books up with every step `advance` took, in order (waiting for a copy that has not landed), asking "
+         "`reasons` why each went as it did")
         while self._pending:
             p = self._pending.popleft()
             if p.event is not None and not p.event.query(): self.waits += 1; p.event.synchronize()
-            _take(self.books, p)
+            _take(self.books, p, reasons or GivenReasons())
     def drained(self) -> 'LossScaler': "The scaler, its books caught up (a host read on a GPU)"; self.drain(); return self
-    def freeze_names(self):
-        "Steps not yet in the books keep which params overflowed (on the device), before their grads are zeroed"
-        for p in self._pending:
-            if hasattr(p.name_params, 'freeze'): p.name_params.freeze()
 
     def update(self, found_inf:bool, reason:str='overflow', grad_norm:float=None, params:tuple=None) -> bool:
         ("One step's outcome from the host, through the same rule (on the scaler's device or the CPU), taken in at "
@@ -317,8 +320,9 @@ class LossScaler:
         self.tensors(device)
         code = torch.tensor(_CODE_OF[reason] if found_inf else 0, device=device)
         norm = torch.tensor(float(grad_norm), device=device) if grad_norm is not None else None
-        self.advance(code, norm, (lambda: params) if params else None, reason != 'nonfinite_input', hopeless_raises=False)
-        self.drain()
+        given = GivenReasons(reason, params)
+        self.advance(code, norm, given, judged=False)
+        self.drain(given)
         return self.skipped
 
     def state_dict(self) -> dict: "The state as plain numbers (books caught up)"; self.drain(); return {k: getattr(self, k) for k in _STATE}

@@ -447,11 +447,11 @@ class Fsdp2Amp:
         self.pending = self.amp.scale_loss(loss, self.opt); self.pending.__enter__().backward()
     def update_master_grads(self): self.pending.__exit__(None, None, None)
     def clip_master_grads(self, clip, norm_type=2.): return self.amp.clip_grad_norm_(self.opt, clip, norm_type)
-    engine = property(lambda self: self.amp._engines_of(self.opt)[0])
+    engine = property(lambda self: self.amp._engine_of(self.opt)[0])
     def step(self): self.opt.step()
     state = property(lambda self: self.optimizer.state)
     history = property(lambda self: self.amp.history())
-    masters = property(lambda self: self.amp._engines_of(self.opt)[0].masters)
+    masters = property(lambda self: self.amp._engine_of(self.opt)[0].masters)
 
 def accelerate_fsdp2(rank, world, model, optimizer, policy):
     ("`accelerator.prepare(model, optimizer)` with accelerate's FSDP2 plugin (each Linear wrapped, then the root; "

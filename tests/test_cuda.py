@@ -79,7 +79,7 @@ def test_skip_decided_on_the_device_matches_the_host(kind):
     # the same kernels, the skip decided by the host (a sync per step) or on the device (none): bit for bit the same run
     (h_snaps, h_hist, _), (d_snaps, d_hist, model) = (amp_run('fused', kind, inject_at=2,
                                                               decide=d) for d in ('never', 'cuda'))
-    assert amp._state.engines[0].runner.on_device
+    assert amp._state.engine.runner.on_device
     assert h_hist == d_hist and d_hist[2].skipped and d_hist[2].params == ('0.weight (inf)',)   # both name the param
     for a, b in zip(h_snaps, d_snaps):
         for x, y in zip(a, b): assert torch.equal(x, y)

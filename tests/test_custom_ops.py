@@ -125,7 +125,7 @@ def test_the_fused_optimizer_step_compiles_as_one_graph_and_matches_eager(state=
             if i == 0: opt.step()                              # the first step makes the optimizer state, eagerly
             # what `StepEngine.step` does around the kernels, the skip read on the device
             else:
-                step(opt, e.runner.plan, e.masters, e.found, None, state)
+                step(opt, e.runner.plan, e.masters, e.progress.found, None, state)
                 e.progress.ended(Stage.STEPPED); e.masters.weights.written()
             opt.zero_grad()
         return [m.detach().clone() for m in amp.master_params(opt)], [opt.state[m]['step'].item() for m in amp.master_params(opt)]
@@ -146,7 +146,7 @@ def test_a_compiled_step_with_stochastic_rounding_says_to_compile_the_model_inst
     with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as s: s.backward()
     torch._dynamo.reset()
     with pytest.raises(Exception, match="inside torch.compile.*Compile the model"):
-        torch.compile(engine.fused_opt_step, fullgraph=True)(opt, e.runner.plan, e.masters, e.found, None, state)
+        torch.compile(engine.fused_opt_step, fullgraph=True)(opt, e.runner.plan, e.masters, e.progress.found, None, state)
     opt.step()                                                   # eagerly it steps
     assert {v.dtype for s in opt.state.values() for k, v in s.items() if k in ('exp_avg', 'exp_avg_sq')} == (
         {torch.bfloat16} if state == 'bf16' else {torch.int8, torch.uint8})

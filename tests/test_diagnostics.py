@@ -335,14 +335,14 @@ def test_overflow_names_kept_before_the_grads_are_zeroed():
     from mixedprec.engine import OverflowNames
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).half()
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O2', verbosity=0)
-    e = amp._state.engines[0]
+    held = amp._state.engine.held
     grads = [(p, torch.zeros(p.shape)) for p in model.parameters()]
     grads[2][1][0, 1], grads[1][1][0] = float('inf'), float('nan')
-    names = OverflowNames([e], [grads])
+    names = OverflowNames(held, [grads])
     names.freeze()
     for _, g in grads: g.zero_()
     assert names() == ['0.bias (nan)', '1.weight (inf)']
-    assert OverflowNames([e], [grads])() == []                     # unfrozen names look at the grads as they are now
+    assert OverflowNames(held, [grads])() == []                     # unfrozen names look at the grads as they are now
 
 def _classifier(loss_times:float, seed:int=0):
     "A 4-class MLP Learner (Adam, 33 batches an epoch) whose loss is cross-entropy times `loss_times`"
@@ -429,16 +429,17 @@ def test_a_steps_names_keep_each_grads_peak_not_the_grad_past_zero_grad(monkeypa
     ("On a GPU a step's books wait for the device: what names its overflowed params keeps each grad's largest magnitude "
      "from `zero_grad` on, not the grads (fp32 master grads made for one step, by split masters, lived into the next)")
     import gc, weakref
-    from mixedprec.engine import OverflowNames
+    from mixedprec.engine import StepReasons
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).bfloat16()
     opt = FP16_Optimizer(torch.optim.AdamW(model.parameters()), verbose=False, masters='split', static_loss_scale=8.)
     model[1].weight.register_hook(lambda g: g * float('inf'))
     opt.backward(model(torch.randn(5, 4).bfloat16()).float().sum())
     e = opt.engine
-    names = OverflowNames([e], [e.masters.grads.unscaled()])          # what a GPU's pending step holds
+    reasons = e.reasons.setdefault(opt.scaler, StepReasons())
+    reasons.note(99, e.held, [e.masters.grads.unscaled()], True, None)   # what a GPU's step, not yet booked, holds
+    names = reasons.steps[99][1]
     grads = [weakref.ref(g) for _, g in names.grads[0]]
-    frozen = []
-    monkeypatch.setattr(LossScaler, 'freeze_names', lambda self: (frozen.append(self), names.freeze()))
     opt.step(); opt.zero_grad(); gc.collect()              # set_to_none (torch's default): the grads are dropped
-    assert frozen and all(r() is None for r in grads)
+    assert names.frozen is not None and all(r() is None for r in grads)
     assert [n.split(' (')[0] for n in names()] == ['(2, 3)']       # named, after its grad is gone
+    assert reasons.why(99, 1) == ('overflow', tuple(names()))     # as the books will ask when they take it in

@@ -311,16 +311,16 @@ def test_the_step_protocol_has_one_stage_and_a_clip_out_of_order_is_refused_by_n
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
     e, seen = opt.engine, []
-    seen.append(e.stage)
+    seen.append(e.progress.stage)
     with pytest.raises(RuntimeError, match="clipping needs the unscaled grads of a pending step, and the step "
                                            "protocol is at stage READY"):
         opt.clip_master_grads(1.)
-    opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean(), update_master_grads=False); seen.append(e.stage)
-    opt.update_master_grads(); seen.append(e.stage)
+    opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean(), update_master_grads=False); seen.append(e.progress.stage)
+    opt.update_master_grads(); seen.append(e.progress.stage)
     opt.clip_master_grads(1.)
-    opt.step(); seen.append(e.stage)
+    opt.step(); seen.append(e.progress.stage)
     with pytest.raises(RuntimeError, match="stage STEPPED"): opt.clip_master_grads(1.)
-    opt.zero_grad(); seen.append(e.stage)
+    opt.zero_grad(); seen.append(e.progress.stage)
     assert seen == [Stage.READY, Stage.SCALED, Stage.UNSCALED, Stage.STEPPED, Stage.READY]
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level='O2', verbosity=0)
@@ -364,7 +364,7 @@ def test_attach_then_detach_gives_the_optimizer_back_its_params_and_state(make_o
         p is q for p in held for q in params
             if q.dtype == torch.float16), "the optimizer holds masters, not the half params"
     assert any(p in state for state in adapter.states() for p in held), "the state moved onto the masters"
-    e.detach()
+    e.view.detach()
     assert [p for g in adapter.groups() for p in g] == params
     after = {id(p): st for state in adapter.states() for p, st in state.items()}
     for i, st in before.items():
@@ -398,7 +398,7 @@ def test_clearing_grads_drops_the_pending_decision_with_them():
     opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean() * 1e30)      # overflows
     assert opt.engine.must_skip()
     opt.zero_grad()
-    assert opt.engine.stage == Stage.READY
+    assert opt.engine.progress.stage == Stage.READY
     opt.backward(model(torch.randn(8, 4).half()).float().pow(2).mean())
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()

@@ -138,13 +138,14 @@ def test_the_tensor_rules_follow_a_direct_model_for_any_sequence(codes, noskip, 
     assert sc.n_skipped == sum(c != 0 for c in codes) and sc.n_steps == len(codes)
 
 def test_hopeless_is_raised_when_the_host_takes_the_step_in():
+    from mixedprec.scaler import GivenReasons
     sc = LossScaler(loss_scale=2., max_overflow_at_min=2)
-    names = lambda: ['0.weight (inf)']
+    names = GivenReasons(params=['0.weight (inf)'])        # the scaler keeps none: the caller hands them to each drain
     for _ in range(2):
-        sc.tensors('cpu'); sc.advance(torch.tensor(1), name_params=names)
+        sc.tensors('cpu'); sc.advance(torch.tensor(1), reasons=names)
     sc.tensors('cpu')
     with pytest.raises(ScalingError, match=r"minimum loss scale.*0\.weight \(inf\)"):
-        sc.advance(torch.tensor(1), name_params=names)
+        sc.advance(torch.tensor(1), reasons=names)
     assert sc.history[-1].params == ('0.weight (inf)',) and sc.n_skipped == 3
 
 def test_a_host_change_restarts_the_tensors():
