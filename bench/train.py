@@ -81,7 +81,7 @@ def book_clock(device):
     "A `Clock` wrapped around mixedprec's per-step entry points"
     import mixedprec.master as master, mixedprec.engine as engine
     clock = Clock(device)
-    engine.decide = clock.wrap(engine.decide)          # the decision, for every front end
+    engine.step_outcome = clock.wrap(engine.step_outcome)          # the decision, for every front end
     for name in ('masters_to_model', 'zero_model_grads'): setattr(master.MasterParams, name, clock.wrap(getattr(master.MasterParams, name)))
     engine.fused_opt_step = clock.wrap(engine.fused_opt_step, 'step')   # the optimizer itself, with the master->model copy fused in
     return clock

@@ -7,7 +7,7 @@ __all__ = ['DECIDE', 'DECIDE_HERE', 'TORCH_STATE', 'OPTIMIZERS', 'ADAPTERS', 'se
            'FusedPlan', 'torch_plan', 'fused_plan', 'fuses', 'OptimizerAdapter', 'adapter_for', 'make_state',
            'keeps_buffer', 'FusedStep', 'fused_opt_step', 'make_lean_state', 'Stage', 'Progress', 'SwappedOptimizer',
            'StepRunner', 'StepEngine', 'LayoutView', 'OptimizerState', 'write_atomically', 'save_checkpoint',
-           'clip_grads_', 'clip_norm', 'OverflowNames', 'StepReasons', 'decide']
+           'clip_grads_', 'clip_norm', 'OverflowNames', 'StepReasons', 'step_outcome']
 
 # %% ../nbs/14_engine.ipynb #e0000002
 import contextvars, functools, math
@@ -575,7 +575,7 @@ class StepEngine:
         ("Unscale into the masters, check, clip, agree and advance the scaler: one decision (0-dim bool) for the "
          "optimizers (`only` these), kept for `step`; `input_finite()` and `forward_overflow()` explain a skip")
         scaler, held = self.books(scaler), [self.one(o) for o in only or [None]]
-        code, norm, unscaled = decide(held, scaler, self.clip)
+        code, norm, unscaled = step_outcome(held, scaler, self.clip)
         reasons = self.reasons.setdefault(scaler, StepReasons())
         reasons.note(scaler.next_step, held, unscaled, input_finite, forward_overflow)
         skip = scaler.advance(code, norm, reasons)
@@ -859,7 +859,7 @@ class StepReasons:
         for names in (v[1] for v in self.steps.values() if v[1] is not None): names.freeze()
     def forget(self, upto:int): "Let go of the steps the books took in"; self.steps = {k: v for k, v in self.steps.items() if k > upto}
 
-def decide(held:list, scaler:LossScaler, clip:float=None) -> tuple:
+def step_outcome(held:list, scaler:LossScaler, clip:float=None) -> tuple:
     ("Unscale the model grads into the masters of `held` (`SwappedOptimizer`s), check them and the losses, clip and "
      "agree across ranks: the step's outcome (an index into `CODES`, on the host on one CPU process), its norm or "
      "None, and the unscaled grads to name if it overflowed (None where they are named at once, on the CPU)")
